@@ -1,0 +1,39 @@
+"""Named meshes over device slices and logical-axis rule sets per role and phase."""
+
+from jrlhf.meshes.context import activation_sharding, constrain, current_mesh
+from jrlhf.meshes.mesh import MeshSpec, make_mesh, mesh_devices
+from jrlhf.meshes.rules import (
+    DEFAULT_ROLE_RULES,
+    DP_TP,
+    FSDP_TP,
+    REPLICATED,
+    RULE_SETS,
+    Rules,
+    get_rules,
+    logical_to_spec,
+    named_sharding,
+    path_str,
+    rules_for,
+    tree_shardings,
+)
+
+__all__ = [
+    "DEFAULT_ROLE_RULES",
+    "DP_TP",
+    "FSDP_TP",
+    "REPLICATED",
+    "RULE_SETS",
+    "MeshSpec",
+    "Rules",
+    "activation_sharding",
+    "constrain",
+    "current_mesh",
+    "get_rules",
+    "logical_to_spec",
+    "make_mesh",
+    "mesh_devices",
+    "named_sharding",
+    "path_str",
+    "rules_for",
+    "tree_shardings",
+]

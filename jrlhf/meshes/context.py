@@ -1,0 +1,55 @@
+"""Activation sharding constraints from logical names.
+
+Model code calls ``constrain(x, ("batch", "length", "act_embed"))``. Inside ``activation_sharding
+(mesh, rules)`` this becomes ``with_sharding_constraint`` to the rule set's layout; outside it is a
+no-op, so the same model code runs unsharded. Enter the context inside the traced function, so each
+jitted closure bakes in its own mesh and rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+
+_CURRENT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "jrlhf_activation_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None, rules) -> Iterator[None]:
+    token = _CURRENT.set(None if mesh is None else (mesh, get_rules(rules)))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    current = _CURRENT.get()
+    if current is None:
+        return x
+    mesh, rules = current
+    spec = logical_to_spec(logical, mesh, rules)
+    # Skip dimensions that do not divide (e.g. a batch of 1 during decode): a constraint is a
+    # hint, and an impossible one would fail compilation.
+    for size, part in zip(x.shape, spec):
+        if part is not None:
+            names = (part,) if isinstance(part, str) else part
+            n = 1
+            for a in names:
+                n *= mesh.shape[a]
+            if size % n:
+                return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def current_mesh() -> Mesh | None:
+    current = _CURRENT.get()
+    return None if current is None else current[0]

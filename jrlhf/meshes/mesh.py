@@ -1,0 +1,117 @@
+"""Named meshes over a chosen slice of the devices.
+
+A ``MeshSpec`` is an ordered list of (axis name, size) plus the device ids it lives on, so that two
+roles (say the actor's training mesh and its generation mesh) can occupy disjoint devices. The last
+axis varies fastest over the slice, so put the axis that wants the fastest links (tensor) last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+_AXIS_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Axis sizes and the device ids (indices into ``jax.devices()``) the mesh covers.
+
+    ``devices=None`` means the first ``prod(sizes)`` devices.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        names = [n for n, _ in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh {self}: axis names repeat")
+        for name, size in self.axes:
+            if size < 1:
+                raise ValueError(f"mesh {self}: axis {name!r} has size {size}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+            if len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"mesh {self}: device ids repeat")
+            if len(self.devices) != self.size:
+                raise ValueError(
+                    f"mesh {self}: axis sizes multiply to {self.size} but the slice has "
+                    f"{len(self.devices)} devices"
+                )
+
+    @classmethod
+    def of(cls, devices: Sequence[int] | range | None = None, **axes: int) -> MeshSpec:
+        """``MeshSpec.of(fsdp=4, tensor=2, devices=range(4, 12))``."""
+        return cls(tuple(axes.items()), None if devices is None else tuple(devices))
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """Parse ``"data=2,tensor=4"`` or ``"fsdp=4@4:8"`` (devices 4..7) or ``"tensor=2@0,3"``."""
+        body, _, dev = text.partition("@")
+        axes = []
+        for part in body.split(","):
+            m = _AXIS_RE.match(part)
+            if not m:
+                raise ValueError(f"mesh spec {text!r}: cannot parse axis {part!r} (want name=size)")
+            axes.append((m.group(1), int(m.group(2))))
+        devices = None
+        if dev:
+            try:
+                if ":" in dev:
+                    lo, hi = dev.split(":")
+                    devices = tuple(range(int(lo), int(hi)))
+                else:
+                    devices = tuple(int(d) for d in dev.split(","))
+            except ValueError:
+                raise ValueError(f"mesh spec {text!r}: cannot parse device slice {dev!r}") from None
+        return cls(tuple(axes), devices)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def device_ids(self) -> tuple[int, ...]:
+        return self.devices if self.devices is not None else tuple(range(self.size))
+
+    def __str__(self) -> str:
+        body = ",".join(f"{n}={s}" for n, s in self.axes)
+        if self.devices is None:
+            return body
+        return f"{body}@{','.join(map(str, self.devices))}"
+
+
+def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build a ``jax.sharding.Mesh`` for ``spec``; fails with one line if it cannot fit."""
+    if isinstance(spec, str):
+        spec = MeshSpec.parse(spec)
+    all_devices = list(jax.devices() if devices is None else devices)
+    ids = spec.device_ids()
+    bad = [i for i in ids if i >= len(all_devices) or i < 0]
+    if bad:
+        raise ValueError(
+            f"mesh {spec} needs device ids {min(ids)}..{max(ids)} but only "
+            f"{len(all_devices)} devices exist"
+        )
+    array = np.array([all_devices[i] for i in ids], dtype=object).reshape(
+        [s for _, s in spec.axes]
+    )
+    return Mesh(array, spec.names)
+
+
+def mesh_devices(mesh: Mesh) -> frozenset:
+    return frozenset(mesh.devices.flat)

@@ -1,0 +1,160 @@
+"""Logical-axis -> mesh-axis rule sets, and turning logical annotations into shardings.
+
+Model code names only logical axes (``vocab``, ``embed``, ``heads``...). A rule set maps each
+logical name to zero or more mesh axes. Mesh axes that the mesh lacks are dropped, and a mesh axis
+already used by an earlier dimension of the same array is not reused, so one rule set serves meshes
+of different shapes (``fsdp=8`` or ``data=2,tensor=4``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+# Parameters and activations. Activation axes carry an ``act_`` prefix so a rule set can shard
+# weights (FSDP over ``embed``) differently from activations (replicated ``act_embed``).
+FSDP_TP: Rules = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("norm", None),
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # decode state
+    ("pages", None),
+    ("slots", ("data", "fsdp")),
+)
+
+# Sampling drops FSDP: weights are replicated over data and split only over tensor, so each decode
+# step reads its weights locally instead of all-gathering them.
+DP_TP: Rules = tuple(
+    (name, None if name == "embed" else axes) for name, axes in FSDP_TP
+)
+
+REPLICATED: Rules = tuple((name, None) for name, _ in FSDP_TP)
+
+RULE_SETS: dict[str, Rules] = {
+    "fsdp_tp": FSDP_TP,
+    "dp_tp": DP_TP,
+    "replicated": REPLICATED,
+}
+
+# Which rule set each role uses in each phase unless the config says otherwise.
+DEFAULT_ROLE_RULES: dict[tuple[str, str], str] = {
+    ("actor", "train"): "fsdp_tp",
+    ("actor", "generate"): "dp_tp",
+    ("critic", "train"): "fsdp_tp",
+    ("critic", "infer"): "fsdp_tp",
+    ("reference", "infer"): "fsdp_tp",
+    ("reward", "infer"): "fsdp_tp",
+    ("reward", "train"): "fsdp_tp",
+}
+
+
+def get_rules(rules: str | Rules | Mapping[str, MeshAxes]) -> Rules:
+    """Resolve a rule-set name (or pass rules through), failing with the known names."""
+    if isinstance(rules, str):
+        if rules not in RULE_SETS:
+            raise ValueError(f"unknown rule set {rules!r} (known: {', '.join(sorted(RULE_SETS))})")
+        return RULE_SETS[rules]
+    if isinstance(rules, Mapping):
+        return tuple(rules.items())
+    return tuple((name, axes) for name, axes in rules)
+
+
+def rules_for(role: str, phase: str) -> Rules:
+    key = (role, phase)
+    if key not in DEFAULT_ROLE_RULES:
+        known = ", ".join(f"{r}/{p}" for r, p in DEFAULT_ROLE_RULES)
+        raise ValueError(f"no default rule set for {role}/{phase} (known: {known})")
+    return RULE_SETS[DEFAULT_ROLE_RULES[key]]
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def logical_to_spec(logical: tuple[str | None, ...], mesh: Mesh, rules: Rules) -> PartitionSpec:
+    """PartitionSpec for one array whose dimensions carry the given logical names."""
+    table = dict(get_rules(rules))
+    used: set[str] = set()
+    parts: list[Any] = []
+    for name in logical:
+        if name is None:
+            parts.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule (rules cover {sorted(table)})")
+        chosen = tuple(
+            a for a in _as_tuple(table[name]) if a in mesh.shape and mesh.shape[a] > 1
+            and a not in used
+        )
+        used.update(chosen)
+        parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    return PartitionSpec(*parts)
+
+
+def axis_size(mesh: Mesh, part: Any) -> int:
+    return math.prod(mesh.shape[a] for a in _as_tuple(part))
+
+
+def named_sharding(
+    logical: tuple[str | None, ...],
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    rules: Rules,
+    what: str = "array",
+) -> NamedSharding:
+    """NamedSharding for one array, checking every sharded dimension divides its mesh axes."""
+    if len(logical) != len(shape):
+        raise ValueError(f"{what}: logical axes {logical} do not match shape {tuple(shape)}")
+    spec = logical_to_spec(logical, mesh, rules)
+    for dim, (size, part, name) in enumerate(zip(shape, spec, logical)):
+        n = axis_size(mesh, part)
+        if n > 1 and size % n:
+            raise ValueError(
+                f"{what} with shape {tuple(shape)}: dim {dim} ({name!r}, size {size}) is not "
+                f"divisible by mesh axis {part!r} of size {n}"
+            )
+    return NamedSharding(mesh, spec)
+
+
+def tree_shardings(logical_tree: Any, shape_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """Map a tree of logical-axis tuples and a matching tree of shapes to NamedShardings."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
+    flat_axes, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=is_axes)
+    flat_shapes = treedef.flatten_up_to(shape_tree)
+    out = []
+    for (path, axes), leaf in zip(flat_axes, flat_shapes):
+        shape = tuple(getattr(leaf, "shape", leaf))
+        out.append(named_sharding(axes, shape, mesh, rules, what=f"parameter {path_str(path)}"))
+    return treedef.unflatten(out)
+
+
+def path_str(path: tuple) -> str:
+    """'layers/attn/q_kernel' for a jax tree path."""
+    parts = []
+    for p in path:
+        key = getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))
+        parts.append(str(key))
+    return "/".join(parts)

@@ -1,0 +1,66 @@
+"""Attention over explicit positions and segment ids.
+
+Masks are derived from (position, segment) pairs rather than from array offsets, so left-padded
+batches (padding has segment 0), packed batches (several segments per row) and decode steps against
+a cache all use the same rule: a query attends to keys of its own segment at positions <= its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative instead of -inf, so a row with nothing to attend to yields a uniform
+# softmax rather than NaN (such rows are padding and their outputs are never used).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# attend(q_bthd, k_bskd, v_bskd, layer_idx, cache) -> (out_bthd, cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def attention_mask(
+    q_positions_bt: jax.Array,
+    kv_positions_bs: jax.Array,
+    q_segments_bt: jax.Array,
+    kv_segments_bs: jax.Array,
+    sliding_window: int = 0,
+) -> jax.Array:
+    """Boolean (B, T, S): same segment, causal by position, optional sliding window."""
+    same = q_segments_bt[:, :, None] == kv_segments_bs[:, None, :]
+    causal = kv_positions_bs[:, None, :] <= q_positions_bt[:, :, None]
+    mask = same & causal
+    if sliding_window:
+        mask &= q_positions_bt[:, :, None] - kv_positions_bs[:, None, :] < sliding_window
+    return mask
+
+
+def masked_attention(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array
+) -> jax.Array:
+    """Grouped-query attention with a boolean mask; softmax in float32."""
+    b, t, h, d = q_bthd.shape
+    kv_heads = k_bskd.shape[2]
+    q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32
+    ) * (d**-0.5)
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+    return out.reshape(b, t, h, d)
+
+
+def dense_attend(
+    positions_bt: jax.Array, segment_ids_bt: jax.Array, sliding_window: int = 0
+) -> AttendFn:
+    """The attend hook for full-sequence forward passes (training, scoring): no cache."""
+    mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, sliding_window)
+
+    def attend(q, k, v, layer_idx, cache):
+        del layer_idx
+        return masked_attention(q, k, v, mask), cache
+
+    return attend

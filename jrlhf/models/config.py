@@ -1,0 +1,162 @@
+"""Model configuration for the Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` is 'default', 'linear' or 'llama3'."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not supported (use default, linear or llama3)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder-only transformer.
+
+    ``param_dtype`` is how weights are stored; ``dtype`` is the compute dtype of matmuls
+    (norms, softmax and logits are always computed in float32).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 means hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int = 0  # 0 disables sliding-window attention
+    max_position_embeddings: int = 2048
+    architecture: str = "llama"
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat_policy: str = "none"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                    f"{self.num_heads}; set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy {self.remat_policy!r} unknown (use one of {REMAT_POLICIES})"
+            )
+        for field in ("param_dtype", "dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field} {getattr(self, field)!r} unknown (use one of {DTYPES})")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def jnp_param_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, with_lm_head: bool = True) -> int:
+        """Parameter count computed from the shapes (no allocation)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * e * f + 2 * e
+        total = self.vocab_size * e + self.num_layers * per_layer + e
+        if with_lm_head and not self.tie_word_embeddings:
+            total += self.vocab_size * e
+        return total
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+def remat_policy(name: str):
+    """Map a config name onto a ``jax.checkpoint`` policy (None means no remat)."""
+    policies = jax.checkpoint_policies
+    return {
+        "none": None,
+        "full": policies.nothing_saveable,
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+    }[name]
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """A small Llama-3-style config used by demos, tests and the default job."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)

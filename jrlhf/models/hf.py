@@ -1,0 +1,443 @@
+"""Hugging Face checkpoint interop without torch: config.json + safetensors in and out.
+
+Loading maps each HF tensor onto our layout as a NumPy view over the memory-mapped file and builds
+every parameter with ``jax.make_array_from_callback``: each device reads only its own shard, and no
+device ever holds the full model. Export writes the same format back so transformers (and vLLM)
+load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+
+from jrlhf.meshes.rules import Rules, path_str
+from jrlhf.models.config import ModelConfig, RopeScaling
+from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.safetensors_io import INDEX_NAME, CheckpointError, SafetensorsReader
+
+_ARCH_CLASS = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+# ---------------------------------------------------------------------------------------------
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[ModelConfig, str]:
+    """(ModelConfig, head) from a HF config dict; one-line error for what we cannot represent."""
+    model_type = hf.get("model_type")
+    if model_type not in _ARCH_CLASS:
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(_ARCH_CLASS)})"
+        )
+    archs = hf.get("architectures") or [f"{_ARCH_CLASS[model_type]}ForCausalLM"]
+    head = "value" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
+    if head == "value" and hf.get("num_labels", len(hf.get("id2label") or [0])) != 1:
+        raise CheckpointError(f"{source}: sequence-classification heads must have num_labels=1")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported (silu only)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    if model_type == "qwen2":
+        qkv_bias = True
+    else:
+        if hf.get("attention_bias"):
+            raise CheckpointError(f"{source}: attention_bias=true (o_proj bias) is not supported")
+        qkv_bias = False
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    rope = {**legacy, **rope}
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    try:
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    sliding = hf.get("sliding_window") or 0
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        sliding = 0
+    num_heads = hf["num_attention_heads"]
+    try:
+        cfg = ModelConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or 0,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=qkv_bias,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=int(sliding),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            architecture=model_type,
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    return cfg, head
+
+
+def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
+    """A HF config dict that transformers' Llama/Qwen2/Mistral classes load."""
+    cls = _ARCH_CLASS[cfg.architecture]
+    arch = f"{cls}ForSequenceClassification" if head == "value" else f"{cls}ForCausalLM"
+    rope_parameters: dict[str, Any] = {"rope_type": cfg.rope_scaling.rope_type}
+    if cfg.rope_scaling.rope_type != "default":
+        rope_parameters["factor"] = cfg.rope_scaling.factor
+    if cfg.rope_scaling.rope_type == "llama3":
+        rope_parameters.update(
+            low_freq_factor=cfg.rope_scaling.low_freq_factor,
+            high_freq_factor=cfg.rope_scaling.high_freq_factor,
+            original_max_position_embeddings=cfg.rope_scaling.original_max_position_embeddings,
+        )
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range,
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers (and vLLM)
+        # read rope_theta / rope_scaling.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**rope_parameters, "rope_theta": cfg.rope_theta},
+        "rope_scaling": None if cfg.rope_scaling.rope_type == "default" else rope_parameters,
+        "torch_dtype": cfg.param_dtype,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id)
+        if isinstance(cfg.eos_token_id, tuple)
+        else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    if cfg.architecture == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    if cfg.architecture == "mistral":
+        out["sliding_window"] = cfg.sliding_window or None
+    if cfg.architecture == "qwen2":
+        out["use_sliding_window"] = bool(cfg.sliding_window)
+        out["sliding_window"] = cfg.sliding_window or None
+    if head == "value":
+        out["num_labels"] = 1
+        out["id2label"] = {"0": "LABEL_0"}
+        out["label2id"] = {"LABEL_0": 0}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# weight map: our parameter path <-> HF tensor name, with layout transforms both ways
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    path: tuple[str, ...]
+    hf_name: str  # "{i}" is the layer index for stacked parameters
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]  # must return a view when possible
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return self.path[0] == "layers"
+
+
+def _same(x, cfg):
+    return x
+
+
+def _t(x, cfg):
+    return x.T
+
+
+def _qkv_in(heads_attr):
+    def to_ours(x, cfg):  # (H*D, E) -> (E, H, D)
+        return x.reshape(getattr(cfg, heads_attr), cfg.head_dim, -1).transpose(2, 0, 1)
+
+    def to_hf(x, cfg):  # (E, H, D) -> (H*D, E)
+        return x.transpose(1, 2, 0).reshape(-1, x.shape[0])
+
+    return to_ours, to_hf
+
+
+def _bias(heads_attr):
+    def to_ours(x, cfg):
+        return x.reshape(getattr(cfg, heads_attr), cfg.head_dim)
+
+    def to_hf(x, cfg):
+        return x.reshape(-1)
+
+    return to_ours, to_hf
+
+
+def _o_to_ours(x, cfg):  # (E, H*D) -> (H, D, E)
+    return x.reshape(x.shape[0], cfg.num_heads, cfg.head_dim).transpose(1, 2, 0)
+
+
+def _o_to_hf(x, cfg):  # (H, D, E) -> (E, H*D)
+    return x.transpose(2, 0, 1).reshape(x.shape[2], -1)
+
+
+def weight_map(cfg: ModelConfig, head: str) -> list[_Tensor]:
+    L = "model.layers.{i}."
+    q_in, q_out = _qkv_in("num_heads")
+    kv_in, kv_out = _qkv_in("num_kv_heads")
+    entries = [
+        _Tensor(("embedding",), "model.embed_tokens.weight", _same, _same),
+        _Tensor(("final_norm", "scale"), "model.norm.weight", _same, _same),
+        _Tensor(("layers", "input_norm", "scale"), L + "input_layernorm.weight", _same, _same),
+        _Tensor(
+            ("layers", "post_attn_norm", "scale"), L + "post_attention_layernorm.weight", _same, _same
+        ),
+        _Tensor(("layers", "attn", "q_kernel"), L + "self_attn.q_proj.weight", q_in, q_out),
+        _Tensor(("layers", "attn", "k_kernel"), L + "self_attn.k_proj.weight", kv_in, kv_out),
+        _Tensor(("layers", "attn", "v_kernel"), L + "self_attn.v_proj.weight", kv_in, kv_out),
+        _Tensor(("layers", "attn", "o_kernel"), L + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf),
+        _Tensor(("layers", "mlp", "gate_kernel"), L + "mlp.gate_proj.weight", _t, _t),
+        _Tensor(("layers", "mlp", "up_kernel"), L + "mlp.up_proj.weight", _t, _t),
+        _Tensor(("layers", "mlp", "down_kernel"), L + "mlp.down_proj.weight", _t, _t),
+    ]
+    if cfg.qkv_bias:
+        qb_in, qb_out = _bias("num_heads")
+        kb_in, kb_out = _bias("num_kv_heads")
+        entries += [
+            _Tensor(("layers", "attn", "q_bias"), L + "self_attn.q_proj.bias", qb_in, qb_out),
+            _Tensor(("layers", "attn", "k_bias"), L + "self_attn.k_proj.bias", kb_in, kb_out),
+            _Tensor(("layers", "attn", "v_bias"), L + "self_attn.v_proj.bias", kb_in, kb_out),
+        ]
+    if head == "lm" and not cfg.tie_word_embeddings:
+        entries.append(_Tensor(("lm_head",), "lm_head.weight", _t, _t))
+    if head == "value":
+        entries.append(_Tensor(("value_head",), "score.weight", _t, _t))
+    return entries
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
+    config_path = Path(path) / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: not found (is {path} a HF checkpoint directory?)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: malformed JSON ({e})") from None
+    return config_from_hf(hf, str(config_path))
+
+
+def load_hf(
+    path: str | os.PathLike,
+    mesh: Mesh,
+    rules: Rules | str,
+    *,
+    param_dtype: str | None = None,
+    dtype: str | None = None,
+    remat_policy: str | None = None,
+) -> tuple[ModelDef, Params]:
+    """Load a HF checkpoint directly into parameters sharded over ``mesh`` by ``rules``.
+
+    Every tensor is checked (presence, shape) before any device memory is touched; a problem
+    fails with one line naming the file and tensor.
+    """
+    cfg, head = read_hf_config(path)
+    overrides = {
+        k: v
+        for k, v in dict(param_dtype=param_dtype, dtype=dtype, remat_policy=remat_policy).items()
+        if v is not None
+    }
+    cfg = cfg.replace(**overrides)
+    model = ModelDef(cfg, head)
+    reader = SafetensorsReader(path)
+    shardings = model.shardings(mesh, rules)
+    entries = weight_map(cfg, head)
+
+    expected_names = set()
+    for entry in entries:
+        want = _get(model.abstract_params, entry.path).shape
+        per_layer = want[1:] if entry.stacked else want
+        for i in range(cfg.num_layers) if entry.stacked else [None]:
+            name = entry.hf_name.format(i=i)
+            expected_names.add(name)
+            if name not in reader:
+                raise CheckpointError(f"{path}: tensor {name!r} is missing")
+            stored = reader.get(name)
+            try:
+                view_shape = entry.to_ours(stored, cfg).shape
+            except ValueError:
+                view_shape = None
+            if view_shape != per_layer:
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: tensor {name!r} has shape {list(stored.shape)}, "
+                    f"which does not fit parameter {'/'.join(entry.path)} {list(per_layer)}"
+                )
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [
+        k
+        for k in reader.keys()
+        if k not in expected_names and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
+    ]
+    if unexpected:
+        raise CheckpointError(
+            f"{reader.file_of(unexpected[0])}: tensor {unexpected[0]!r} is not used by a "
+            f"{cfg.architecture} {head} model ({len(unexpected)} unexpected tensors)"
+        )
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else cfg.param_dtype)
+    params: Params = {}
+    for entry in entries:
+        shape = _get(model.abstract_params, entry.path).shape
+
+        def callback(index, entry=entry, shape=shape):
+            if not entry.stacked:
+                view = entry.to_ours(reader.get(entry.hf_name), cfg)
+                return np.asarray(view[index], dtype=np_dtype)
+            layers = range(shape[0])[index[0]]
+            pieces = [
+                entry.to_ours(reader.get(entry.hf_name.format(i=i)), cfg)[index[1:]]
+                for i in layers
+            ]
+            return np.stack([np.asarray(p, dtype=np_dtype) for p in pieces])
+
+        array = jax.make_array_from_callback(shape, _get(shardings, entry.path), callback)
+        _set(params, entry.path, array)
+    return model, params
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+def _to_host(x: jax.Array) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf(
+    model: ModelDef,
+    params: Params,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_from: str | os.PathLike | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index past ``max_shard_bytes``).
+
+    The directory is assembled next to ``out_dir`` and moved into place at the end, so an
+    interrupted export never leaves a half-written checkpoint where a good one was.
+    """
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True)")
+    cfg = model.config
+    tensors: dict[str, np.ndarray] = {}
+    for entry in weight_map(cfg, model.head):
+        try:
+            value = _to_host(_get(params, entry.path))
+        except KeyError:
+            raise KeyError(f"params lack {path_str(entry.path)}") from None
+        if entry.stacked:
+            for i in range(cfg.num_layers):
+                tensors[entry.hf_name.format(i=i)] = np.ascontiguousarray(entry.to_hf(value[i], cfg))
+        else:
+            tensors[entry.hf_name] = np.ascontiguousarray(entry.to_hf(value, cfg))
+    if jax.process_index() != 0:
+        return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name in sorted(tensors):
+            nbytes = tensors[name].nbytes
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensors[name]
+            size += nbytes
+        metadata = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], str(staging / "model.safetensors"), metadata=metadata)
+        else:
+            weight_map_json = {}
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(staging / fname), metadata=metadata)
+                weight_map_json.update({name: fname for name in shard})
+            total = sum(t.nbytes for t in tensors.values())
+            (staging / INDEX_NAME).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map_json}, indent=2)
+            )
+        (staging / "config.json").write_text(json.dumps(config_to_hf(cfg, model.head), indent=2))
+        if tokenizer_from is not None:
+            for fname in _TOKENIZER_FILES:
+                src = Path(tokenizer_from) / fname
+                if src.exists():
+                    shutil.copy2(src, staging / fname)
+        if out_dir.exists():
+            backup = out_dir.with_name(out_dir.name + ".old")
+            shutil.rmtree(backup, ignore_errors=True)
+            out_dir.rename(backup)
+            staging.rename(out_dir)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            staging.rename(out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,53 @@
+"""Rotary position embeddings with explicit positions (default, linear and llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jrlhf.models.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Per-pair inverse frequencies (head_dim // 2,), float32, with the config's scaling applied."""
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: leave high frequencies alone, divide low frequencies by `factor`, and blend
+    # smoothly in between (wavelength measured against the original context length).
+    old_len = float(scaling.original_max_position_embeddings)
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions_bt: jnp.ndarray, cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin tables of shape (B, T, head_dim) for integer positions (B, T)."""
+    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+    angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)
+    return jnp.cos(angles_btd), jnp.sin(angles_btd)
+
+
+def apply_rope(x_bthd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) -> jnp.ndarray:
+    """Rotate (B, T, H, D) by the half-split convention used by HF Llama/Qwen checkpoints."""
+    dtype = x_bthd.dtype
+    x = x_bthd.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
+    return out.astype(dtype)

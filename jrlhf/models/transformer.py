@@ -1,0 +1,190 @@
+"""A decoder-only transformer in Flax NNX covering Llama 2/3, Qwen2/2.5 and Mistral configs.
+
+Every parameter carries logical axis names in its ``axes`` metadata; jrlhf/meshes turns them into
+shardings. Layers are created stacked (one leading ``layers`` dimension) and run under
+``lax.scan`` so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jrlhf.meshes.context import constrain
+from jrlhf.models.attention import AttendFn, dense_attend
+from jrlhf.models.config import ModelConfig, remat_policy
+from jrlhf.models.rope import apply_rope, rope_cos_sin
+
+HEADS = ("lm", "value")
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init: str = "normal") -> nnx.Param:
+    dtype = cfg.jnp_param_dtype
+    if init == "normal":
+        value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
+        value = value.astype(dtype)
+    elif init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = jnp.zeros(shape, dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.rms_norm_eps
+        self.dtype = cfg.jnp_dtype
+        self.scale = _param(rngs, cfg, (cfg.hidden_size,), ("norm",), init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.dtype = cfg.jnp_dtype
+        self.q_kernel = _param(rngs, cfg, (e, h, d), ("embed", "heads", "head_dim"))
+        self.k_kernel = _param(rngs, cfg, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = _param(rngs, cfg, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = _param(rngs, cfg, (h, d, e), ("heads", "head_dim", "embed"))
+        self.use_bias = cfg.qkv_bias
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, cfg, (h, d), ("heads", "head_dim"), init="zeros")
+            self.k_bias = _param(rngs, cfg, (k, d), ("kv_heads", "head_dim"), init="zeros")
+            self.v_bias = _param(rngs, cfg, (k, d), ("kv_heads", "head_dim"), init="zeros")
+
+    def qkv(self, x_bte, cos, sin):
+        dt = self.dtype
+        q = jnp.einsum("bte,ehd->bthd", x_bte, self.q_kernel[...].astype(dt))
+        k = jnp.einsum("bte,ekd->btkd", x_bte, self.k_kernel[...].astype(dt))
+        v = jnp.einsum("bte,ekd->btkd", x_bte, self.v_kernel[...].astype(dt))
+        if self.use_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
+        return q, k, v
+
+    def out(self, attn_bthd):
+        return jnp.einsum("bthd,hde->bte", attn_bthd, self.o_kernel[...].astype(self.dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = cfg.jnp_dtype
+        self.gate_kernel = _param(rngs, cfg, (e, f), ("embed", "mlp"))
+        self.up_kernel = _param(rngs, cfg, (e, f), ("embed", "mlp"))
+        self.down_kernel = _param(rngs, cfg, (f, e), ("mlp", "embed"))
+
+    def __call__(self, x_bte):
+        dt = self.dtype
+        gate = jnp.einsum("bte,ef->btf", x_bte, self.gate_kernel[...].astype(dt))
+        up = jnp.einsum("bte,ef->btf", x_bte, self.up_kernel[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        return jnp.einsum("btf,fe->bte", hidden, self.down_kernel[...].astype(dt))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_bte, cos, sin, attend: AttendFn, layer_idx, cache):
+        q, k, v = self.attn.qkv(self.input_norm(x_bte), cos, sin)
+        attn, cache = attend(q, k, v, layer_idx, cache)
+        x_bte = x_bte + self.attn.out(attn)
+        x_bte = x_bte + self.mlp(self.post_attn_norm(x_bte))
+        return constrain(x_bte, ("batch", "length", "act_embed")), cache
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose parameters have a leading ``layers`` dimension."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, rngs=nnx.Rngs(params=key))))(keys)
+    for _, variable in nnx.to_flat_state(state):
+        variable.set_metadata("axes", ("layers", *variable.get_metadata()["axes"]))
+    return nnx.merge(graphdef, state)
+
+
+class Transformer(nnx.Module):
+    """Decoder with either a language-model head (``head="lm"``) or a scalar value head."""
+
+    def __init__(self, cfg: ModelConfig, *, head: str = "lm", rngs: nnx.Rngs):
+        if head not in HEADS:
+            raise ValueError(f"head {head!r} unknown (use one of {HEADS})")
+        self.config = cfg
+        self.head = head
+        self.embedding = _param(rngs, cfg, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+        self.layers = _stacked_layers(cfg, rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        if head == "lm" and not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        if head == "value":
+            self.value_head = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None))
+
+    # -- pieces, used by the decode engine -------------------------------------------------------
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.config.jnp_dtype)
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def run_layers(self, x_bte, positions_bt, attend: AttendFn, cache: Any = None):
+        """Scan the stacked layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer."""
+        cos, sin = rope_cos_sin(positions_bt, self.config)
+        graphdef, state = nnx.split(self.layers)
+
+        def body(carry, layer_state):
+            x, cache, idx = carry
+            layer = nnx.merge(graphdef, layer_state)
+            x, cache = layer(x, cos, sin, attend, idx, cache)
+            return (x, cache, idx + 1), None
+
+        policy = remat_policy(self.config.remat_policy)
+        if self.config.remat_policy != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        (x_bte, cache, _), _ = jax.lax.scan(body, (x_bte, cache, jnp.int32(0)), state)
+        return self.final_norm(x_bte), cache
+
+    def logits(self, hidden_bte: jax.Array) -> jax.Array:
+        """float32 logits (..., vocab) from final hidden states."""
+        dt = self.config.jnp_dtype
+        if self.config.tie_word_embeddings:
+            kernel = self.embedding[...].astype(dt).T
+        else:
+            kernel = self.lm_head[...].astype(dt)
+        out = jnp.einsum("...e,ev->...v", hidden_bte, kernel, preferred_element_type=jnp.float32)
+        return out
+
+    def values(self, hidden_bte: jax.Array) -> jax.Array:
+        """float32 scalar per position (..., ) from final hidden states."""
+        kernel = self.value_head[...].astype(self.config.jnp_dtype)
+        out = jnp.einsum("...e,eo->...o", hidden_bte, kernel, preferred_element_type=jnp.float32)
+        return out[..., 0]
+
+    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+        """Final normalized hidden states (B, T, E) for a full sequence."""
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones_like(tokens_bt)
+        attend = dense_attend(positions_bt, segment_ids_bt, self.config.sliding_window)
+        hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
+        return hidden
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+        """Logits (B, T, V) for ``head="lm"``, values (B, T) for ``head="value"``."""
+        hidden = self.hidden(tokens_bt, positions_bt, segment_ids_bt)
+        if self.head == "value":
+            return self.values(hidden)
+        return constrain(self.logits(hidden), ("batch", "length", "act_vocab"))
