@@ -8,8 +8,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -107,9 +107,7 @@ def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None)
             f"mesh {spec} needs device ids {min(ids)}..{max(ids)} but only "
             f"{len(all_devices)} devices exist"
         )
-    array = np.array([all_devices[i] for i in ids], dtype=object).reshape(
-        [s for _, s in spec.axes]
-    )
+    array = np.array([all_devices[i] for i in ids], dtype=object).reshape([s for _, s in spec.axes])
     return Mesh(array, spec.names)
 
 

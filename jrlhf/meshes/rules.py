@@ -43,9 +43,7 @@ FSDP_TP: Rules = (
 
 # Sampling drops FSDP: weights are replicated over data and split only over tensor, so each decode
 # step reads its weights locally instead of all-gathering them.
-DP_TP: Rules = tuple(
-    (name, None if name == "embed" else axes) for name, axes in FSDP_TP
-)
+DP_TP: Rules = tuple((name, None if name == "embed" else axes) for name, axes in FSDP_TP)
 
 REPLICATED: Rules = tuple((name, None) for name, _ in FSDP_TP)
 
@@ -106,8 +104,9 @@ def logical_to_spec(logical: tuple[str | None, ...], mesh: Mesh, rules: Rules) -
         if name not in table:
             raise ValueError(f"logical axis {name!r} has no rule (rules cover {sorted(table)})")
         chosen = tuple(
-            a for a in _as_tuple(table[name]) if a in mesh.shape and mesh.shape[a] > 1
-            and a not in used
+            a
+            for a in _as_tuple(table[name])
+            if a in mesh.shape and mesh.shape[a] > 1 and a not in used
         )
         used.update(chosen)
         parts.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)

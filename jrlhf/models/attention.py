@@ -57,7 +57,9 @@ def dense_attend(
     positions_bt: jax.Array, segment_ids_bt: jax.Array, sliding_window: int = 0
 ) -> AttendFn:
     """The attend hook for full-sequence forward passes (training, scoring): no cache."""
-    mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, sliding_window)
+    mask = attention_mask(
+        positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, sliding_window
+    )
 
     def attend(q, k, v, layer_idx, cache):
         del layer_idx

@@ -73,7 +73,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
             factor=float(rope.get("factor", 1.0)),
             low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
         )
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
@@ -224,12 +226,17 @@ def weight_map(cfg: ModelConfig, head: str) -> list[_Tensor]:
         _Tensor(("final_norm", "scale"), "model.norm.weight", _same, _same),
         _Tensor(("layers", "input_norm", "scale"), L + "input_layernorm.weight", _same, _same),
         _Tensor(
-            ("layers", "post_attn_norm", "scale"), L + "post_attention_layernorm.weight", _same, _same
+            ("layers", "post_attn_norm", "scale"),
+            L + "post_attention_layernorm.weight",
+            _same,
+            _same,
         ),
         _Tensor(("layers", "attn", "q_kernel"), L + "self_attn.q_proj.weight", q_in, q_out),
         _Tensor(("layers", "attn", "k_kernel"), L + "self_attn.k_proj.weight", kv_in, kv_out),
         _Tensor(("layers", "attn", "v_kernel"), L + "self_attn.v_proj.weight", kv_in, kv_out),
-        _Tensor(("layers", "attn", "o_kernel"), L + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf),
+        _Tensor(
+            ("layers", "attn", "o_kernel"), L + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf
+        ),
         _Tensor(("layers", "mlp", "gate_kernel"), L + "mlp.gate_proj.weight", _t, _t),
         _Tensor(("layers", "mlp", "up_kernel"), L + "mlp.up_proj.weight", _t, _t),
         _Tensor(("layers", "mlp", "down_kernel"), L + "mlp.down_proj.weight", _t, _t),
@@ -323,7 +330,7 @@ def load_hf(
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = [
         k
-        for k in reader.keys()
+        for k in reader
         if k not in expected_names and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
     ]
     if unexpected:
@@ -343,8 +350,7 @@ def load_hf(
                 return np.asarray(view[index], dtype=np_dtype)
             layers = range(shape[0])[index[0]]
             pieces = [
-                entry.to_ours(reader.get(entry.hf_name.format(i=i)), cfg)[index[1:]]
-                for i in layers
+                entry.to_ours(reader.get(entry.hf_name.format(i=i)), cfg)[index[1:]] for i in layers
             ]
             return np.stack([np.asarray(p, dtype=np_dtype) for p in pieces])
 
@@ -392,7 +398,9 @@ def save_hf(
             raise KeyError(f"params lack {path_str(entry.path)}") from None
         if entry.stacked:
             for i in range(cfg.num_layers):
-                tensors[entry.hf_name.format(i=i)] = np.ascontiguousarray(entry.to_hf(value[i], cfg))
+                tensors[entry.hf_name.format(i=i)] = np.ascontiguousarray(
+                    entry.to_hf(value[i], cfg)
+                )
         else:
             tensors[entry.hf_name] = np.ascontiguousarray(entry.to_hf(value, cfg))
     if jax.process_index() != 0:
@@ -421,7 +429,9 @@ def save_hf(
                 weight_map_json.update({name: fname for name in shard})
             total = sum(t.nbytes for t in tensors.values())
             (staging / INDEX_NAME).write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map_json}, indent=2)
+                json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map_json}, indent=2
+                )
             )
         (staging / "config.json").write_text(json.dumps(config_to_hf(cfg, model.head), indent=2))
         if tokenizer_from is not None:

@@ -1,0 +1,513 @@
+"""Pure RL maths for RLHF: masked statistics, GAE, KL penalties and controllers, losses.
+
+Every function here is a pure function of arrays and safe to call under ``jax.jit`` (string and
+other configuration arguments must be static). No orchestration lives here.
+
+Conventions:
+
+* Shape suffixes: ``b`` batch (one row per sampled response), ``t`` response token position,
+  ``v`` vocabulary. ``mask_bt`` is 1 (or True) at valid response tokens and 0 elsewhere. Masks are
+  usually left-aligned with trailing padding, but may be ragged (holes inside a row, e.g. tool
+  output spliced into a multi-turn response); all functions accept both.
+* Masks may be bool, int or float; float masks act as weights in the masked statistics.
+* Values at masked positions never leak into results, even if they are NaN or inf.
+* Losses, log-probs and statistics are computed in at least float32 regardless of input dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+def _f32(x: Any) -> Array:
+    """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _mask_like(mask: Any, x: Array) -> Array:
+    return jnp.asarray(mask).astype(x.dtype)
+
+
+def _safe_div(num: Array, den: Array) -> Array:
+    """num / den where den != 0, else 0; the inner where keeps gradients finite too."""
+    ok = den != 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1), 0)
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(x: Array, mask: Array, axis: int | tuple[int, ...] | None = None) -> Array:
+    """Sum of ``x * mask`` over ``axis`` (all axes if None); masked NaN/inf do not leak."""
+    x = _f32(x)
+    m = _mask_like(mask, x)
+    return jnp.sum(jnp.where(m != 0, x * m, 0), axis=axis)
+
+
+def masked_mean(x: Array, mask: Array, axis: int | tuple[int, ...] | None = None) -> Array:
+    """Mean of ``x`` over the masked entries along ``axis``; 0 where the mask is all zero."""
+    x = _f32(x)
+    m = _mask_like(mask, x)
+    return _safe_div(masked_sum(x, m, axis), jnp.sum(m, axis=axis))
+
+
+def masked_var(
+    x: Array,
+    mask: Array,
+    axis: int | tuple[int, ...] | None = None,
+    unbiased: bool = True,
+) -> Array:
+    """Variance of ``x`` over the masked entries.
+
+    With ``unbiased=True`` (the default, as in common RLHF implementations) the biased variance is
+    multiplied by the Bessel correction ``n / (n - 1)`` where ``n = sum(mask)``. When ``n <= 1``
+    the correction is skipped, so a single valid element gives 0 and an empty mask gives 0 (never
+    NaN or inf).
+    """
+    x = _f32(x)
+    m = _mask_like(mask, x)
+    mean = masked_mean(x, m, axis)
+    if axis is not None:
+        mean = jnp.expand_dims(mean, axis)
+    var = masked_mean(jnp.square(x - mean), m, axis)
+    if unbiased:
+        n = jnp.sum(m, axis=axis)
+        var = jnp.where(n > 1, var * _safe_div(n, n - 1), var)
+    return var
+
+
+def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1e-8) -> Array:
+    """Normalises ``x`` to unit (unbiased, see ``masked_var``) variance over the whole masked set.
+
+    ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is added back so only the
+    scale changes. Positions outside the mask, and every position when the mask is all zero, are
+    returned unchanged.
+    """
+    x = _f32(x)
+    m = _mask_like(mask, x)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=True)
+    out = (x - mean) * jax.lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(m != 0, out, x)
+
+
+def aggregate_loss(loss_bt: Array, mask_bt: Array, mode: str = "token-mean") -> Array:
+    """Reduces a per-token loss to a scalar; shared by every loss in this module.
+
+    * ``"token-mean"``: mean over all valid tokens of the batch (long responses weigh more).
+    * ``"seq-mean-token-sum"``: per-row sum over valid tokens, then mean over rows.
+    * ``"seq-mean-token-mean"``: per-row mean over valid tokens, then mean over rows.
+
+    The seq-mean modes average only over rows with at least one valid token, so fully masked rows
+    (e.g. padding rows added to fill a batch) do not dilute the loss. Empty masks give 0.
+    """
+    loss_bt = _f32(loss_bt)
+    m = _mask_like(mask_bt, loss_bt)
+    if mode == "token-mean":
+        return masked_mean(loss_bt, m)
+    row_valid_b = (jnp.sum(m, axis=-1) > 0).astype(loss_bt.dtype)
+    if mode == "seq-mean-token-sum":
+        return masked_mean(masked_sum(loss_bt, m, axis=-1), row_valid_b)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(masked_mean(loss_bt, m, axis=-1), row_valid_b)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def compute_gae(
+    rewards_bt: Array,
+    values_bt: Array,
+    mask_bt: Array,
+    gamma: float | Array,
+    lam: float | Array,
+) -> tuple[Array, Array]:
+    """Generalised advantage estimation over response tokens.
+
+    Runs backwards over time with ``lax.scan(reverse=True)``:
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
+    ``V_next`` / ``A_next`` belong to the next *valid* position of the row. Masked positions are
+    skipped (they neither contribute rewards nor break the recursion), so trailing padding makes the
+    last valid token bootstrap from 0 and holes in ragged masks are stepped over.
+
+    Returns ``(advantages_bt, returns_bt)`` with ``returns = advantages + values``; both are 0 at
+    masked positions (and everywhere in fully masked rows). No whitening is applied.
+    """
+    rewards_bt = _f32(rewards_bt)
+    values_bt = _f32(values_bt)
+    m_bt = _mask_like(mask_bt, rewards_bt) != 0
+    gamma = jnp.asarray(gamma, rewards_bt.dtype)
+    lam = jnp.asarray(lam, rewards_bt.dtype)
+
+    def step(carry, xs):
+        next_value_b, next_adv_b = carry
+        r_b, v_b, m_b = xs
+        delta_b = r_b + gamma * next_value_b - v_b
+        adv_b = delta_b + gamma * lam * next_adv_b
+        adv_b = jnp.where(m_b, adv_b, next_adv_b)
+        next_value_b = jnp.where(m_b, v_b, next_value_b)
+        return (next_value_b, adv_b), jnp.where(m_b, adv_b, 0)
+
+    zeros_b = jnp.zeros(rewards_bt.shape[:1], rewards_bt.dtype)
+    xs = (jnp.where(m_bt, rewards_bt, 0).T, jnp.where(m_bt, values_bt, 0).T, m_bt.T)
+    _, adv_tb = jax.lax.scan(step, (zeros_b, zeros_b), xs, reverse=True)
+    advantages_bt = adv_tb.T
+    returns_bt = jnp.where(m_bt, advantages_bt + values_bt, 0)
+    return advantages_bt, returns_bt
+
+
+def grpo_advantages(
+    scores_b: Array,
+    group_size: int,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+    unbiased: bool = True,
+) -> Array:
+    """Group-relative advantages (GRPO): ``(r - mean_group) / (std_group + eps)`` per sample.
+
+    ``scores_b`` is ordered prompt-major: ``[p0 s0, ..., p0 s(S-1), p1 s0, ...]`` with
+    ``S = group_size``. The std is unbiased (ddof=1) by default, matching common implementations;
+    a group of one has std 0. ``normalize_std=False`` returns the mean-centred scores only
+    (Dr. GRPO). A constant group gives advantages of exactly 0.
+    """
+    scores_b = _f32(scores_b)
+    (b,) = scores_b.shape
+    if group_size <= 0 or b % group_size:
+        raise ValueError(f"batch of {b} scores is not a multiple of group_size={group_size}")
+    scores_gs = scores_b.reshape(b // group_size, group_size)
+    centred_gs = scores_gs - jnp.mean(scores_gs, axis=1, keepdims=True)
+    if normalize_std:
+        ddof = 1 if (unbiased and group_size > 1) else 0
+        var_g1 = jnp.sum(jnp.square(centred_gs), axis=1, keepdims=True) / (group_size - ddof)
+        centred_gs = centred_gs / (jnp.sqrt(var_g1) + eps)
+    return centred_gs.reshape(b)
+
+
+def broadcast_to_tokens(values_b: Array, mask_bt: Array) -> Array:
+    """Per-sequence values as per-token values: ``values_b[:, None]`` at valid tokens, else 0."""
+    values_b = _f32(values_b)
+    m = _mask_like(mask_bt, values_b)
+    return jnp.where(m != 0, values_b[:, None] * m, 0)
+
+
+def gae_estimator(
+    *, rewards_bt: Array, values_bt: Array, mask_bt: Array, gamma: float, lam: float, **_: Any
+) -> tuple[Array, Array]:
+    """Registry adapter for ``compute_gae`` (keyword-only, ignores unrelated keywords)."""
+    return compute_gae(rewards_bt, values_bt, mask_bt, gamma, lam)
+
+
+def grpo_estimator(
+    *,
+    scores_b: Array,
+    mask_bt: Array,
+    group_size: int,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+    **_: Any,
+) -> tuple[Array, Array]:
+    """Registry adapter for GRPO: per-token advantages; returns equal advantages (no critic)."""
+    adv_bt = broadcast_to_tokens(grpo_advantages(scores_b, group_size, eps, normalize_std), mask_bt)
+    return adv_bt, adv_bt
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+def kl_penalty(logprobs: Array, ref_logprobs: Array, kind: str = "k1") -> Array:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    With ``d = logprobs - ref_logprobs``:
+    ``k1 = d``; ``abs = |d|``; ``k2 = d**2 / 2``;
+    ``k3 = exp(-d) + d - 1`` (Schulman's non-negative, unbiased, low-variance estimator).
+    """
+    d = _f32(logprobs) - _f32(ref_logprobs)
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return jnp.abs(d)
+    if kind == "k2":
+        return 0.5 * jnp.square(d)
+    if kind == "k3":
+        return jnp.exp(-d) + d - 1.0
+    raise ValueError(f"unknown KL penalty kind {kind!r}; valid kinds: {list(KL_KINDS)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FixedKLController:
+    """A constant KL coefficient. ``value`` is the (checkpointable) pytree leaf."""
+
+    value: Array | float
+
+    def update(self, current_kl: Array | float, n_steps: int | Array) -> FixedKLController:
+        """Returns the state unchanged."""
+        del current_kl, n_steps
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. (2019).
+
+    ``err = clip(current_kl / target - 1, -0.2, 0.2)``;
+    ``value <- value * (1 + err * n_steps / horizon)``.
+
+    ``value`` is the pytree leaf (checkpointed, traceable); ``target`` and ``horizon`` are static
+    configuration.
+    """
+
+    value: Array | float
+    target: float = dataclasses.field(metadata=dict(static=True), default=6.0)
+    horizon: float = dataclasses.field(metadata=dict(static=True), default=10000.0)
+
+    def update(self, current_kl: Array | float, n_steps: int | Array) -> AdaptiveKLController:
+        """Returns the new state after observing ``current_kl`` over ``n_steps`` samples."""
+        err = jnp.clip(_f32(current_kl) / self.target - 1.0, -0.2, 0.2)
+        mult = 1.0 + err * jnp.asarray(n_steps, err.dtype) / self.horizon
+        return dataclasses.replace(self, value=_f32(self.value) * mult)
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def update_kl_controller(
+    state: KLController, current_kl: Array | float, n_steps: int | Array
+) -> KLController:
+    """Pure functional form of ``state.update(current_kl, n_steps)``."""
+    return state.update(current_kl, n_steps)
+
+
+def make_kl_controller(
+    kind: str, init_coef: float, target: float | None = None, horizon: float | None = None
+) -> KLController:
+    """Builds a controller from config: ``kind`` is ``"fixed"`` or ``"adaptive"``."""
+    if kind == "fixed":
+        return FixedKLController(value=init_coef)
+    if kind == "adaptive":
+        if target is None or horizon is None:
+            raise ValueError("adaptive KL controller needs target and horizon")
+        return AdaptiveKLController(value=init_coef, target=float(target), horizon=float(horizon))
+    raise ValueError(f"unknown KL controller kind {kind!r}; valid kinds: ['fixed', 'adaptive']")
+
+
+def last_token_onehot(mask_bt: Array) -> Array:
+    """1.0 at the last valid position of each row (rows without valid tokens are all 0)."""
+    m_bt = jnp.asarray(mask_bt) != 0
+    t = m_bt.shape[-1]
+    last_b = t - 1 - jnp.argmax(m_bt[:, ::-1], axis=-1)
+    onehot_bt = jnp.arange(t)[None, :] == last_b[:, None]
+    return (onehot_bt & jnp.any(m_bt, axis=-1, keepdims=True)).astype(jnp.float32)
+
+
+def apply_kl_to_rewards(
+    scores_b: Array,
+    logprobs_bt: Array,
+    ref_logprobs_bt: Array,
+    mask_bt: Array,
+    kl_coef: float | Array,
+    kind: str = "k1",
+) -> Array:
+    """Token-level rewards: ``-kl_coef * kl_t`` at every valid token plus the sequence score at
+    the last valid token of each row; 0 at masked positions. Rows with no valid token drop their
+    score."""
+    kl_bt = kl_penalty(logprobs_bt, ref_logprobs_bt, kind)
+    m_bt = _mask_like(mask_bt, kl_bt)
+    rewards_bt = -_f32(kl_coef) * kl_bt + _f32(scores_b)[:, None] * last_token_onehot(m_bt)
+    return jnp.where(m_bt != 0, rewards_bt, 0)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def policy_loss_ppo(
+    logprobs_bt: Array,
+    old_logprobs_bt: Array,
+    advantages_bt: Array,
+    mask_bt: Array,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[Array, dict[str, Array]]:
+    """Clipped PPO surrogate loss (to minimise).
+
+    ``ratio = exp(logp - old_logp)``; per token
+    ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))``, where
+    ``clip_eps_high`` defaults to ``clip_eps`` (set it larger for DAPO-style clip-higher).
+    With ``dual_clip_c`` (Ye et al. 2020, must be > 1) tokens with ``A < 0`` are further bounded by
+    ``-A * c``, so a huge ratio on a bad action cannot blow up the loss.
+
+    Metrics (no gradient): ``clipfrac`` (fraction of valid tokens where the clipped term is active),
+    ``clipfrac_dual`` (where the dual clip is active), ``approx_kl`` (mean of ``old_logp - logp``,
+    a k1 estimate of KL(old || new)), ``ratio_mean``.
+    """
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    logprobs_bt = _f32(logprobs_bt)
+    m_bt = _mask_like(mask_bt, logprobs_bt)
+    adv_bt = _f32(advantages_bt)
+    log_ratio_bt = logprobs_bt - _f32(old_logprobs_bt)
+    ratio_bt = jnp.exp(log_ratio_bt)
+
+    loss1_bt = -adv_bt * ratio_bt
+    loss2_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    loss_bt = jnp.maximum(loss1_bt, loss2_bt)
+    clipped_bt = loss2_bt > loss1_bt
+    dual_bt = jnp.zeros_like(clipped_bt)
+    if dual_clip_c is not None:
+        loss3_bt = -adv_bt * dual_clip_c
+        dual_bt = (adv_bt < 0) & (loss3_bt < loss_bt)
+        loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, loss3_bt), loss_bt)
+
+    loss = aggregate_loss(loss_bt, m_bt, agg)
+    metrics = {
+        "clipfrac": masked_mean(clipped_bt, m_bt),
+        "clipfrac_dual": masked_mean(dual_bt, m_bt),
+        "approx_kl": masked_mean(-log_ratio_bt, m_bt),
+        "ratio_mean": masked_mean(ratio_bt, m_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def value_loss_clipped(
+    values_bt: Array,
+    old_values_bt: Array,
+    returns_bt: Array,
+    mask_bt: Array,
+    clip_eps: float,
+    agg: str = "token-mean",
+) -> tuple[Array, dict[str, Array]]:
+    """Clipped value loss: ``0.5 * agg(max((V - R)**2, (V_clip - R)**2))`` with
+    ``V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps)``.
+
+    Metrics (no gradient): ``vf_clipfrac`` (fraction of valid tokens where the clipped error is the
+    larger), ``vpred_mean``.
+    """
+    values_bt = _f32(values_bt)
+    old_values_bt = _f32(old_values_bt)
+    returns_bt = _f32(returns_bt)
+    m_bt = _mask_like(mask_bt, values_bt)
+    v_clip_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+    err1_bt = jnp.square(values_bt - returns_bt)
+    err2_bt = jnp.square(v_clip_bt - returns_bt)
+    loss = 0.5 * aggregate_loss(jnp.maximum(err1_bt, err2_bt), m_bt, agg)
+    metrics = {
+        "vf_clipfrac": masked_mean(err2_bt > err1_bt, m_bt),
+        "vpred_mean": masked_mean(values_bt, m_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def token_logprobs(logits_btv: Array, targets_bt: Array) -> Array:
+    """``log softmax(logits)[target]`` per token, in float32.
+
+    ``logits_btv[:, t]`` must already be the prediction for ``targets_bt[:, t]``. Computed as the
+    gathered logit minus the logsumexp, which avoids materialising a second ``(b, t, v)`` array.
+    Out-of-range targets (e.g. an ignore index) are clamped into range; mask them out.
+    """
+    logits_btv = _f32(logits_btv)
+    v = logits_btv.shape[-1]
+    targets_bt = jnp.clip(jnp.asarray(targets_bt), 0, v - 1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    return target_logit_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+
+
+def entropy_from_logits(logits_btv: Array) -> Array:
+    """Entropy of the categorical distribution at each position, in float32: ``(b, t)``."""
+    logits_btv = _f32(logits_btv)
+    logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+    return -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+
+
+def entropy_bonus(entropy_bt: Array, mask_bt: Array, agg: str = "token-mean") -> Array:
+    """Aggregated entropy; trainers subtract ``entropy_coef * entropy_bonus(...)`` from the loss."""
+    return aggregate_loss(entropy_bt, mask_bt, agg)
+
+
+def sft_loss(
+    logits_btv: Array, targets_bt: Array, mask_bt: Array, agg: str = "token-mean"
+) -> tuple[Array, dict[str, Array]]:
+    """Masked next-token cross-entropy (log-softmax in float32).
+
+    Metrics (no gradient): ``nll`` (token-mean), ``accuracy`` (argmax == target, token-mean),
+    ``num_tokens``.
+    """
+    logp_bt = token_logprobs(logits_btv, targets_bt)
+    m_bt = _mask_like(mask_bt, logp_bt)
+    loss = aggregate_loss(-logp_bt, m_bt, agg)
+    correct_bt = jnp.argmax(logits_btv, axis=-1) == jnp.asarray(targets_bt)
+    metrics = {
+        "nll": masked_mean(-logp_bt, m_bt),
+        "accuracy": masked_mean(correct_bt, m_bt),
+        "num_tokens": jnp.sum(m_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def bradley_terry_loss(
+    chosen_scores_b: Array, rejected_scores_b: Array, margin: Array | float | None = None
+) -> tuple[Array, dict[str, Array]]:
+    """Pairwise reward-model loss: ``mean(-log_sigmoid(chosen - rejected - margin))``.
+
+    Metrics (no gradient): ``accuracy`` (fraction with chosen > rejected, ties count as wrong),
+    ``reward_margin`` (mean of chosen - rejected), ``chosen_mean``, ``rejected_mean``.
+    """
+    chosen_b = _f32(chosen_scores_b)
+    rejected_b = _f32(rejected_scores_b)
+    diff_b = chosen_b - rejected_b
+    logits_b = diff_b if margin is None else diff_b - _f32(margin)
+    loss = -jnp.mean(jax.nn.log_sigmoid(logits_b))
+    metrics = {
+        "accuracy": jnp.mean((diff_b > 0).astype(diff_b.dtype)),
+        "reward_margin": jnp.mean(diff_b),
+        "chosen_mean": jnp.mean(chosen_b),
+        "rejected_mean": jnp.mean(rejected_b),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+# ----------------------------------------------------------------------------- registries
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
+    "ppo": policy_loss_ppo,
+}
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[Array, Array]]] = {
+    "gae": gae_estimator,
+    "grpo": grpo_estimator,
+}
+
+
+def _lookup(registry: dict[str, Any], what: str, name: str) -> Any:
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; valid names: {sorted(registry)}") from None
+
+
+def get_policy_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
+    """Looks up a policy loss by name; raises ValueError listing the valid names."""
+    return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+def get_advantage_estimator(name: str) -> Callable[..., tuple[Array, Array]]:
+    """Looks up an advantage estimator by name; raises ValueError listing the valid names."""
+    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)

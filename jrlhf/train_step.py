@@ -1,0 +1,240 @@
+"""A functional, sharded training step: explicit in/out shardings, donated state, optax.
+
+``make_train_step`` turns any ``loss_fn(module, batch) -> (loss, metrics)`` into a jitted step over
+a ``TrainState`` whose parameters and optimizer state live in their mesh layout. SFT, reward-model
+training and the PPO actor/critic updates all go through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jrlhf.meshes.context import activation_sharding
+from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.transformer import Transformer
+
+# loss_fn(module, batch) -> (loss, metrics). metrics may carry "weight": how much this batch
+# counts when microbatches are accumulated (the number of tokens a token-mean loss averages).
+LossFn = Callable[[Transformer, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Params
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup + cosine/constant schedule and global-norm clipping."""
+
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    total_steps: int = 0  # > 0 enables cosine decay to min_lr_ratio * learning_rate
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    if cfg.total_steps > 0:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0 if cfg.warmup_steps else cfg.learning_rate,
+            cfg.learning_rate,
+            max(cfg.warmup_steps, 1) if cfg.warmup_steps else 1,
+            max(cfg.total_steps, cfg.warmup_steps + 1),
+            end_value=cfg.learning_rate * cfg.min_lr_ratio,
+        )
+    elif cfg.warmup_steps > 0:
+        schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    else:
+        schedule = optax.constant_schedule(cfg.learning_rate)
+    # Decay matrices only: norms and biases keep their scale.
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    parts = [
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    ]
+    if cfg.grad_clip > 0:
+        parts.insert(0, optax.clip_by_global_norm(cfg.grad_clip))
+    return optax.chain(*parts)
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def opt_state_shardings(opt_state: Any, param_shardings: Params, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: leaves mirroring a parameter take its sharding.
+
+    Optax states hold trees shaped like the parameters (Adam's mu/nu); a leaf whose key path ends
+    with a parameter's path and has its shape is laid out like that parameter, anything else
+    (counts, scalars) is replicated.
+    """
+    by_path = {}
+    for path, sharding in jax.tree_util.tree_leaves_with_path(param_shardings):
+        by_path[tuple(str(getattr(p, "key", p)) for p in path)] = sharding
+
+    def pick(path, leaf):
+        keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        for start in range(len(keys)):
+            sharding = by_path.get(keys[start:])
+            if sharding is not None and len(sharding.spec) <= len(getattr(leaf, "shape", ())):
+                return sharding
+        return _replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+def state_shardings(
+    model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules | str
+) -> TrainState:
+    params = model.shardings(mesh, rules)
+    abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
+    return TrainState(
+        step=_replicated(mesh),
+        params=params,
+        opt_state=opt_state_shardings(abstract_opt, params, mesh),
+    )
+
+
+def init_train_state(
+    model: ModelDef,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules | str,
+    params: Params | None = None,
+    seed: int = 0,
+) -> TrainState:
+    """A sharded TrainState; fresh random parameters unless ``params`` are given."""
+    shardings = state_shardings(model, optimizer, mesh, rules)
+
+    def init(key, params):
+        if params is None:
+            params = model.init(key)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    if params is None:
+        return jax.jit(lambda k: init(k, None), out_shardings=shardings)(jax.random.key(seed))
+    params = jax.device_put(params, shardings.params)
+    return jax.jit(lambda p: init(None, p), out_shardings=shardings)(params)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules | str, ndim: int) -> NamedSharding:
+    """Batch arrays are split over the rule set's ``batch`` axes and replicated otherwise."""
+    logical = ("batch",) + (None,) * (ndim - 1)
+    return NamedSharding(mesh, logical_to_spec(logical, mesh, get_rules(rules)))
+
+
+def batch_shardings(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[str, Any]:
+    return {k: batch_sharding(mesh, rules, jnp.ndim(v)) for k, v in batch.items()}
+
+
+def check_batch_divides(
+    batch: dict[str, Any], mesh: Mesh, rules: Rules | str, microbatches: int = 1
+) -> None:
+    """One-line error when a batch cannot be split over the mesh's batch axes."""
+    for name, value in batch.items():
+        spec = batch_sharding(mesh, rules, jnp.ndim(value)).spec
+        axes = () if not spec or spec[0] is None else spec[0]
+        axes = (axes,) if isinstance(axes, str) else axes
+        n = 1
+        for a in axes:
+            n *= mesh.shape[a]
+        size = jnp.shape(value)[0]
+        if size % (n * microbatches):
+            raise ValueError(
+                f"batch field {name!r} has {size} rows, not divisible by the batch mesh axes "
+                f"{axes} (size {n}) x microbatches {microbatches}"
+            )
+
+
+def shard_batch(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[str, jax.Array]:
+    return jax.device_put(batch, batch_shardings(batch, mesh, rules))
+
+
+def make_train_step(
+    model: ModelDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    rules: Rules | str,
+    *,
+    microbatches: int = 1,
+    donate: bool = True,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """Jitted ``step(state, batch) -> (state, metrics)`` with the state donated.
+
+    With ``microbatches > 1`` the batch's leading axis is split and gradients are accumulated
+    under ``lax.scan`` (one optimizer update), trading time for activation memory.
+    """
+    rules = get_rules(rules)
+    shardings = state_shardings(model, optimizer, mesh, rules)
+
+    def grads_of(params, batch):
+        def loss(p):
+            return loss_fn(model.bind(p), batch)
+
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, metrics, grads
+
+    def step(state: TrainState, batch):
+        with activation_sharding(mesh, rules):
+            if microbatches == 1:
+                value, metrics, grads = grads_of(state.params, batch)
+            else:
+                split = jax.tree.map(
+                    lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]),
+                    batch,
+                )
+
+                # Each microbatch counts by its metrics["weight"] (e.g. its number of loss
+                # tokens), so a token-mean loss accumulates to the full batch's token mean.
+                def body(acc, mb):
+                    value, metrics, grads = grads_of(state.params, mb)
+                    w = metrics.get("weight", jnp.float32(1.0))
+                    scaled = jax.tree.map(lambda x: x * w, (value, metrics, grads))
+                    return jax.tree.map(jnp.add, acc, (*scaled, w)), None
+
+                shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], split))
+                zero = jax.tree.map(jnp.zeros_like, (*shapes, jnp.float32(0.0)))
+                (*total, weight), _ = jax.lax.scan(body, zero, split)
+                weight = jnp.maximum(weight, 1e-9)
+                value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=value, grad_norm=optax.tree.norm(grads))
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, _replicated(mesh)),
+        donate_argnums=(0,) if donate else (),
+    )
+
+    def run(state, batch):
+        check_batch_divides(batch, mesh, rules, microbatches)
+        return jitted(state, shard_batch(batch, mesh, rules))
+
+    run.jitted = jitted  # exposed for compile-count checks and AOT lowering
+    return run

@@ -1,0 +1,163 @@
+"""Our model against transformers' own code on random checkpoints, and the export round trip."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_fixtures import VOCAB, hf_checkpoint, torch_logits
+
+from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.models import hf
+from jrlhf.models.safetensors_io import CheckpointError
+
+ONE = MeshSpec.of(fsdp=1, devices=[0])
+
+
+@pytest.fixture(scope="module")
+def one_mesh():
+    return make_mesh(ONE)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "llama_mha"])
+def test_logits_match_transformers(kind, one_mesh):
+    path = hf_checkpoint(kind)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
+    ref = torch_logits(path, tokens)
+    model, params = hf.load_hf(path, one_mesh, "fsdp_tp")
+    out = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
+    assert np.abs(out - ref).max() < 1e-4
+    assert np.abs(ref).max() > 1.0  # a non-trivial comparison
+
+
+def test_left_padded_batch_matches_transformers(one_mesh):
+    import torch
+    import transformers as tf
+
+    path = hf_checkpoint("llama3")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, VOCAB, (3, 20))
+    pads = [0, 5, 11]
+    mask = np.ones_like(tokens)
+    positions = np.zeros_like(tokens)
+    for row, n in enumerate(pads):
+        tokens[row, :n] = 0
+        mask[row, :n] = 0
+        positions[row, n:] = np.arange(20 - n)
+    ref_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(
+            torch.tensor(tokens),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        ).logits.numpy()
+    model, params = hf.load_hf(path, one_mesh, "fsdp_tp")
+    out = np.asarray(
+        jax.jit(model.apply)(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    )
+    valid = mask.astype(bool)
+    assert np.abs(out[valid] - ref[valid]).max() < 1e-4
+
+
+def test_packed_segments_equal_separate_sequences(one_mesh):
+    model, params = hf.load_hf(hf_checkpoint("qwen2"), one_mesh, "fsdp_tp")
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, VOCAB, 12), rng.integers(0, VOCAB, 9)
+    packed = np.concatenate([a, b])[None]
+    positions = np.concatenate([np.arange(12), np.arange(9)])[None]
+    segments = np.concatenate([np.full(12, 1), np.full(9, 2)])[None]
+    apply = jax.jit(model.apply)
+    out = np.asarray(apply(params, packed, positions, segments))[0]
+    sep_a = np.asarray(apply(params, a[None]))[0]
+    sep_b = np.asarray(apply(params, b[None]))[0]
+    assert np.abs(out[:12] - sep_a).max() < 1e-5
+    assert np.abs(out[12:] - sep_b).max() < 1e-5
+
+
+def test_reward_model_matches_sequence_classification(one_mesh):
+    import torch
+    import transformers as tf
+
+    path = hf_checkpoint("llama3_rm")
+    tokens = np.random.default_rng(3).integers(3, VOCAB, (2, 16))
+    ref_model = tf.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor(tokens)).logits.numpy()[:, 0]
+    model, params = hf.load_hf(path, one_mesh, "fsdp_tp")
+    assert model.head == "value"
+    values = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
+    assert values.shape == (2, 16)
+    assert np.abs(values[:, -1] - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_export_reloads_in_transformers(kind, one_mesh, tmp_path):
+    path = hf_checkpoint(kind)
+    model, params = hf.load_hf(path, one_mesh, "fsdp_tp")
+    out_dir = hf.save_hf(model, params, tmp_path / "export", max_shard_bytes=60_000)
+    assert (out_dir / "model.safetensors.index.json").exists()  # sharded export path exercised
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 24))
+    exported = torch_logits(out_dir, tokens)
+    original = torch_logits(path, tokens)
+    assert np.abs(exported - original).max() < 1e-5
+    reloaded, params2 = hf.load_hf(out_dir, one_mesh, "fsdp_tp")
+    assert reloaded == model
+    np.testing.assert_array_equal(
+        np.asarray(params2["layers"]["attn"]["q_kernel"]),
+        np.asarray(params["layers"]["attn"]["q_kernel"]),
+    )
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_checkpoints_fail_with_one_line(one_mesh, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src = hf_checkpoint("llama_mha")
+    # unsupported architecture
+    bad = _copy_checkpoint(src, tmp_path / "arch")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: model_type 'gpt2' is not supported"):
+        hf.load_hf(bad, one_mesh, "fsdp_tp")
+    # missing tensor
+    missing = _copy_checkpoint(src, tmp_path / "missing")
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        hf.load_hf(missing, one_mesh, "fsdp_tp")
+    # misshapen tensor
+    shaped = _copy_checkpoint(src, tmp_path / "shape")
+    tensors = load_file(shaped / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors[
+        "model.layers.0.self_attn.k_proj.weight"
+    ][:8]
+    save_file(tensors, shaped / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        hf.load_hf(shaped, one_mesh, "fsdp_tp")
+    msg = str(err.value)
+    assert "model.safetensors" in msg and "k_proj.weight" in msg and "\n" not in msg
+    # truncated file
+    trunc = _copy_checkpoint(src, tmp_path / "trunc")
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        hf.load_hf(trunc, one_mesh, "fsdp_tp")
+
+
+def test_export_refuses_to_clobber(one_mesh, tmp_path):
+    model, params = hf.load_hf(hf_checkpoint("llama_mha"), one_mesh, "fsdp_tp")
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError):
+        hf.save_hf(model, params, target)
+    assert (target / "keep.txt").read_text() == "precious"
