@@ -85,6 +85,9 @@ class SafetensorsReader:
     def keys(self) -> list[str]:
         return sorted(self._entries)
 
+    def __iter__(self):
+        return iter(self.keys())
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
