@@ -1,0 +1,29 @@
+"""Paged-KV generation: page tables, prefill + decode loop, sampling, continuous batching."""
+
+from jrlhf.decode.engine import (
+    DecodeEngine,
+    DecodeState,
+    EngineConfig,
+    GenerationResult,
+    data_shards,
+    decode_rules,
+)
+from jrlhf.decode.kernels import paged_attention_reference, select_kernel
+from jrlhf.decode.page_table import PageAllocator, pages_for
+from jrlhf.decode.sampling import SamplingParams, filter_logits, sample_tokens
+
+__all__ = [
+    "DecodeEngine",
+    "DecodeState",
+    "EngineConfig",
+    "GenerationResult",
+    "PageAllocator",
+    "SamplingParams",
+    "data_shards",
+    "decode_rules",
+    "filter_logits",
+    "paged_attention_reference",
+    "pages_for",
+    "sample_tokens",
+    "select_kernel",
+]

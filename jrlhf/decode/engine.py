@@ -1,0 +1,652 @@
+"""Paged-KV generation with continuous batching on a generation mesh.
+
+Device side, everything is one pure pytree (``DecodeState``): the K/V page pools, the page table,
+per-slot lengths, last tokens, activity flags, PRNG keys and output buffers. Two jitted programs
+act on it, both donating it so the pools are updated in place:
+
+* ``insert``: batched prefill of a few new prompts (rows and prompt length bucketed to powers of
+  two, so compiles are bounded), writing their K/V into their pages and sampling their first token.
+* ``decode_chunk``: a ``lax.while_loop`` of up to ``chunk_steps`` decode steps over all slots; it
+  stops early once no slot is active.
+
+Host side, between chunks, a small loop harvests finished slots, frees their pages, admits waiting
+prompts into free slots (back-pressure when the pool is short) and grows the page tables of running
+sequences for the next chunk. Compiles depend only on the engine's shapes, never on the number of
+prompts.
+
+The model is the trainer's own (``Transformer.embed/run_layers/logits``) with a paged ``attend``
+hook, and the raw log-probs are ``token_logprobs`` of its float32 logits, so rollout and trainer
+log-probs agree to float rounding. On a mesh, slots and pages are split over the data axes and kv
+heads over the tensor axis; decode attention runs under ``shard_map`` so each device reads only its
+own pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jrlhf.decode.kernels import select_kernel
+from jrlhf.decode.page_table import PageAllocator, pages_for
+from jrlhf.decode.sampling import SamplingParams, sample_tokens
+from jrlhf.meshes.context import activation_sharding
+from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+from jrlhf.models.attention import attention_mask, masked_attention
+from jrlhf.models.model_def import ModelDef, Params
+
+MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Shapes of the decode engine; every compiled program is a function of these alone.
+
+    ``num_pages`` is the whole pool (all data shards together); 0 sizes it for every slot at full
+    length (``num_slots * max_pages_per_seq``). Prompts are prefilled at most ``max_prefill_rows``
+    at a time, padded to a power-of-two length of at least ``min_prefill_len``.
+    """
+
+    num_slots: int = 8
+    page_size: int = 16
+    num_pages: int = 0
+    max_prompt_len: int = 128
+    max_new_tokens: int = 128
+    chunk_steps: int = 16
+    max_prefill_rows: int = 8
+    min_prefill_len: int = 16
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        for name in (
+            "num_slots",
+            "page_size",
+            "max_prompt_len",
+            "max_new_tokens",
+            "chunk_steps",
+            "max_prefill_rows",
+            "min_prefill_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_pages < 0:
+            raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_prompt_len + self.max_new_tokens
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return pages_for(self.max_seq_len, self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or self.num_slots * self.max_pages_per_seq
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the device holds between calls (see module docstring)."""
+
+    k_pages: jax.Array  # (layers, pages, page_size, kv_heads, head_dim)
+    v_pages: jax.Array
+    page_table: jax.Array  # (slots, max_pages) int32, shard-local page ids
+    lengths: jax.Array  # (slots,) int32 tokens in the cache
+    last_token: jax.Array  # (slots,) int32 next token to feed
+    num_generated: jax.Array  # (slots,) int32
+    max_new: jax.Array  # (slots,) int32
+    active: jax.Array  # (slots,) bool
+    keys: jax.Array  # (slots, 2) uint32 per-sequence PRNG key
+    tokens: jax.Array  # (slots, max_new_tokens) int32
+    sampling_lp: jax.Array  # (slots, max_new_tokens) float32
+    raw_lp: jax.Array  # (slots, max_new_tokens) float32
+
+
+_STATE_AXES = DecodeState(
+    k_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
+    v_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
+    page_table=("slots", None),
+    lengths=("slots",),
+    last_token=("slots",),
+    num_generated=("slots",),
+    max_new=("slots",),
+    active=("slots",),
+    keys=("slots", None),
+    tokens=("slots", None),
+    sampling_lp=("slots", None),
+    raw_lp=("slots", None),
+)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Completions in request order: prompt 0 samples 0..S-1, then prompt 1, ...
+
+    ``completion_ids`` include the stop token when one ended the sequence. ``raw_logprobs`` are
+    the policy's log-probs (temperature 1, no filtering); ``sampling_logprobs`` those of the
+    distribution actually sampled from.
+    """
+
+    completion_ids: list[list[int]]
+    sampling_logprobs: list[np.ndarray]
+    raw_logprobs: list[np.ndarray]
+    prompt_index: np.ndarray
+    stats: dict[str, Any]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(c) for c in self.completion_ids], np.int32)
+
+    def padded(self, pad_id: int = 0) -> dict[str, np.ndarray]:
+        """Right-padded (n, max_len) arrays: ids, both log-probs, and a mask."""
+        n, t = len(self.completion_ids), max([1, *self.lengths.tolist()])
+        ids = np.full((n, t), pad_id, np.int32)
+        mask = np.zeros((n, t), bool)
+        slp = np.zeros((n, t), np.float32)
+        rlp = np.zeros((n, t), np.float32)
+        for i, c in enumerate(self.completion_ids):
+            ids[i, : len(c)] = c
+            mask[i, : len(c)] = True
+            slp[i, : len(c)] = self.sampling_logprobs[i]
+            rlp[i, : len(c)] = self.raw_logprobs[i]
+        return dict(ids=ids, mask=mask, sampling_logprobs=slp, raw_logprobs=rlp)
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    prompt_index: int
+    sample_index: int
+    seed: int
+    derived_seed: bool
+    max_new: int
+
+    @property
+    def max_cached(self) -> int:
+        # The last sampled token is never fed back, so it never needs a cache entry.
+        return len(self.prompt) + self.max_new - 1
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
+
+
+def decode_rules(rules: Rules | str) -> Rules:
+    """The rule set plus ``kv_pages``, split like ``slots`` so each shard owns its slots' pages."""
+    base = get_rules(rules)
+    table = dict(base)
+    extra = (("kv_pages", table.get("slots", ("data",))),)
+    if "slots" not in table:
+        extra += (("slots", ("data",)),)
+    return tuple(r for r in base if r[0] != "kv_pages") + extra
+
+
+def _axes_size(mesh: Mesh, part) -> int:
+    return math.prod(mesh.shape[a] for a in ((part,) if isinstance(part, str) else part or ()))
+
+
+def data_shards(mesh: Mesh, rules: Rules | str) -> int:
+    """How many ways slots (and pages) are split on ``mesh``: num_slots must be a multiple."""
+    return _axes_size(mesh, logical_to_spec(("slots",), mesh, decode_rules(rules))[0])
+
+
+class DecodeEngine:
+    """Continuous-batching generator for one model on one generation mesh.
+
+    Construct once and call ``generate`` every RL iteration: the device state (including the page
+    pools) persists and is reused, programs compile on first use only, and parameters are used
+    in place (pass them already sharded on ``mesh``).
+    """
+
+    def __init__(
+        self,
+        model_def: ModelDef,
+        mesh: Mesh | None = None,
+        rules: Rules | str = "dp_tp",
+        config: EngineConfig | None = None,
+    ):
+        if model_def.head != "lm":
+            raise ValueError("DecodeEngine needs a language-model head (head='lm')")
+        self.model_def = model_def
+        self.cfg = model_def.config
+        self.config = config or EngineConfig()
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        self.mesh = mesh
+        self.rules = decode_rules(rules)
+        self.kernel_name, self._kernel = select_kernel(self.config.kernel)
+        ec = self.config
+
+        self.num_shards = data_shards(mesh, self.rules)
+        tensor = _axes_size(mesh, logical_to_spec(("act_kv_heads",), mesh, self.rules)[0])
+        if ec.num_slots % self.num_shards:
+            raise ValueError(
+                f"num_slots {ec.num_slots} is not divisible by the {self.num_shards} data shards "
+                f"of mesh {dict(mesh.shape)}"
+            )
+        if ec.total_pages % self.num_shards:
+            raise ValueError(
+                f"num_pages {ec.total_pages} is not divisible by the {self.num_shards} data shards"
+            )
+        if self.cfg.num_kv_heads % tensor:
+            raise ValueError(
+                f"{self.cfg.num_kv_heads} kv heads cannot be split over tensor size {tensor}"
+            )
+        self.pages_per_shard = ec.total_pages // self.num_shards
+        self.slots_per_shard = ec.num_slots // self.num_shards
+        self.state_shardings = jax.tree.map(
+            lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules)),
+            _STATE_AXES,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+        self._specs = jax.tree.map(
+            lambda s: s.spec, self.state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
+        )
+        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self._insert = jax.jit(
+            self._insert_fn,
+            donate_argnums=(1,),
+            out_shardings=self.state_shardings,
+            static_argnames=("greedy", "filtered"),
+        )
+        self._decode_chunk = jax.jit(
+            self._decode_chunk_fn,
+            donate_argnums=(1,),
+            out_shardings=self.state_shardings,
+            static_argnames=("greedy", "filtered"),
+        )
+        self.state: DecodeState | None = None
+
+    # ------------------------------------------------------------------------------ device code
+    def _init_state(self) -> DecodeState:
+        ec, c = self.config, self.cfg
+        pool = (c.num_layers, ec.total_pages, ec.page_size, c.num_kv_heads, c.head_dim)
+        s, n = ec.num_slots, ec.max_new_tokens
+        zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return DecodeState(
+            k_pages=jnp.zeros(pool, c.jnp_dtype),
+            v_pages=jnp.zeros(pool, c.jnp_dtype),
+            page_table=jnp.full((s, ec.max_pages_per_seq), self.pages_per_shard, jnp.int32),
+            lengths=zi(s),
+            last_token=zi(s),
+            num_generated=zi(s),
+            max_new=zi(s),
+            active=jnp.zeros((s,), bool),
+            keys=jnp.zeros((s, 2), jnp.uint32),
+            tokens=zi(s, n),
+            sampling_lp=jnp.zeros((s, n), jnp.float32),
+            raw_lp=jnp.zeros((s, n), jnp.float32),
+        )
+
+    def _is_stop(self, tok, stop_ids):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    def _insert_fn(
+        self,
+        params,
+        state,
+        tokens_nt,
+        lens_n,
+        slots_n,
+        page_rows_np,
+        seeds_n,
+        prompt_idx_n,
+        sample_idx_n,
+        max_new_n,
+        stop_ids,
+        temperature,
+        top_k,
+        top_p,
+        *,
+        greedy,
+        filtered,
+    ):
+        """Prefill ``n`` prompts into ``slots_n`` (out-of-range slot = padding row)."""
+        ps = self.config.page_size
+        n, t = tokens_nt.shape
+        total_pages = state.k_pages.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+        valid = positions < lens_n[:, None]
+        segments = valid.astype(jnp.int32)
+        mask = attention_mask(positions, positions, segments, segments, self.cfg.sliding_window)
+        page_idx = jnp.take_along_axis(page_rows_np, positions // ps, axis=1)
+        page_idx = jnp.where(valid, page_idx, total_pages)  # padding writes are dropped
+        offsets = positions % ps
+
+        def attend(q, k, v, layer, cache):
+            kp, vp = cache
+            kp = kp.at[layer, page_idx, offsets].set(k.astype(kp.dtype), mode="drop")
+            vp = vp.at[layer, page_idx, offsets].set(v.astype(vp.dtype), mode="drop")
+            return masked_attention(q, k, v, mask), (kp, vp)
+
+        with activation_sharding(self.mesh, self.rules):
+            model = self.model_def.bind(params)
+            hidden, (kp, vp) = model.run_layers(
+                model.embed(tokens_nt), positions, attend, (state.k_pages, state.v_pages)
+            )
+            last = jnp.take_along_axis(hidden, jnp.maximum(lens_n - 1, 0)[:, None, None], axis=1)
+            logits = model.logits(last[:, 0])
+
+        keys = jax.vmap(jax.random.PRNGKey)(seeds_n)
+        keys = jnp.where(
+            (prompt_idx_n >= 0)[:, None],
+            jax.vmap(jax.random.fold_in)(keys, jnp.maximum(prompt_idx_n, 0)),
+            keys,
+        )
+        keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_n)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_n))
+        tok, slp, rlp = sample_tokens(
+            logits, step_keys, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+        )
+        done = self._is_stop(tok, stop_ids) | (max_new_n <= 1)
+        put = lambda a, x: a.at[slots_n].set(x, mode="drop")  # noqa: E731
+        return state.replace(
+            k_pages=kp,
+            v_pages=vp,
+            lengths=put(state.lengths, lens_n),
+            last_token=put(state.last_token, tok),
+            num_generated=put(state.num_generated, jnp.ones_like(lens_n)),
+            max_new=put(state.max_new, max_new_n),
+            active=put(state.active, ~done),
+            keys=put(state.keys, keys),
+            tokens=state.tokens.at[slots_n, 0].set(tok, mode="drop"),
+            sampling_lp=state.sampling_lp.at[slots_n, 0].set(slp, mode="drop"),
+            raw_lp=state.raw_lp.at[slots_n, 0].set(rlp, mode="drop"),
+        )
+
+    def _paged_attend(self, state: DecodeState):
+        """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
+        mesh, rules = self.mesh, self.rules
+        ps, window, kernel = self.config.page_size, self.cfg.sliding_window, self._kernel
+        spec = lambda *axes: logical_to_spec(axes, mesh, rules)  # noqa: E731
+        q_spec = spec("slots", None, "act_heads", "head_dim")
+        kv_spec = spec("slots", None, "act_kv_heads", "head_dim")
+        pool_spec = self._specs.k_pages
+        slot_spec = spec("slots")
+        table_spec = spec("slots", None)
+
+        def local(q, k, v, layer, kp, vp, table, lengths, active):
+            local_pages = kp.shape[1]
+            page = jnp.take_along_axis(table, (lengths // ps)[:, None], axis=1)[:, 0]
+            page = jnp.where(active, page, local_pages)  # idle slots write nowhere
+            off = lengths % ps
+            kp = kp.at[layer, page, off].set(k[:, 0].astype(kp.dtype), mode="drop")
+            vp = vp.at[layer, page, off].set(v[:, 0].astype(vp.dtype), mode="drop")
+            out = kernel(q[:, 0], kp, vp, layer, table, lengths + 1, window)
+            return out[:, None], kp, vp
+
+        mapped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(
+                q_spec,
+                kv_spec,
+                kv_spec,
+                PartitionSpec(),
+                pool_spec,
+                pool_spec,
+                table_spec,
+                slot_spec,
+                slot_spec,
+            ),
+            out_specs=(q_spec, pool_spec, pool_spec),
+            check_vma=False,
+        )
+
+        def attend(q, k, v, layer, cache):
+            kp, vp = cache
+            out, kp, vp = mapped(
+                q, k, v, layer, kp, vp, state.page_table, state.lengths, state.active
+            )
+            return out, (kp, vp)
+
+        return attend
+
+    def _decode_step(
+        self, params, state: DecodeState, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+    ) -> DecodeState:
+        with activation_sharding(self.mesh, self.rules):
+            model = self.model_def.bind(params)
+            x = model.embed(state.last_token[:, None])
+            hidden, (kp, vp) = model.run_layers(
+                x,
+                state.lengths[:, None],
+                self._paged_attend(state),
+                (state.k_pages, state.v_pages),
+            )
+            logits = model.logits(hidden[:, 0])
+        step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
+        tok, slp, rlp = sample_tokens(
+            logits, step_keys, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+        )
+        active = state.active
+        slots = jnp.arange(active.shape[0])
+        col = jnp.where(active, state.num_generated, state.tokens.shape[1])  # idle: dropped
+        num_generated = state.num_generated + active
+        done = self._is_stop(tok, stop_ids) | (num_generated >= state.max_new)
+        return state.replace(
+            k_pages=kp,
+            v_pages=vp,
+            lengths=state.lengths + active,
+            last_token=jnp.where(active, tok, state.last_token),
+            num_generated=num_generated,
+            active=active & ~done,
+            tokens=state.tokens.at[slots, col].set(tok, mode="drop"),
+            sampling_lp=state.sampling_lp.at[slots, col].set(slp, mode="drop"),
+            raw_lp=state.raw_lp.at[slots, col].set(rlp, mode="drop"),
+        )
+
+    def _decode_chunk_fn(
+        self, params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+    ):
+        """Up to ``chunk_steps`` decode steps; stops as soon as no slot is active."""
+        steps = self.config.chunk_steps
+
+        def cond(carry):
+            i, s = carry
+            return (i < steps) & jnp.any(s.active)
+
+        def body(carry):
+            i, s = carry
+            s = self._decode_step(
+                params, s, stop_ids, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+            )
+            return i + 1, s
+
+        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        return state
+
+    # -------------------------------------------------------------------------------- host code
+    def compile_counts(self) -> dict[str, int]:
+        """How many programs each jitted entry point has compiled (for tests and logs)."""
+        return {
+            "insert": self._insert._cache_size(),
+            "decode_chunk": self._decode_chunk._cache_size(),
+        }
+
+    def _requests(self, prompts, sp: SamplingParams, max_new: int) -> list[_Request]:
+        ec = self.config
+        if sp.seeds is not None and len(sp.seeds) != len(prompts):
+            raise ValueError(f"{len(sp.seeds)} seeds given for {len(prompts)} prompts")
+        capacity = min(ec.max_pages_per_seq, self.pages_per_shard) * ec.page_size
+        reqs = []
+        for p, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {p} is empty")
+            if len(prompt) > ec.max_prompt_len:
+                raise ValueError(
+                    f"prompt {p} has {len(prompt)} tokens, more than max_prompt_len "
+                    f"{ec.max_prompt_len}"
+                )
+            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {p}: token id {bad[0]} outside vocab {self.cfg.vocab_size}"
+                )
+            if len(prompt) + max_new - 1 > capacity:
+                raise ValueError(
+                    f"prompt {p}: {len(prompt)} + {max_new} new tokens needs "
+                    f"{pages_for(len(prompt) + max_new - 1, ec.page_size)} pages, but one data "
+                    f"shard's pool holds {self.pages_per_shard} (and a sequence at most "
+                    f"{ec.max_pages_per_seq})"
+                )
+            for s in range(sp.num_samples):
+                seed = sp.seeds[p] if sp.seeds is not None else sp.seed
+                reqs.append(
+                    _Request(
+                        len(reqs), prompt, p, s, int(seed) & 0xFFFFFFFF, sp.seeds is None, max_new
+                    )
+                )
+        return reqs
+
+    def generate(
+        self,
+        params: Params,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+    ) -> GenerationResult:
+        """Generate ``sampling.num_samples`` completions for every prompt (token-id lists)."""
+        sp = sampling or SamplingParams()
+        ec = self.config
+        max_new = sp.max_new_tokens or ec.max_new_tokens
+        if max_new > ec.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens {max_new} exceeds the engine's max_new_tokens {ec.max_new_tokens}"
+            )
+        stops = self.cfg.eos_ids if sp.stop_ids is None else tuple(sp.stop_ids)
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported (got {len(stops)})")
+        requests = self._requests(prompts, sp, max_new)
+        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop_ids[: len(stops)] = stops
+        scalars = (
+            stop_ids,
+            np.float32(sp.temperature),
+            np.int32(sp.top_k),
+            np.float32(sp.top_p),
+        )
+        flags = dict(greedy=sp.greedy, filtered=sp.filtered)
+        if self.state is None:
+            self.state = self._init()
+        state = self.state
+        self.state = None  # donated below; restored at the end
+        alloc = PageAllocator(
+            self.num_shards,
+            self.pages_per_shard,
+            self.slots_per_shard,
+            ec.page_size,
+            ec.max_pages_per_seq,
+        )
+        queue = collections.deque(requests)
+        slot_req: list[_Request | None] = [None] * ec.num_slots
+        outputs: list[tuple | None] = [None] * len(requests)
+        table_sharding = self.state_shardings.page_table
+        stats = collections.Counter()
+        t0 = time.perf_counter()
+        try:
+            while queue or any(r is not None for r in slot_req):
+                admitted = []
+                for slot in range(ec.num_slots):
+                    if not queue or len(admitted) == ec.max_prefill_rows:
+                        break
+                    if slot_req[slot] is None and alloc.can_admit(slot, queue[0].max_cached):
+                        req = queue.popleft()
+                        alloc.admit(slot, req.max_cached)
+                        alloc.grow(slot, len(req.prompt))
+                        slot_req[slot] = req
+                        admitted.append((slot, req))
+                if admitted:
+                    state = self._insert_batch(params, state, admitted, alloc, scalars, flags)
+                    stats["prefill_calls"] += 1
+                elif all(r is None for r in slot_req):
+                    raise RuntimeError("no sequence could be admitted into an empty page pool")
+                active_host, num_gen = jax.device_get((state.active, state.num_generated))
+                if active_host.any():
+                    for slot, req in enumerate(slot_req):
+                        if req is not None and active_host[slot]:
+                            cached = len(req.prompt) + int(num_gen[slot]) - 1
+                            alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
+                    if alloc.dirty:
+                        table = jax.device_put(alloc.table, table_sharding)
+                        state = state.replace(page_table=table)
+                        alloc.dirty = False
+                    state = self._decode_chunk(params, state, *scalars, **flags)
+                    stats["decode_chunks"] += 1
+                    active_host, num_gen = jax.device_get((state.active, state.num_generated))
+                finished = [
+                    s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
+                ]
+                if finished:
+                    toks, slp, rlp = jax.device_get((state.tokens, state.sampling_lp, state.raw_lp))
+                    for slot in finished:
+                        n = int(num_gen[slot])
+                        req = slot_req[slot]
+                        outputs[req.index] = (
+                            toks[slot, :n].tolist(),
+                            slp[slot, :n].copy(),
+                            rlp[slot, :n].copy(),
+                        )
+                        alloc.release(slot)
+                        slot_req[slot] = None
+        finally:
+            self.state = state
+        stats["seconds"] = time.perf_counter() - t0
+        stats["peak_pages_used"] = alloc.peak_used
+        stats["pool_pages"] = ec.total_pages
+        stats["generated_tokens"] = sum(len(o[0]) for o in outputs)
+        return GenerationResult(
+            completion_ids=[o[0] for o in outputs],
+            sampling_logprobs=[o[1] for o in outputs],
+            raw_logprobs=[o[2] for o in outputs],
+            prompt_index=np.array([r.prompt_index for r in requests], np.int32),
+            stats=dict(stats),
+        )
+
+    def _insert_batch(self, params, state, admitted, alloc: PageAllocator, scalars, flags):
+        ec = self.config
+        rows = _bucket(len(admitted), 1, ec.max_prefill_rows)
+        longest = max(len(r.prompt) for _, r in admitted)
+        t = _bucket(longest, ec.min_prefill_len, max(ec.max_prompt_len, ec.min_prefill_len))
+        tokens = np.zeros((rows, t), np.int32)
+        lens = np.zeros((rows,), np.int32)
+        slots = np.full((rows,), ec.num_slots, np.int32)
+        page_rows = np.full((rows, ec.max_pages_per_seq), ec.total_pages, np.int32)
+        seeds = np.zeros((rows,), np.uint32)
+        prompt_idx = np.full((rows,), -1, np.int32)
+        sample_idx = np.zeros((rows,), np.int32)
+        max_new = np.zeros((rows,), np.int32)
+        for i, (slot, req) in enumerate(admitted):
+            tokens[i, : len(req.prompt)] = req.prompt
+            lens[i] = len(req.prompt)
+            slots[i] = slot
+            page_rows[i] = alloc.global_rows(slot)
+            seeds[i] = req.seed
+            prompt_idx[i] = req.prompt_index if req.derived_seed else -1
+            sample_idx[i] = req.sample_index
+            max_new[i] = req.max_new
+        return self._insert(
+            params,
+            state,
+            tokens,
+            lens,
+            slots,
+            page_rows,
+            seeds,
+            prompt_idx,
+            sample_idx,
+            max_new,
+            *scalars,
+            **flags,
+        )

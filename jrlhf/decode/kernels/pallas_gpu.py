@@ -1,0 +1,123 @@
+"""Paged decode attention as a Pallas kernel for GPUs (Triton backend).
+
+One program per (sequence, kv head): it loads the query heads that share that kv head (padded to
+16 rows, the smallest Triton dot), walks the sequence's pages through the page table and keeps an
+online softmax, so only the pages a sequence actually uses are read. The whole 5-D pool and the
+layer index go in (no per-layer slice, which would copy every page of the layer each step).
+
+The kernel math is checked against the pure-JAX reference on CPU with ``interpret=True``. The
+compiled Triton path is selected automatically when ``jax.default_backend() == "gpu"`` and is
+checked by tests/test_decode_kernels.py whenever a CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jrlhf.models.attention import MASK_VALUE
+
+_MIN_ROWS = 16  # Triton's tl.dot needs at least 16 rows
+
+
+def _kernel(
+    layer_ref,  # (1,) int32
+    lengths_ref,  # (1,) int32
+    pages_ref,  # (max_pages,) int32
+    q_ref,  # (rows, head_dim)
+    k_ref,  # (layers, pages, page_size, kv_heads, head_dim)
+    v_ref,
+    o_ref,  # (rows, head_dim)
+    *,
+    page_size: int,
+    sliding_window: int,
+    scale: float,
+):
+    kv_head = pl.program_id(1)
+    layer = layer_ref[0]
+    length = lengths_ref[0]
+    rows, head_dim = q_ref.shape
+    q = q_ref[...].astype(jnp.float32) * scale
+    first_page = 0
+    if sliding_window:
+        first_page = jnp.maximum(length - sliding_window, 0) // page_size
+
+    def body(i, carry):
+        o, m, l = carry
+        page = pages_ref[i]
+        k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
+        v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
+        s = pl.dot(q, k.astype(jnp.float32), trans_b=True)  # (rows, page_size)
+        pos = i * page_size + lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+        valid = pos < length
+        if sliding_window:
+            valid &= length - 1 - pos < sliding_window
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = l * correction + p.sum(axis=-1)
+        o_new = o * correction[:, None] + pl.dot(p, v.astype(jnp.float32))
+        return o_new, m_new, l_new
+
+    num_pages = (length + page_size - 1) // page_size
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, _, l = lax.fori_loop(first_page, num_pages, body, init)
+    o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret"))
+def paged_attention_pallas(
+    q_bhd: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array,
+    page_table_bp: jax.Array,
+    lengths_b: jax.Array,
+    sliding_window: int = 0,
+    interpret: bool = False,
+) -> jax.Array:
+    """Same contract as ``paged_attention_reference``; ``interpret=True`` runs it on CPU."""
+    b, h, d = q_bhd.shape
+    _, _, page_size, kv_heads, _ = k_pool.shape
+    groups = h // kv_heads
+    rows = max(_MIN_ROWS, pl.next_power_of_2(groups))
+    q_bkgd = q_bhd.reshape(b, kv_heads, groups, d)
+    if rows != groups:
+        q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, rows - groups), (0, 0)))
+    max_pages = page_table_bp.shape[1]
+    kernel = functools.partial(
+        _kernel, page_size=page_size, sliding_window=sliding_window, scale=d**-0.5
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, kv_heads),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
+            pl.BlockSpec((None, max_pages), lambda i, j: (i, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec(k_pool.shape, lambda i, j: (0, 0, 0, 0, 0)),
+            pl.BlockSpec(v_pool.shape, lambda i, j: (0, 0, 0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kv_heads, rows, d), q_bhd.dtype),
+        interpret=interpret,
+        name="jrlhf_paged_decode_attention",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        lengths_b.astype(jnp.int32)[:, None],
+        page_table_bp.astype(jnp.int32),
+        q_bkgd,
+        k_pool,
+        v_pool,
+    )
+    return out[:, :, :groups, :].reshape(b, h, d)

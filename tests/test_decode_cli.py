@@ -1,0 +1,172 @@
+"""python -m jrlhf.generate and python -m jrlhf.bench decode, end to end on tiny models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from jrlhf import generate
+from tests.hf_fixtures import VOCAB, hf_checkpoint
+
+
+def _with_tokenizer(tmp_path):
+    """A copy of the random llama3 checkpoint plus a word-level tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(hf_checkpoint("llama3"), model_dir)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+def test_generate_cli_text_and_ids(tmp_path, capsys):
+    model_dir = _with_tokenizer(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "w5 w9 w17 w33"})
+        + "\n\n"
+        + json.dumps({"prompt_ids": [7, 8, 9, 10, 11, 12, 13]})
+        + "\n"
+        + json.dumps({"prompt_ids": [40]})
+        + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    rc = generate.main(
+        [
+            "--hf",
+            str(model_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "10",
+            "--num-samples",
+            "2",
+            "--num-slots",
+            "2",
+            "--output",
+            str(out),
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["prompt_index"], x["sample_index"]) for x in lines] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    for x in lines:
+        assert 1 <= len(x["completion_ids"]) <= 5
+        assert len(x["logprobs"]) == len(x["sampling_logprobs"]) == len(x["completion_ids"])
+        assert x["text"].split() == [f"w{i}" for i in x["completion_ids"]]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3,\n', "prompts.jsonl:2: malformed JSON"),
+        ('{"prompt_ids": []}\n', "prompts.jsonl:1: 'prompt_ids' must be"),
+        ('{"text": "x"}\n', "prompts.jsonl:1: expected an object"),
+        ('{"prompt": "w1 w2"}\n', "prompts.jsonl:1: text prompt but"),  # no tokenizer.json
+    ],
+)
+def test_generate_cli_reports_bad_input_with_line_number(tmp_path, capsys, content, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    rc = generate.main(
+        [
+            "--hf",
+            str(hf_checkpoint("llama3")),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "4",
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_generate_cli_missing_file(tmp_path, capsys):
+    rc = generate.main(
+        [
+            "--hf",
+            str(tmp_path / "nope"),
+            "--prompts",
+            str(tmp_path / "missing.jsonl"),
+            "--max-new-tokens",
+            "4",
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ]
+    )
+    assert rc == 2 and "prompts file not found" in capsys.readouterr().err
+
+
+def test_bench_decode_prints_json(capsys):
+    from jrlhf.decode import bench
+
+    rc = bench.main(
+        [
+            "--cmp-hidden",
+            "32",
+            "--cmp-layers",
+            "1",
+            "--cmp-vocab",
+            "64",
+            "--cmp-batch",
+            "2",
+            "--cmp-prompt-len",
+            "8",
+            "--cmp-new-tokens",
+            "16",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--mlp",
+            "64",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--chunk-steps",
+            "8",
+            "--page-size",
+            "4",
+            "--only",
+            "comparison",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    cmp = out["comparison"]
+    assert cmp["paged"]["generated_tokens"] == cmp["recompute"]["generated_tokens"] == 32
+    assert (
+        cmp["mixed_prompt_lengths_pages"]["pages_used_peak"]
+        < (cmp["mixed_prompt_lengths_pages"]["pages_dense_max_length"])
+    )
+    assert cmp["greedy_outputs_identical"] is True
