@@ -1,0 +1,397 @@
+"""Compiled, cached transitions of a parameter tree between shardings.
+
+One path moves the actor between its training and generation layouts. A ``Transition`` is built
+once per (tree structure, shapes, dtypes, source shardings, target shardings, donate) and then
+only runs; ``Resharder`` keeps them in a dict under exactly that key.
+
+How a transition runs depends on the device sets:
+
+* ``jit``: same devices (any mesh shape or device order). One jitted identity with
+  ``out_shardings``, compiled ahead of time, so XLA emits the collectives. jit wants one device
+  order for all operands, so a source whose mesh lists the devices in another order is first
+  relabelled (zero copy) onto the target's order, as ``jax.device_put`` itself does.
+* ``device_put+jit``: a disjoint (or different) device set of the same size (separated placement).
+  The source layout is copied shard-for-shard onto the target devices (``jax.device_put`` to a
+  "twin" sharding with the same partitioning: a plain device-to-device copy, no compile, each
+  byte crosses once), then a cached jit reshards there.
+* ``device_put``: anything else (different device counts, non-named shardings): JAX's own
+  ``jax.device_put`` to the target, which may stage through the host.
+
+Before the first run, ``memory_report()`` gives the peak bytes per device (XLA's compiled memory
+analysis where it answers, else the shardings), and a configured budget refuses the transition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+
+from jrlhf.reshard import layout
+from jrlhf.reshard.memory import ParkedTree, park_to_host
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_events = 0
+
+
+def _count_compiles(event: str, duration_secs: float, **_: Any) -> None:
+    global _compile_events
+    if event == _COMPILE_EVENT:
+        _compile_events += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def backend_compile_count() -> int:
+    """XLA backend compilations in this process so far (from jax.monitoring events)."""
+    return _compile_events
+
+
+class MemoryBudgetError(RuntimeError):
+    """A transition would need more device memory than the configured budget."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _identity(tree):
+    return tree
+
+
+def _order(s: NamedSharding) -> tuple:
+    return tuple(s.mesh.devices.flat)
+
+
+def _relabel(s: NamedSharding, order: tuple) -> NamedSharding:
+    """The same device -> slice map as ``s``, expressed over the device order ``order``.
+
+    jit requires every operand to list the same devices in the same order. JAX's own device_put
+    does this relabelling with logical device ids; we build the equivalent sharding and check the
+    index maps agree, so a change in that private detail fails loudly at plan time.
+    """
+    position = {d: i for i, d in enumerate(order)}
+    ids = tuple(position[d] for d in s.mesh.devices.flat)
+    mesh = Mesh(
+        np.array(order, dtype=object).reshape(s.mesh.devices.shape),
+        s.mesh.axis_names,
+        axis_types=s.mesh.axis_types,
+    )
+    return NamedSharding(mesh, s.spec, memory_kind=s.memory_kind, _logical_device_ids=ids)
+
+
+def _twin(s: NamedSharding, order: tuple, memory_kind: str | None) -> NamedSharding:
+    """``s``'s partitioning on other devices (same mesh shape, devices taken from ``order``)."""
+    mesh = Mesh(
+        np.array(order, dtype=object).reshape(s.mesh.devices.shape),
+        s.mesh.axis_names,
+        axis_types=s.mesh.axis_types,
+    )
+    return NamedSharding(mesh, s.spec, memory_kind=memory_kind)
+
+
+def _compile(fn, abstract_args):
+    # Donated sources rarely alias their targets (shard shapes differ); XLA frees them anyway,
+    # so JAX's "donated buffers were not usable" warning is expected here and only noise.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return fn.lower(abstract_args).compile()
+
+
+def _describe(s: Sharding) -> str:
+    if isinstance(s, NamedSharding):
+        axes = ",".join(f"{n}={k}" for n, k in s.mesh.shape.items())
+        ids = ",".join(str(d.id) for d in s.mesh.devices.flat)
+        return f"{axes}@{ids}"
+    return type(s).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafKey:
+    shape: tuple[int, ...]
+    dtype: str
+    src: Sharding
+    dst: Sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionKey:
+    """What a compiled transition depends on; equal keys share one compiled program."""
+
+    treedef: Any
+    leaves: tuple[LeafKey, ...]
+    donate: bool
+
+
+def transition_key(tree: Any, dst_shardings: Any, donate: bool) -> TransitionKey:
+    """Key for moving ``tree`` (arrays or ShapeDtypeStructs with ``.sharding``) to ``dst``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dst = treedef.flatten_up_to(dst_shardings)
+    keys = []
+    for x, d in zip(leaves, dst):
+        src = getattr(x, "sharding", None)
+        if src is None:
+            raise ValueError(f"leaf of shape {tuple(x.shape)} has no sharding; cannot plan a move")
+        keys.append(LeafKey(tuple(x.shape), np.dtype(x.dtype).str, src, d))
+    return TransitionKey(treedef, tuple(keys), bool(donate))
+
+
+class Transition:
+    """One compiled move of a tree from its source shardings to target shardings.
+
+    Build it once (``Resharder`` caches it); ``run(tree)`` then compiles nothing. ``compiles``
+    counts XLA compilations observed while building and running it.
+    """
+
+    def __init__(self, key: TransitionKey, *, budget_bytes: int | None = None):
+        self.key = key
+        self.treedef = key.treedef
+        self.src = [leaf.src for leaf in key.leaves]
+        self.dst = [leaf.dst for leaf in key.leaves]
+        self.avals = [jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype)) for leaf in key.leaves]
+        self.donate = key.donate
+        self.budget_bytes = budget_bytes
+        self.runs = 0
+        self.compiles = 0
+        self._compiled = None
+        self._relabel: list[NamedSharding | None] = [None] * len(self.src)
+        self._twins: list[NamedSharding] | None = None
+        before = backend_compile_count()
+        self.path = self._choose_path()
+        if self.path == "jit":
+            self._build_jit()
+        elif self.path == "device_put+jit":
+            self._build_twin()
+        self.compiles += backend_compile_count() - before
+        self._memory = self._memory_plan()
+        if budget_bytes is not None and self._memory["peak_bytes"] > budget_bytes:
+            raise MemoryBudgetError(
+                f"reshard {self.describe()} needs {_mib(self._memory['peak_bytes'])} per device "
+                f"at peak ({self._memory['method']}), over the budget of {_mib(budget_bytes)}"
+            )
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _choose_path(self) -> str:
+        if not self.src:
+            return "empty"
+        named = all(isinstance(s, NamedSharding) for s in self.src + self.dst)
+        if not named:
+            return "device_put"
+        src_sets = {frozenset(s.device_set) for s in self.src}
+        dst_orders = {_order(d) for d in self.dst}
+        if len(src_sets) != 1 or len(dst_orders) != 1:
+            return "device_put"
+        (src_set,), (order,) = src_sets, dst_orders
+        if src_set == frozenset(order):
+            return "jit"
+        if len(src_set) == len(order) and all(
+            math.prod(s.mesh.devices.shape) == len(order) for s in self.src
+        ):
+            return "device_put+jit"
+        return "device_put"
+
+    def _abstract(self, shardings) -> list[jax.ShapeDtypeStruct]:
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(self.avals, shardings)
+        ]
+
+    def _build_jit(self) -> None:
+        order = _order(self.dst[0])
+        in_shardings = []
+        for i, (s, aval) in enumerate(zip(self.src, self.avals)):
+            if _order(s) == order and s._logical_device_ids is None:
+                in_shardings.append(s)
+                continue
+            r = _relabel(s, order)
+            if r.devices_indices_map(aval.shape) != s.devices_indices_map(aval.shape):
+                raise RuntimeError(f"relabelling {_describe(s)} onto another device order failed")
+            self._relabel[i] = r
+            in_shardings.append(r)
+        self._in_shardings = in_shardings
+        fn = jax.jit(
+            _identity,
+            in_shardings=(in_shardings,),
+            out_shardings=self.dst,
+            donate_argnums=(0,) if self.donate else (),
+        )
+        self._compiled = _compile(fn, self._abstract(in_shardings))
+
+    def _build_twin(self) -> None:
+        order = _order(self.dst[0])
+        self._twins = [_twin(s, order, d.memory_kind) for s, d in zip(self.src, self.dst)]
+        # The twin is our own temporary: always donate it to the jit that finishes the move.
+        fn = jax.jit(
+            _identity, in_shardings=(self._twins,), out_shardings=self.dst, donate_argnums=0
+        )
+        self._in_shardings = self._twins
+        self._compiled = _compile(fn, self._abstract(self._twins))
+
+    def _memory_plan(self) -> dict[str, Any]:
+        src_b = layout.bytes_per_device(self.src, self.avals)
+        dst_b = layout.bytes_per_device(self.dst, self.avals)
+        twin_b = layout.bytes_per_device(self._twins, self.avals) if self._twins else {}
+        devices = set(src_b) | set(dst_b)
+        per_device = {d: src_b.get(d, 0) + dst_b.get(d, 0) + twin_b.get(d, 0) for d in devices}
+        report: dict[str, Any] = {
+            "path": self.path,
+            "donate": self.donate,
+            "source_bytes_per_device": max(src_b.values(), default=0),
+            "target_bytes_per_device": max(dst_b.values(), default=0),
+            "shardings_peak_bytes": max(per_device.values(), default=0),
+        }
+        analysis = None
+        if self._compiled is not None:
+            try:
+                analysis = self._compiled.memory_analysis()
+            except Exception:  # backends without memory analysis
+                analysis = None
+        if analysis is not None and analysis.argument_size_in_bytes + analysis.output_size_in_bytes:
+            # XLA's numbers are per device of the SPMD program: everything it holds at once.
+            xla_peak = (
+                analysis.argument_size_in_bytes
+                + analysis.output_size_in_bytes
+                + analysis.temp_size_in_bytes
+                - analysis.alias_size_in_bytes
+            )
+            # A device that only gives (source side of a separated move) holds just its source.
+            only_source = [src_b[d] for d in src_b if d not in dst_b]
+            report.update(
+                method="xla_memory_analysis",
+                peak_bytes=max([xla_peak, *only_source]),
+                xla_argument_bytes=analysis.argument_size_in_bytes,
+                xla_output_bytes=analysis.output_size_in_bytes,
+                xla_temp_bytes=analysis.temp_size_in_bytes,
+                xla_alias_bytes=analysis.alias_size_in_bytes,
+            )
+            if self._twins:
+                # The source is still alive while the twin is filled.
+                for d in src_b:
+                    if d in dst_b:
+                        report["peak_bytes"] = max(report["peak_bytes"], xla_peak + src_b[d])
+        else:
+            report.update(method="shardings", peak_bytes=report["shardings_peak_bytes"])
+        return report
+
+    # -- public -----------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """'fsdp=4,tensor=2@0,..,7 -> data=4,tensor=2@0,2,..' for messages and reports."""
+        if not self.src:
+            return "(empty tree)"
+        return f"{_describe(self.src[0])} -> {_describe(self.dst[0])}"
+
+    def memory_report(self) -> dict[str, Any]:
+        """Peak device bytes the transition needs and how they were obtained (computed at build)."""
+        return dict(self._memory)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes that cross devices, from the source and target shardings."""
+        if not hasattr(self, "_bytes_moved"):
+            self._bytes_moved = layout.bytes_moved(self.src, self.dst, self.avals)
+        return self._bytes_moved
+
+    @property
+    def target_shardings(self) -> Any:
+        return self.treedef.unflatten(self.dst)
+
+    def run(self, tree: Any) -> Any:
+        """Move ``tree`` (which must have the source shardings) to the target shardings."""
+        leaves = self.treedef.flatten_up_to(tree)
+        for x, s, aval in zip(leaves, self.src, self.avals):
+            if x.sharding != s or x.shape != aval.shape:
+                raise ValueError(
+                    f"input leaf {x.shape} {_describe(x.sharding)} does not match the planned "
+                    f"source {aval.shape} {_describe(s)}"
+                )
+        before = backend_compile_count()
+        if self.path == "empty":
+            out = leaves
+        elif self.path == "jit":
+            args = [
+                x
+                if r is None
+                else jax.make_array_from_single_device_arrays(
+                    x.shape, r, [shard.data for shard in x.addressable_shards]
+                )
+                for x, r in zip(leaves, self._relabel)
+            ]
+            out = self._compiled(args)
+        elif self.path == "device_put+jit":
+            # No donate= here: donating into a cross-device device_put crashes the CPU client
+            # (jax 0.10.2, segfault). The source is freed below, once the copy has landed.
+            twins = jax.device_put(leaves, self._twins)
+            if self.donate:
+                jax.block_until_ready(twins)
+            out = self._compiled(twins)
+        else:
+            out = jax.device_put(leaves, self.dst, donate=self.donate)
+        if self.donate:
+            # Relabelled views share buffers with the inputs; make the consumed inputs unusable.
+            for x in leaves:
+                if not x.is_deleted():
+                    x.delete()
+        self.runs += 1
+        self.compiles += backend_compile_count() - before
+        return self.treedef.unflatten(list(out))
+
+
+class Resharder:
+    """Moves parameter trees between shardings, one cached ``Transition`` per key.
+
+    ``resharder(params, target_shardings, donate=...)`` plans on first use (compiling, checking the
+    memory budget) and afterwards only runs. ``budget_bytes`` caps the per-device peak.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self._cache: dict[TransitionKey, Transition] = {}
+
+    def plan(self, tree: Any, dst_shardings: Any, *, donate: bool = False) -> Transition:
+        """The (cached) transition for ``tree`` -> ``dst_shardings``; ``tree`` may be abstract
+        (ShapeDtypeStructs with ``sharding``). Raises MemoryBudgetError before anything runs."""
+        key = transition_key(tree, dst_shardings, donate)
+        t = self._cache.get(key)
+        if t is None:
+            t = Transition(key, budget_bytes=self.budget_bytes)
+            self._cache[key] = t
+        return t
+
+    def __call__(self, tree: Any, dst_shardings: Any, *, donate: bool = False) -> Any:
+        """Reshard ``tree`` to ``dst_shardings``; with ``donate`` the input is consumed."""
+        return self.plan(tree, dst_shardings, donate=donate).run(tree)
+
+    def switch(self, tree: Any, dst_shardings: Any, *, keep: str = "device"):
+        """Reshard and decide what happens to the source: returns ``(out, kept)``.
+
+        ``keep="none"`` donates the source (kept is None); ``"device"`` keeps it on device (kept is
+        the source tree); ``"host"`` parks it in host memory (kept is a ``ParkedTree``; bring it
+        back with ``restore_from_host``).
+        """
+        if keep == "none":
+            return self(tree, dst_shardings, donate=True), None
+        if keep == "device":
+            return self(tree, dst_shardings, donate=False), tree
+        if keep == "host":
+            out = self(tree, dst_shardings, donate=False)
+            parked: ParkedTree = park_to_host(tree)
+            return out, parked
+        raise ValueError(f"keep={keep!r} unknown (use 'none', 'device' or 'host')")
+
+    @property
+    def compile_count(self) -> int:
+        """XLA compilations made by all cached transitions (builds and runs)."""
+        return sum(t.compiles for t in self._cache.values())
+
+    @property
+    def transitions(self) -> list[Transition]:
+        return list(self._cache.values())
+
+    def clear(self) -> None:
+        self._cache.clear()
