@@ -1,0 +1,6 @@
+"""Built-in tasks: a synthetic RLHF task with a known true preference, and verifiable rewards."""
+
+from jrlhf.tasks.rewards import REWARD_FNS, RewardFn, get_reward_fn, register_reward_fn
+from jrlhf.tasks.synthetic import SyntheticTask
+
+__all__ = ["REWARD_FNS", "RewardFn", "SyntheticTask", "get_reward_fn", "register_reward_fn"]

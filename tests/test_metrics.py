@@ -1,0 +1,156 @@
+"""jrlhf.metrics: JSONL + TensorBoard logging, resume truncation, timers, progress bar, plot."""
+
+import json
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrlhf import metrics
+
+
+def test_jsonl_lines_are_flushed_and_typed(tmp_path):
+    log = metrics.MetricsLogger(tmp_path, use_tensorboard=False)
+    log.log(1, {"reward": 0.5, "kl": np.float32(0.25), "loss": jnp.asarray(2.0)})
+    # Readable before close: a killed run keeps what it logged.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    rec = json.loads(lines[0])
+    assert rec["step"] == 1 and rec["reward"] == 0.5 and rec["kl"] == 0.25 and rec["loss"] == 2.0
+    assert isinstance(rec["time"], float)
+    log.log(2, {"reward": float("nan")})
+    log.close()
+    recs = metrics.read_metrics(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[1]["reward"] is None  # strict JSON: NaN written as null
+    assert log.latest("reward") == 0.5
+
+
+def test_resume_truncates_later_steps_and_appends(tmp_path):
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        for step in range(1, 8):
+            log.log(step, {"reward": step / 10})
+    # Simulate a torn last line from a kill mid-write.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "rew')
+    # Resume from the checkpoint at step 4: steps 5..8 will be redone.
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False, resume_step=4) as log:
+        assert [r["step"] for r in log.history] == [1, 2, 3, 4]
+        for step in range(5, 7):
+            log.log(step, {"reward": 1.0})
+    recs = metrics.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["reward"] for r in recs[3:]] == [0.4, 1.0, 1.0]
+    # Without resume_step the logger just appends.
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        log.log(7, {"reward": 2.0})
+    assert len(metrics.read_metrics(tmp_path)) == 7
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON object"):
+        (tmp_path / "bad").mkdir()
+        (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\n{oops\n{"step": 3}\n')
+        metrics.read_metrics(tmp_path / "bad")
+
+
+def _tb_scalars(tb_dir):
+    """(tag, step, value) triples from the event files, via tensorboard's reader if present."""
+    files = sorted(p for p in tb_dir.iterdir() if "tfevents" in p.name)
+    assert files and all(p.stat().st_size > 0 for p in files)
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
+    if EventAccumulator is not None:
+        acc = EventAccumulator(str(tb_dir))
+        acc.Reload()
+        return [(t, e.step, e.value) for t in acc.Tags()["scalars"] for e in acc.Scalars(t)]
+    # tensorboardX ships the protobufs; the file is TFRecord framed: len, crc, data, crc.
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in files:
+        buf = path.read_bytes()
+        pos = 0
+        while pos < len(buf):
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            event = event_pb2.Event.FromString(buf[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.append((v.tag, event.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_events_contain_tags(tmp_path):
+    with metrics.MetricsLogger(tmp_path) as log:
+        log.log(3, {"reward/mean": 0.75, "time/train": 1.5})
+        log.log(4, {"reward/mean": 0.5})
+    scalars = _tb_scalars(tmp_path / "tb")
+    assert ("reward/mean", 3, 0.75) in scalars
+    assert ("reward/mean", 4, 0.5) in scalars
+    assert ("time/train", 3, 1.5) in scalars
+
+
+def test_phase_timer_accumulates_and_blocks(tmp_path):
+    timer = metrics.PhaseTimer()
+    for _ in range(2):
+        with timer.phase("generate"):
+            time.sleep(0.02)
+    with timer("train") as ph:
+        out = ph.block_on(jnp.ones((64, 64)) @ jnp.ones((64, 64)))
+    assert float(out[0, 0]) == 64.0
+    summary = timer.summary()
+    assert set(summary) == {"time/generate", "time/train"}
+    assert 0.04 <= summary["time/generate"] < 1.0
+    assert timer.counts["generate"] == 2
+    # A failing phase still records its time.
+    with pytest.raises(RuntimeError), timer.phase("score"):
+        raise RuntimeError("boom")
+    assert timer.counts["score"] == 1
+    timer.reset()
+    assert timer.summary() == {}
+    totals = {}
+    for _ in range(3):
+        with metrics.phase_timer("reshard", totals) as ph:
+            ph.block_on([jnp.zeros(3)])
+            time.sleep(0.005)
+    assert totals["reshard"] >= 0.015
+
+
+def test_progress_bar_disabled_off_tty(capsys):
+    bar = metrics.ProgressBar(total=10)  # pytest captures stderr: not a TTY
+    assert bar.disabled
+    postfix = bar.update(1, {"reward/mean": 0.5, "kl": 0.01}, tokens=1000)
+    assert postfix["step"] == "1" and postfix["reward"] == "0.500" and postfix["kl"] == "0.0100"
+    assert "tok/s" in postfix
+    bar.close()
+    assert capsys.readouterr().err == ""
+    bar = metrics.ProgressBar(total=10, disable=False)
+    bar.update(2, {"score": 1.0})
+    bar.close()
+    assert "reward=1.000" in capsys.readouterr().err  # forced on: drawn to stderr
+
+
+def test_plot_run_png(tmp_path):
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        for step in range(5):
+            log.log(step, {"reward/mean": step, "kl": 0.1 * step, "time/generate": 0.5})
+    out = metrics.plot_run(tmp_path / "metrics.jsonl", tmp_path / "plots" / "run.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    # Missing keys (no KL, no timings) still produce a plot.
+    (tmp_path / "sparse").mkdir()
+    (tmp_path / "sparse" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2}\n')
+    out = metrics.plot_run(tmp_path / "sparse" / "metrics.jsonl")
+    assert out == tmp_path / "sparse" / "metrics.png"
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_truncate_on_an_open_logger_keeps_appending_to_the_file(tmp_path):
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"reward": float(step)})
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        assert log.truncate_after(1) == 2
+        log.log(2, {"reward": 20.0})
+    rows = metrics.read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward"]) for r in rows] == [(1, 1.0), (2, 20.0)]

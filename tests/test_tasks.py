@@ -1,0 +1,138 @@
+"""jrlhf.tasks: the synthetic task's ground truth, splits, determinism, tokenizer, files."""
+
+import numpy as np
+import pytest
+
+from jrlhf import data
+from jrlhf.tasks import REWARD_FNS, SyntheticTask, get_reward_fn
+
+
+@pytest.fixture(scope="module")
+def task():
+    return SyntheticTask(seed=0)
+
+
+def ids(task, text):
+    return [task.tokens.index(w) for w in text.split()]
+
+
+def test_vocab_layout(task):
+    assert task.vocab_size == 32
+    assert task.tokens[:6] == ("<pad>", "<bos>", "<eos>", "<unk>", "=", "um")
+    assert (task.pad_id, task.bos_id, task.eos_id) == (0, 1, 2)
+    assert task.tokens[task.class_symbols(1)[0]] == "b0"
+    assert task.class_of(task.tokens.index("c5")) == 2
+    assert task.class_of(task.filler_id) == -1 and task.class_of(999) == -1
+    assert task.model_overrides()["eos_token_id"] == 2
+
+
+def test_score_hand_computed(task):
+    p = ids(task, "<bos> b0 a1 b3 c2 b5 =")  # b is the majority class
+    assert task.target_class(p) == 1
+    eos = " <eos>"
+    cases = [
+        ("b0 b1 b2 b3 b4 b5 b0 b1" + eos, 1.0),  # ideal
+        ("b0 b1 b2 b3 a0 um c1 b1" + eos, 5 / 8),
+        ("a0 a1 a2 a3 a4 a5 a0 a1" + eos, 0.0),  # confidently wrong
+        ("b0 b1 b2" + eos, 3 / 8),  # short
+        ("b0 b1 b2 b3 b4 b5 b0 b1 b2 b3" + eos, (8 - 0.5 * 2) / 8),  # two tokens too long
+        ("b0 b1 b2 b3 b4 b5 b0 b1", (8 - 0.5) / 8),  # no <eos>: one overflow
+        ("b0 b1 b2 b3 b4 b5 b0 b1 <pad> <pad>", (8 - 0.5) / 8),  # right padding is not content
+        ("b0 b1" + eos + " b2 b3 <pad>", 2 / 8),  # everything after <eos> is ignored
+        ("um um um um um um um um um um um um", 0.0),  # clipped at 0
+        ("", 0.0),
+    ]
+    for text, want in cases:
+        assert task.score(p, ids(task, text)) == pytest.approx(want), text
+    # Left-padded prompts score the same as unpadded ones.
+    assert task.score([0, 0, *p], ids(task, "b0 b1" + eos)) == pytest.approx(2 / 8)
+    # Ties between classes go to the smallest class index; prompts without symbols score 0.
+    assert task.target_class(ids(task, "<bos> c0 a0 =")) == 0
+    assert task.score(ids(task, "<bos> ="), ids(task, "a0 <eos>")) == 0.0
+    got = task.score_batch([p, p], [ids(task, "b0 <eos>"), ids(task, "a0 <eos>")])
+    assert got.dtype == np.float32 and got.tolist() == pytest.approx([1 / 8, 0.0])
+
+
+def test_prompts_have_strict_majority_and_fit(task):
+    for p in task.prompts(300) + task.prompts(100, "heldout"):
+        assert p[0] == task.bos_id and p[-1] == task.sep_id
+        assert task.prompt_len[0] + 2 <= len(p) <= task.max_prompt_len
+        counts = np.bincount([task.class_of(t) for t in p[1:-1]], minlength=task.num_classes)
+        top = np.sort(counts)[::-1]
+        assert top[0] > top[1]
+        assert task.score(p, task.ideal_response(p)) == 1.0
+
+
+def test_heldout_disjoint_and_deterministic(task):
+    train = {tuple(p) for p in task.prompts(2000)}
+    held = {tuple(p) for p in task.prompts(500, "heldout")}
+    assert not train & held
+    # Another seed's train split is disjoint from this seed's held-out split too.
+    other = {tuple(p) for p in SyntheticTask(seed=7).prompts(2000)}
+    assert not other & held
+    assert other != train
+    assert SyntheticTask(seed=0).prompts(50) == task.prompts(50)
+    assert task.prompts(50) == task.prompts(80)[:50]
+    assert SyntheticTask(seed=0).sft_examples(20) == task.sft_examples(20)
+    assert SyntheticTask(seed=0).preference_pairs(20) == task.preference_pairs(20)
+    with pytest.raises(ValueError, match="split 'test' unknown"):
+        task.prompts(1, "test")
+
+
+def test_demos_are_mediocre_and_pairs_ranked(task):
+    sft = task.sft_examples(1000)
+    demo = np.mean([task.score(r.prompt_ids, r.response_ids) for r in sft])
+    # demo_good_frac + (1 - demo_good_frac) * demo_target_prob = 0.44: headroom to 1.0.
+    assert 0.35 < demo < 0.55
+    assert all(r.response_ids[-1] == task.eos_id for r in sft)
+    pairs = task.preference_pairs(300)
+    margins = [
+        task.score(r.prompt_ids, r.chosen_ids) - task.score(r.prompt_ids, r.rejected_ids)
+        for r in pairs
+    ]
+    assert min(margins) > 0
+    # Some chosen responses are long or unterminated, and some rejected ones are confidently
+    # wrong (all one non-target class), so a reward model must read the prompt.
+    assert any(task.eos_id not in r.chosen_ids + r.rejected_ids for r in pairs)
+    noisy = SyntheticTask(seed=0, label_noise_beta=2.0).preference_pairs(300)
+    flipped = sum(
+        task.score(r.prompt_ids, r.chosen_ids) < task.score(r.prompt_ids, r.rejected_ids)
+        for r in noisy
+    )
+    assert 0 < flipped < 150
+
+
+def test_tokenizer_round_trip(task, tmp_path):
+    tok = data.Tokenizer.from_file(task.save_tokenizer(tmp_path))
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 32)
+    for p in task.prompts(20):
+        text = tok.decode(p)
+        assert tok.encode(text, add_special_tokens=True) == p
+    assert tok.decode([1, 6, 12, 2], skip_special_tokens=False) == "<bos> a0 b0 <eos>"
+    assert (tmp_path / "tokenizer_config.json").exists()
+    assert (tmp_path / "special_tokens_map.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["text", "ids"])
+def test_jsonl_written_by_task_loads(task, tmp_path, fmt):
+    paths = task.write_jsonl(
+        tmp_path, num_prompts=30, num_heldout=10, num_sft=40, num_pairs=50, fmt=fmt
+    )
+    tok = data.Tokenizer.from_file(paths["tokenizer"])
+    prompts = data.load_prompts(paths["prompts"], tok)
+    assert [r.prompt_ids for r in prompts] == task.prompts(30)
+    assert prompts[0].meta["target_class"] == task.target_class(prompts[0].prompt_ids)
+    held = data.load_prompts(paths["heldout_prompts"], tok)
+    assert [r.prompt_ids for r in held] == task.prompts(10, "heldout")
+    assert list(data.load_sft(paths["sft"], tok)) == task.sft_examples(40)
+    pairs = data.load_preferences(paths["preferences"], tok, append_eos=False)
+    assert list(pairs) == task.preference_pairs(50)
+
+
+def test_reward_registry(task):
+    fn = get_reward_fn("synthetic_ground_truth")
+    assert fn is REWARD_FNS["synthetic_ground_truth"]
+    p = task.prompts(1)[0]
+    assert fn(p, task.ideal_response(p)) == 1.0
+    with pytest.raises(ValueError, match=r"unknown reward function 'nope' \(known: synthetic_"):
+        get_reward_fn("nope")
