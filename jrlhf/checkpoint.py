@@ -3,8 +3,9 @@
 A model checkpoint directory holds ``model.json`` (the ModelConfig and head) and ``params/`` (an
 Orbax tree). Restoring builds the abstract parameter tree with the *target* mesh's shardings and
 hands it to Orbax as the restore target, so each device reads only its own shard, whatever mesh
-the checkpoint was written from. Trainer checkpoints (jrlhf.train) keep one such model directory
-per role inside each step directory, so ``load_model`` also accepts a run's checkpoint root.
+the checkpoint was written from. Trainer checkpoints (jrlhf.train, an Orbax CheckpointManager)
+hold ``{role}_params`` items and a ``meta`` item describing each role's model, so ``load_model``
+also accepts a run's checkpoint root or one of its step directories.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import jax
@@ -70,47 +70,60 @@ def restore_params(
     return ocp.StandardCheckpointer().restore(Path(params_dir).absolute(), target)
 
 
+META_ITEM = "meta"
+
+
+def _read_json_item(step_dir: Path, item: str) -> dict:
+    path = step_dir / item / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable checkpoint metadata ({e})") from None
+
+
+def _is_step_dir(path: Path) -> bool:
+    return path.is_dir() and (path / META_ITEM).is_dir() and (path / "commit_success.txt").exists()
+
+
 def latest_step_dir(root: str | os.PathLike) -> Path | None:
-    """The highest-numbered complete step directory under a trainer checkpoint root."""
-    steps = (
-        [p for p in Path(root).iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name)]
-        if Path(root).is_dir()
-        else []
-    )
-    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):
-        if any(Path(step_dir, name, MODEL_JSON).exists() for name in os.listdir(step_dir)):
-            return step_dir
+    """The highest-numbered complete step of a trainer checkpoint root (or ``root/checkpoints``).
+
+    Orbax writes a step under a temporary name and renames it when every item is committed, so
+    an interrupted save never shows up here.
+    """
+    for base in (Path(root), Path(root) / "checkpoints"):
+        if not base.is_dir():
+            continue
+        steps = [p for p in base.iterdir() if re.fullmatch(r"\d+", p.name) and _is_step_dir(p)]
+        if steps:
+            return max(steps, key=lambda p: int(p.name))
     return None
 
 
-def resolve_model_dir(directory: str | os.PathLike, role: str = "actor") -> Path:
-    """A model checkpoint directory, or the ``role`` model of a trainer checkpoint's latest step."""
-    directory = Path(directory)
-    if (directory / MODEL_JSON).exists():
-        return directory
-    if (directory / role / MODEL_JSON).exists():
-        return directory / role
-    step = latest_step_dir(directory)
-    if step is not None and (step / role / MODEL_JSON).exists():
-        return step / role
-    if not directory.exists():
-        raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
-    raise FileNotFoundError(
-        f"{directory}: no {MODEL_JSON} here, in {role}/, or in a step directory's {role}/"
-    )
+def model_in_step(step_dir: Path, role: str) -> ModelDef:
+    models = _read_json_item(step_dir, META_ITEM).get("models", {})
+    if role not in models:
+        raise ValueError(f"{step_dir}: no {role!r} model in this checkpoint (has {sorted(models)})")
+    entry = models[role]
+    return ModelDef(ModelConfig.from_json(json.dumps(entry["config"])), entry.get("head", "lm"))
 
 
 def load_model(
     directory: str | os.PathLike, mesh: Mesh, rules: Rules | str, role: str = "actor"
 ) -> tuple[ModelDef, Params]:
-    """Restore a model checkpoint (or a trainer checkpoint's ``role``) sharded onto ``mesh``."""
-    model_dir = resolve_model_dir(directory, role)
-    model = read_model_json(model_dir)
-    return model, restore_params(model_dir / PARAMS_DIR, model, mesh, rules)
-
-
-def remove_incomplete(directory: str | os.PathLike) -> None:
-    """Delete a model directory that lacks model.json (an interrupted save)."""
+    """Restore a model checkpoint, or ``role`` from a trainer run's latest complete step, onto
+    ``mesh`` (any mesh: the restore target carries the new shardings)."""
     directory = Path(directory)
-    if directory.exists() and not (directory / MODEL_JSON).exists():
-        shutil.rmtree(directory)
+    if (directory / MODEL_JSON).exists():
+        model = read_model_json(directory)
+        return model, restore_params(directory / PARAMS_DIR, model, mesh, rules)
+    step_dir = directory if _is_step_dir(directory) else latest_step_dir(directory)
+    if step_dir is None:
+        if not directory.exists():
+            raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+        raise FileNotFoundError(
+            f"{directory}: neither a model checkpoint ({MODEL_JSON}) nor a trainer checkpoint "
+            "with a complete step"
+        )
+    model = model_in_step(step_dir, role)
+    return model, restore_params(step_dir / f"{role}_params", model, mesh, rules)

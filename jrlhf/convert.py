@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                 model = ModelDef(model.config.replace(param_dtype=args.param_dtype), model.head)
             tokenizer = args.tokenizer
             if tokenizer is None:
-                src = checkpoint.resolve_model_dir(args.from_ckpt, args.role)
-                for candidate in (src, src.parent, src.parent.parent):
+                # A run directory keeps its tokenizer at the top; look up from the checkpoint.
+                src = Path(args.from_ckpt).absolute()
+                for candidate in (src, *src.parents[:3]):
                     if (candidate / "tokenizer.json").exists():
                         tokenizer = candidate
                         break

@@ -1,0 +1,285 @@
+"""Typed run configuration bound by gin.
+
+Each section is a frozen dataclass registered with gin; a gin file (configs/*.gin) and
+command-line bindings set its fields, e.g. ``RLConfig.iterations = 40`` or, for per-role settings,
+``actor/RoleConfig.train_mesh = "fsdp=4,tensor=2"``. ``load_config`` parses files and overrides,
+builds every section, validates values and reports the first problem in one line, before any
+model is built. The operative config is written into each run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import gin
+
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.meshes.rules import RULE_SETS
+from jrlhf.models.config import DTYPES, REMAT_POLICIES
+
+ROLES = ("actor", "critic", "reference", "reward")
+STAGES = ("sft", "rm", "ppo", "grpo")
+PLACEMENTS = ("colocated", "separated", "custom")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, reported in one line naming the field."""
+
+
+def _check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {message}")
+
+
+def _check_mesh(field: str, value: str) -> None:
+    if value:
+        try:
+            MeshSpec.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What to run and where its outputs go."""
+
+    run_dir: str = "runs/default"
+    seed: int = 0
+    stages: tuple[str, ...] = ("sft", "rm", "ppo")
+    placement: str = "colocated"  # colocated | separated | custom (meshes from RoleConfig)
+    host_devices: int = 8  # virtual CPU devices when running without an accelerator
+    progress_bar: bool = True
+    tensorboard: bool = True
+    resume: bool = False
+
+    def validate(self) -> None:
+        _check(bool(self.stages), "RunConfig.stages", "needs at least one stage")
+        for s in self.stages:
+            _check(s in STAGES, "RunConfig.stages", f"unknown stage {s!r} (known: {STAGES})")
+        _check(self.placement in PLACEMENTS, "RunConfig.placement", f"use one of {PLACEMENTS}")
+        _check(self.host_devices >= 1, "RunConfig.host_devices", "must be >= 1")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts, demonstrations and preferences come from.
+
+    ``name="synthetic"`` uses the built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet
+    files tokenized with ``tokenizer`` (a directory or tokenizer.json path).
+    """
+
+    name: str = "synthetic"
+    prompts: str = ""
+    heldout_prompts: str = ""
+    sft_data: str = ""
+    preference_data: str = ""
+    tokenizer: str = ""
+    max_prompt_len: int = 16
+    max_response_len: int = 16
+    reward_fn: str = ""  # a registered verifiable reward; "" means the learned reward model
+    num_heldout: int = 64
+    num_sft_examples: int = 2048
+    num_preference_pairs: int = 2048
+
+    def validate(self) -> None:
+        _check(self.name in ("synthetic", "files"), "TaskConfig.name", "use synthetic or files")
+        if self.name == "files":
+            _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
+        _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")
+        _check(self.max_response_len > 0, "TaskConfig.max_response_len", "must be > 0")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RoleConfig:
+    """One role's model, meshes and optimizer; bind per role with a gin scope (``actor/...``).
+
+    ``init``: ``tiny`` (a small random Llama), ``hf:DIR``, ``ckpt:DIR``, ``stage:sft`` (the SFT
+    stage's output) or ``stage:rm`` (the reward-model stage's output). Meshes left empty come
+    from ``RunConfig.placement``.
+    """
+
+    init: str = "tiny"
+    model_overrides: tuple[tuple[str, Any], ...] = ()
+    train_mesh: str = ""
+    infer_mesh: str = ""
+    generate_mesh: str = ""
+    train_rules: str = "fsdp_tp"
+    infer_rules: str = "fsdp_tp"
+    generate_rules: str = "dp_tp"
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat_policy: str = "none"
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    microbatches: int = 1
+
+    def validate(self, role: str) -> None:
+        f = f"{role}/RoleConfig"
+        ok_init = self.init == "tiny" or self.init.split(":", 1)[0] in ("hf", "ckpt", "stage")
+        _check(ok_init, f"{f}.init", f"{self.init!r} (use tiny, hf:DIR, ckpt:DIR or stage:NAME)")
+        if self.init.startswith("stage:"):
+            _check(
+                self.init[6:] in ("sft", "rm"), f"{f}.init", "stage must be stage:sft or stage:rm"
+            )
+        for name in ("train_mesh", "infer_mesh", "generate_mesh"):
+            _check_mesh(f"{f}.{name}", getattr(self, name))
+        for name in ("train_rules", "infer_rules", "generate_rules"):
+            value = getattr(self, name)
+            _check(value in RULE_SETS, f"{f}.{name}", f"unknown rule set {value!r}")
+        _check(self.param_dtype in DTYPES, f"{f}.param_dtype", f"use one of {DTYPES}")
+        _check(self.dtype in DTYPES, f"{f}.dtype", f"use one of {DTYPES}")
+        _check(self.remat_policy in REMAT_POLICIES, f"{f}.remat_policy", f"{REMAT_POLICIES}")
+        _check(self.learning_rate > 0, f"{f}.learning_rate", "must be > 0")
+        _check(self.microbatches >= 1, f"{f}.microbatches", "must be >= 1")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """PPO / GRPO hyper-parameters (the stage name picks the algorithm)."""
+
+    iterations: int = 40
+    prompts_per_iteration: int = 32
+    samples_per_prompt: int = 1  # GRPO group size (>= 2 for GRPO)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    epochs: int = 2
+    minibatch_size: int = 16
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0  # 0 means symmetric clipping
+    dual_clip_c: float = 0.0  # 0 disables dual clip
+    value_clip_eps: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    kl_in_loss: bool = False  # GRPO style: KL as a loss term instead of a reward penalty
+    adaptive_kl_target: float = 0.0  # > 0 enables the adaptive controller
+    adaptive_kl_horizon: float = 10000.0
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    reward_scale: float = 1.0
+    checkpoint_every: int = 0  # iterations; 0 saves only at the end
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = True
+    eval_every: int = 0
+
+    def validate(self, stage: str) -> None:
+        _check(self.iterations >= 1, "RLConfig.iterations", "must be >= 1")
+        _check(self.epochs >= 1, "RLConfig.epochs", "must be >= 1")
+        rows = self.prompts_per_iteration * self.samples_per_prompt
+        _check(
+            rows % self.minibatch_size == 0,
+            "RLConfig.minibatch_size",
+            f"{self.minibatch_size} does not divide the {rows} samples of an iteration",
+        )
+        if stage == "grpo":
+            _check(self.samples_per_prompt >= 2, "RLConfig.samples_per_prompt", "GRPO needs >= 2")
+        _check(self.kl_estimator in ("k1", "k2", "k3", "abs"), "RLConfig.kl_estimator", "k1..k3")
+        _check(self.temperature > 0, "RLConfig.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "RLConfig.top_p", "must be in (0, 1]")
+        _check(
+            self.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+            "RLConfig.loss_agg",
+            f"unknown aggregation {self.loss_agg!r}",
+        )
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Generation engine sizes (0 means derived from the rollout batch)."""
+
+    num_slots: int = 0
+    page_size: int = 8
+    num_pages: int = 0
+    chunk_steps: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    task: TaskConfig
+    roles: dict[str, RoleConfig]
+    sft: SFTConfig
+    rm: RewardModelConfig
+    rl: RLConfig
+    decode: DecodeConfig
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+
+def _gin_error_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) > 2 and lines[1].startswith("In "):
+        return f"{lines[0]} ({lines[1][3:]}: {lines[2]})"
+    return lines[0] if lines else type(e).__name__
+
+
+def load_config(files: list[str], bindings: list[str]) -> Config:
+    """Parse gin files and bindings, build and validate every section."""
+    gin.clear_config()
+    for path in files:
+        if not Path(path).exists():
+            raise ConfigError(f"config file {path} does not exist")
+    try:
+        gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+    except (ValueError, SyntaxError, TypeError, KeyError, ImportError) as e:
+        raise ConfigError(f"config: {_gin_error_line(e)}") from None
+    try:
+        roles = {}
+        for role in ROLES:
+            with gin.config_scope(role):
+                roles[role] = RoleConfig()
+        cfg = Config(
+            run=RunConfig(),
+            task=TaskConfig(),
+            roles=roles,
+            sft=SFTConfig(),
+            rm=RewardModelConfig(),
+            rl=RLConfig(),
+            decode=DecodeConfig(),
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config: {_gin_error_line(e)}") from None
+    cfg.run.validate()
+    cfg.task.validate()
+    for role, rc in cfg.roles.items():
+        rc.validate(role)
+    for stage in cfg.run.stages:
+        if stage in ("ppo", "grpo"):
+            cfg.rl.validate(stage)
+    return cfg
+
+
+def operative_config() -> str:
+    return gin.config_str()

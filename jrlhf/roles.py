@@ -1,0 +1,175 @@
+"""Roles (actor, critic, reference, reward): their models, meshes per phase, and placement.
+
+A placement decides which devices each role uses in each phase:
+
+- ``colocated``: every role and phase on all devices (training ``fsdp x tensor``, generation
+  ``data x tensor``), the actor switching layouts in place;
+- ``separated``: generation on the first half of the devices, everything else on the second half,
+  the actor's generation copy refreshed by jrlhf.reshard after each update;
+- ``custom``: meshes come from each role's RoleConfig (train_mesh / infer_mesh / generate_mesh).
+
+A RoleConfig mesh string overrides the placement for that role and phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jrlhf.config import Config, RoleConfig
+from jrlhf.meshes.context import activation_sharding
+from jrlhf.meshes.mesh import MeshSpec, make_mesh
+from jrlhf.meshes.rules import Rules, get_rules
+from jrlhf.models.config import ModelConfig, tiny_config
+from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.train_step import shard_batch
+
+PHASES = ("train", "infer", "generate")
+
+
+def _split(n: int) -> tuple[int, int]:
+    """(rest, tensor) with tensor = 2 when it divides n, so tensor parallelism is exercised."""
+    tensor = 2 if n % 2 == 0 and n > 1 else 1
+    return n // tensor, tensor
+
+
+def placement_meshes(placement: str, num_devices: int) -> dict[str, MeshSpec]:
+    """Default mesh per phase ('train', 'infer', 'generate') for a placement."""
+    from jrlhf.reshard import choose_generation_mesh
+
+    if placement in ("colocated", "custom"):
+        rest, tensor = _split(num_devices)
+        train = MeshSpec.of(fsdp=rest, tensor=tensor)
+        # Generation on the same devices, ordered so each device's generation shard holds as
+        # much as possible of its training shard (zero-redundancy resharding).
+        return {"train": train, "infer": train, "generate": choose_generation_mesh(train, tensor)}
+    if placement == "separated":
+        if num_devices < 2:
+            raise ValueError("placement 'separated' needs at least 2 devices")
+        half = num_devices // 2
+        rest, tensor = _split(half)
+        gen = MeshSpec.of(data=rest, tensor=tensor, devices=range(0, half))
+        train = MeshSpec.of(fsdp=rest, tensor=tensor, devices=range(half, 2 * half))
+        return {"train": train, "infer": train, "generate": gen}
+    raise ValueError(f"unknown placement {placement!r}")
+
+
+@dataclasses.dataclass
+class RoleSetup:
+    """A role's model definition with its mesh and rules for each phase."""
+
+    name: str
+    config: RoleConfig
+    model: ModelDef
+    meshes: dict[str, Mesh]
+    rules: dict[str, Rules]
+
+    def shardings(self, phase: str) -> Params:
+        return self.model.shardings(self.meshes[phase], self.rules[phase])
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{phase}: {dict(mesh.shape)} {sorted(d.id for d in mesh.devices.flat)}"
+            for phase, mesh in self.meshes.items()
+        )
+
+
+def role_meshes(cfg: Config, role: str) -> tuple[dict[str, Mesh], dict[str, Rules]]:
+    rc = cfg.roles[role]
+    defaults = placement_meshes(cfg.run.placement, jax.device_count())
+    meshes, rules = {}, {}
+    for phase in PHASES:
+        text = getattr(rc, f"{phase}_mesh")
+        spec = MeshSpec.parse(text) if text else defaults[phase]
+        try:
+            meshes[phase] = make_mesh(spec)
+        except ValueError as e:
+            raise ValueError(f"{role}/RoleConfig.{phase}_mesh: {e}") from None
+        rules[phase] = get_rules(getattr(rc, f"{phase}_rules"))
+    return meshes, rules
+
+
+def _apply_role_overrides(model_cfg: ModelConfig, rc: RoleConfig) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    overrides = dict(rc.model_overrides)
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ValueError(f"RoleConfig.model_overrides: unknown model field(s) {bad}")
+    overrides.update(param_dtype=rc.param_dtype, dtype=rc.dtype, remat_policy=rc.remat_policy)
+    return model_cfg.replace(**overrides)
+
+
+def resolve_model(
+    init: str, rc: RoleConfig, head: str, task_overrides: dict[str, Any], run_dir: Path
+) -> tuple[ModelDef, str | None]:
+    """The ModelDef a role starts from, and the directory its weights come from (None: random).
+
+    ``tiny`` builds a small Llama config sized for the task; ``hf:DIR`` and ``ckpt:DIR`` read the
+    config from the checkpoint; ``stage:sft`` / ``stage:rm`` use this run's stage outputs.
+    """
+    from jrlhf import checkpoint
+    from jrlhf.models import hf
+
+    kind, _, where = init.partition(":")
+    if kind == "tiny":
+        base = tiny_config(**task_overrides)
+        return ModelDef(_apply_role_overrides(base, rc), head), None
+    if kind == "stage":
+        where = str(run_dir / where)
+        kind = "ckpt"
+    if kind == "hf":
+        base, _ = hf.read_hf_config(where)
+        return ModelDef(_apply_role_overrides(base, rc), head), f"hf:{where}"
+    if kind == "ckpt":
+        stored = checkpoint.read_model_json(where)
+        return ModelDef(_apply_role_overrides(stored.config, rc), head), f"ckpt:{where}"
+    raise ValueError(f"unknown model source {init!r}")
+
+
+def load_weights(
+    model: ModelDef, source: str | None, mesh: Mesh, rules: Rules, seed: int
+) -> Params:
+    """Parameters for ``model`` on ``mesh``: random, or restored/imported from ``source``.
+
+    A value-head model initialised from a language model (e.g. a critic from the SFT policy)
+    keeps the shared backbone and starts its value head from random numbers.
+    """
+    from jrlhf import checkpoint
+    from jrlhf.models import hf
+
+    if source is None:
+        return model.init_sharded(mesh, rules, seed=seed)
+    kind, _, where = source.partition(":")
+    if kind == "hf":
+        stored, params = hf.load_hf(where, mesh, rules, param_dtype=model.config.param_dtype)
+    else:
+        stored = checkpoint.read_model_json(where)
+        stored = ModelDef(model.config.replace(), stored.head)
+        params = checkpoint.restore_params(Path(where) / checkpoint.PARAMS_DIR, stored, mesh, rules)
+    if stored.head == model.head:
+        return params
+    fresh = model.init_sharded(mesh, rules, seed=seed)
+    return {k: params[k] if k in params and k not in ("lm_head",) else v for k, v in fresh.items()}
+
+
+def make_infer(
+    model: ModelDef, mesh: Mesh, rules: Rules, fn: Callable[..., jax.Array]
+) -> Callable[[Params, dict], jax.Array]:
+    """A jitted ``fn(module, batch)`` run on ``mesh``: the batch is split over its batch axes."""
+
+    def run(params, batch):
+        with activation_sharding(mesh, rules):
+            return fn(model.bind(params), batch)
+
+    jitted = jax.jit(run)
+
+    def call(params, batch):
+        return jitted(params, shard_batch(batch, mesh, rules))
+
+    call.jitted = jitted
+    return call

@@ -1,0 +1,215 @@
+"""The trainer end to end on the synthetic task: placements, exact resume, GRPO, CLIs, configs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jrlhf import checkpoint, config, train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = [
+    "TaskConfig.num_heldout=16",
+    "RLConfig.prompts_per_iteration=16",
+    "RLConfig.minibatch_size=16",
+    "RLConfig.epochs=1",
+    "RunConfig.tensorboard=False",
+]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A short SFT + reward-model run whose outputs the RL tests start from."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    rc = train.main([
+        "--run-dir", str(run_dir), "--quiet",
+        "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60", "RewardModelConfig.steps=60",
+        *SMALL,
+    ])  # fmt: skip
+    assert rc == 0
+    return run_dir
+
+
+def ppo_bindings(base: Path, *extra: str) -> list[str]:
+    return [
+        "RunConfig.stages=('ppo',)",
+        f"actor/RoleConfig.init='ckpt:{base}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base}/sft'",
+        f"reward/RoleConfig.init='ckpt:{base}/rm'",
+        f"critic/RoleConfig.init='ckpt:{base}/rm'",
+        "RLConfig.iterations=4",
+        "RLConfig.checkpoint_every=2",
+        *SMALL,
+        *extra,
+    ]
+
+
+def metric_rows(run_dir: Path, stage: str = "ppo") -> list[dict]:
+    rows = []
+    for line in (run_dir / "logs" / stage / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.append(
+            {
+                k: v
+                for k, v in row.items()
+                if not k.startswith("time") and k != "tokens_per_sec" and v is not None
+            }
+        )
+    return rows
+
+
+def assert_rows_close(a, b, rtol=1e-4, atol=1e-5):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            np.testing.assert_allclose(ra[k], rb[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def colocated_run(base_run, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("colocated") / "run"
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]) == 0
+    return run_dir
+
+
+def test_colocated_run_outputs(colocated_run):
+    rows = metric_rows(colocated_run)
+    assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
+    summary = json.loads((colocated_run / "summary.json").read_text())
+    assert {"gt_score", "kl_to_ref", "reward"} <= set(summary["after"])
+    assert (colocated_run / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "RLConfig.iterations = 4" in (colocated_run / "operative_config.gin").read_text()
+    assert checkpoint.latest_step_dir(colocated_run).name == "4"
+
+
+def test_separated_placement_gives_same_metrics(base_run, colocated_run, tmp_path):
+    run_dir = tmp_path / "separated"
+    bindings = ppo_bindings(base_run, "RunConfig.placement='separated'")
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
+
+
+def _train_subprocess(args, env_extra=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    return subprocess.run(
+        [sys.executable, "-m", "jrlhf.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]
+    killed = _train_subprocess(args, {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"})
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    assert checkpoint.latest_step_dir(run_dir).name == "2"
+    # A save that was cut off mid-write (Orbax's temporary directory) is never taken as a step.
+    partial = run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123"
+    (partial / "actor_params").mkdir(parents=True)
+    assert checkpoint.latest_step_dir(run_dir).name == "2"
+    resumed = _train_subprocess([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run), rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_with_verifiable_reward_improves(base_run, tmp_path):
+    run_dir = tmp_path / "grpo"
+    bindings = [
+        "RunConfig.stages=('grpo',)",
+        f"actor/RoleConfig.init='ckpt:{base_run}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base_run}/sft'",
+        "actor/RoleConfig.learning_rate=1e-3",
+        "TaskConfig.reward_fn='synthetic_ground_truth'",
+        "RLConfig.iterations=12",
+        "RLConfig.samples_per_prompt=4",
+        "RLConfig.kl_coef=0.01",
+        "RLConfig.kl_estimator='k3'",
+        *SMALL,
+    ]
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    rewards = [r["reward"] for r in metric_rows(run_dir, "grpo") if "reward" in r]
+    assert len(rewards) == 12
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert last > first + 0.1, rewards
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["after"]["gt_score"] > summary["before"]["gt_score"]
+
+
+def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
+    from jrlhf import convert, evaluate
+
+    rc = evaluate.main(
+        ["--checkpoint", str(colocated_run / "checkpoints"), "--mesh", "data=2,tensor=2@4:8",
+         "--samples", "2", "--output", str(tmp_path / "eval.json")]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert 0.0 <= report["gt_score"] <= 1.0 and report["num_samples"] == 32
+    out = tmp_path / "hf"
+    assert convert.main(["--from", str(colocated_run), "--to-hf", str(out)]) == 0
+    assert (out / "tokenizer.json").exists()
+
+    import jax
+    import torch
+    import transformers as tf
+
+    from jrlhf.meshes import make_mesh
+
+    model, params = checkpoint.load_model(colocated_run, make_mesh("fsdp=1"), "fsdp_tp")
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12))
+    ours = np.asarray(jax.jit(model.apply)(params, tokens))
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "binding,message",
+    [
+        ("RLConfig.bogus=1", "RLConfig' doesn't have a parameter named 'bogus'"),
+        ("NoSuchThing.x=1", "No configurable matching 'NoSuchThing'"),
+        ("RunConfig.stages=('sft','dpo')", "unknown stage 'dpo'"),
+        ("actor/RoleConfig.train_mesh='fsdp:2'", "actor/RoleConfig.train_mesh"),
+        ("RLConfig.minibatch_size=7", "RLConfig.minibatch_size: 7 does not divide"),
+        ("actor/RoleConfig.train_rules='nope'", "unknown rule set 'nope'"),
+    ],
+)
+def test_bad_config_fails_at_startup_with_one_line(binding, message, tmp_path, capsys):
+    rc = train.main(["--run-dir", str(tmp_path / "r"), binding])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and "\n" not in err
+    assert not (tmp_path / "r").exists()  # nothing was created before the config was valid
+
+
+def test_existing_run_is_not_clobbered(colocated_run, capsys):
+    before = sorted(p.name for p in colocated_run.iterdir())
+    assert train.main(["--run-dir", str(colocated_run), "--quiet"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.name for p in colocated_run.iterdir()) == before
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.gin")), ids=lambda p: p.name)
+def test_every_config_file_loads(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = config.load_config([str(path)], [])
+    assert cfg.run.stages
+
+
+def test_indivisible_mesh_fails_before_training(base_run, tmp_path, capsys):
+    bindings = ppo_bindings(base_run, "actor/RoleConfig.train_mesh='tensor=8'")
+    assert train.main(["--run-dir", str(tmp_path / "r"), "--quiet", *bindings]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not divisible by mesh axis 'tensor'" in err and "\n" not in err
