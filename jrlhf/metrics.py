@@ -116,7 +116,7 @@ class MetricsLogger:
         if self._file is not None:
             # The open handle still points at the replaced file: reopen to append to the new one.
             self._file.close()
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self.history = keep
         return len(records) - len(keep)
 
