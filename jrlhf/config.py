@@ -22,7 +22,7 @@ from jrlhf.models.config import DTYPES, REMAT_POLICIES
 
 ROLES = ("actor", "critic", "reference", "reward")
 STAGES = ("sft", "rm", "ppo", "grpo")
-PLACEMENTS = ("colocated", "separated", "custom")
+PLACEMENTS = ("flatten", "interleave", "separate", "colocated", "separated", "search", "custom")
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,9 @@ class RunConfig:
     run_dir: str = "runs/default"
     seed: int = 0
     stages: tuple[str, ...] = ("sft", "rm", "ppo")
-    placement: str = "colocated"  # colocated | separated | custom (meshes from RoleConfig)
+    # An execution plan (jrlhf.plan): flatten/colocated, interleave, separate/separated, search,
+    # or custom (meshes from RoleConfig, e.g. a gin file written by `python -m jrlhf.plan`).
+    placement: str = "flatten"
     host_devices: int = 8  # virtual CPU devices when running without an accelerator
     progress_bar: bool = True
     tensorboard: bool = True

@@ -1,14 +1,17 @@
 """Roles (actor, critic, reference, reward): their models, meshes per phase, and placement.
 
-A placement decides which devices each role uses in each phase:
+``RunConfig.placement`` names an execution plan (jrlhf.plan) that places every model call:
 
-- ``colocated``: every role and phase on all devices (training ``fsdp x tensor``, generation
-  ``data x tensor``), the actor switching layouts in place;
-- ``separated``: generation on the first half of the devices, everything else on the second half,
-  the actor's generation copy refreshed by jrlhf.reshard after each update;
-- ``custom``: meshes come from each role's RoleConfig (train_mesh / infer_mesh / generate_mesh).
+- ``flatten`` (alias ``colocated``): every call on all devices (training ``fsdp x tensor``,
+  generation ``data x tensor``), the actor switching layouts in place;
+- ``interleave``: as flatten, with reference, reward and critic inference on disjoint slices so
+  they run concurrently;
+- ``separate`` (alias ``separated``): generation on the first half of the devices, everything else
+  on the second half, the actor's generation copy refreshed by jrlhf.reshard after each update;
+- ``search``: the plan the cost-model search picks for this machine;
+- ``custom``: meshes from each role's RoleConfig (``python -m jrlhf.plan`` writes such gin files).
 
-A RoleConfig mesh string overrides the placement for that role and phase.
+A RoleConfig mesh string overrides the plan for that role and phase.
 """
 
 from __future__ import annotations
@@ -32,31 +35,18 @@ from jrlhf.train_step import shard_batch
 PHASES = ("train", "infer", "generate")
 
 
-def _split(n: int) -> tuple[int, int]:
-    """(rest, tensor) with tensor = 2 when it divides n, so tensor parallelism is exercised."""
-    tensor = 2 if n % 2 == 0 and n > 1 else 1
-    return n // tensor, tensor
+def resolve_plan(cfg: Config, num_devices: int):
+    """The execution plan named by ``RunConfig.placement`` for ``num_devices`` devices."""
+    from jrlhf.plan import strategy
 
+    placement = cfg.run.placement
+    if placement == "custom":
+        placement = "flatten"  # RoleConfig meshes fill in; flatten covers what they leave out
+    if placement == "search":
+        from jrlhf.plan.search import search_for_config
 
-def placement_meshes(placement: str, num_devices: int) -> dict[str, MeshSpec]:
-    """Default mesh per phase ('train', 'infer', 'generate') for a placement."""
-    from jrlhf.reshard import choose_generation_mesh
-
-    if placement in ("colocated", "custom"):
-        rest, tensor = _split(num_devices)
-        train = MeshSpec.of(fsdp=rest, tensor=tensor)
-        # Generation on the same devices, ordered so each device's generation shard holds as
-        # much as possible of its training shard (zero-redundancy resharding).
-        return {"train": train, "infer": train, "generate": choose_generation_mesh(train, tensor)}
-    if placement == "separated":
-        if num_devices < 2:
-            raise ValueError("placement 'separated' needs at least 2 devices")
-        half = num_devices // 2
-        rest, tensor = _split(half)
-        gen = MeshSpec.of(data=rest, tensor=tensor, devices=range(0, half))
-        train = MeshSpec.of(fsdp=rest, tensor=tensor, devices=range(half, 2 * half))
-        return {"train": train, "infer": train, "generate": gen}
-    raise ValueError(f"unknown placement {placement!r}")
+        return search_for_config(cfg, num_devices)
+    return strategy(placement, num_devices)
 
 
 @dataclasses.dataclass
@@ -79,18 +69,35 @@ class RoleSetup:
         )
 
 
-def role_meshes(cfg: Config, role: str) -> tuple[dict[str, Mesh], dict[str, Rules]]:
+# A role's phase without a model call of its own borrows another phase's placement.
+_FALLBACK = {
+    ("actor", "infer"): ("actor", "train"),
+    ("critic", "generate"): ("critic", "train"),
+    ("reference", "train"): ("reference", "infer"),
+    ("reference", "generate"): ("reference", "infer"),
+    ("reward", "train"): ("reward", "infer"),
+    ("reward", "generate"): ("reward", "infer"),
+}
+
+
+def role_meshes(cfg: Config, role: str, plan=None) -> tuple[dict[str, Mesh], dict[str, Rules]]:
+    """Mesh and rules of ``role`` in each phase: from the plan, unless the role's RoleConfig
+    names a mesh for that phase (then its rules apply too)."""
     rc = cfg.roles[role]
-    defaults = placement_meshes(cfg.run.placement, jax.device_count())
+    plan = plan or resolve_plan(cfg, jax.device_count())
     meshes, rules = {}, {}
     for phase in PHASES:
         text = getattr(rc, f"{phase}_mesh")
-        spec = MeshSpec.parse(text) if text else defaults[phase]
+        if text:
+            spec, rule_name = MeshSpec.parse(text), getattr(rc, f"{phase}_rules")
+        else:
+            placement = plan.for_role(role, phase) or plan.for_role(*_FALLBACK[(role, phase)])
+            spec, rule_name = placement.mesh, placement.rules
         try:
             meshes[phase] = make_mesh(spec)
         except ValueError as e:
             raise ValueError(f"{role}/RoleConfig.{phase}_mesh: {e}") from None
-        rules[phase] = get_rules(getattr(rc, f"{phase}_rules"))
+        rules[phase] = get_rules(rule_name)
     return meshes, rules
 
 

@@ -183,7 +183,7 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
 
     from jrlhf import metrics as metrics_lib
     from jrlhf.ppo.trainer import RLTrainer
-    from jrlhf.roles import RoleSetup, resolve_model, role_meshes
+    from jrlhf.roles import RoleSetup, resolve_model, resolve_plan, role_meshes
     from jrlhf.stages import run_reward_model, run_sft
 
     (run_dir / "operative_config.gin").write_text(operative_config())
@@ -194,11 +194,16 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     log.info(
         "devices: %d x %s; run directory %s", jax.device_count(), jax.devices()[0].platform, run_dir
     )
+    plan = resolve_plan(cfg, jax.device_count())
+    plan.validate(jax.device_count())
+    (run_dir / "plan.gin").write_text(plan.to_gin(f"plan used by this run ({cfg.run.placement})"))
+    rows = "; ".join(f"{call} {mesh} [{rules}]" for call, mesh, rules in plan.rows())
+    log.info("execution plan %r: %s", plan.name, rows)
 
     def setup(role: str, init: str, head: str) -> tuple[RoleSetup, str | None]:
         rc = cfg.roles[role]
         model, source = resolve_model(init, rc, head, data.model_overrides, run_dir)
-        meshes, rules = role_meshes(cfg, role)
+        meshes, rules = role_meshes(cfg, role, plan)
         s = RoleSetup(role, rc, model, meshes, rules)
         for phase in meshes:
             s.shardings(phase)  # fails now, naming the parameter, if a layout cannot divide

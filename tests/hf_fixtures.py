@@ -13,7 +13,7 @@ def _build(kind: str, directory: Path) -> Path:
     import torch
     import transformers as tf
 
-    torch.manual_seed({"llama3": 0, "qwen2": 1, "llama_mha": 2, "llama3_rm": 3}[kind])
+    torch.manual_seed({"llama3": 0, "qwen2": 1, "llama_mha": 2, "llama3_rm": 3, "mistral": 4}[kind])
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -49,6 +49,15 @@ def _build(kind: str, directory: Path) -> Path:
             eos_token_id=2,
             pad_token_id=0,
         )
+    elif kind == "mistral":
+        # A sliding window shorter than the test sequences, so the window mask matters.
+        cfg = tf.MistralConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=16,
+            eos_token_id=2,
+        )
     elif kind == "llama_mha":
         cfg = tf.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, eos_token_id=2)
     else:
@@ -74,7 +83,8 @@ def _build(kind: str, directory: Path) -> Path:
 
 @functools.cache
 def hf_checkpoint(kind: str) -> Path:
-    """Path of a cached random checkpoint: 'llama3', 'qwen2', 'llama_mha' or 'llama3_rm'."""
+    """Path of a cached random checkpoint: 'llama3', 'qwen2', 'llama_mha', 'mistral' or
+    'llama3_rm'."""
     root = Path(tempfile.mkdtemp(prefix=f"jrlhf-{kind}-"))
     return _build(kind, root / kind)
 

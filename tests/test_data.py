@@ -64,7 +64,7 @@ def test_loads_ids_and_text(tmp_path, tok):
 
 
 def test_parquet(tmp_path, tok):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "p.parquet"

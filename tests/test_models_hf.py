@@ -20,7 +20,7 @@ def one_mesh():
     return make_mesh(ONE)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "llama_mha"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "llama_mha", "mistral"])
 def test_logits_match_transformers(kind, one_mesh):
     path = hf_checkpoint(kind)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 48))
@@ -161,3 +161,22 @@ def test_export_refuses_to_clobber(one_mesh, tmp_path):
     with pytest.raises(FileExistsError):
         hf.save_hf(model, params, target)
     assert (target / "keep.txt").read_text() == "precious"
+
+
+def test_mistral_sliding_window_is_in_effect(one_mesh):
+    model, _ = hf.load_hf(hf_checkpoint("mistral"), one_mesh, "fsdp_tp")
+    assert model.config.sliding_window == 16 and model.config.architecture == "mistral"
+
+
+def test_bfloat16_params_and_compute_track_float32(one_mesh):
+    path = hf_checkpoint("llama3")
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, (2, 32)))
+    model32, p32 = hf.load_hf(path, one_mesh, "fsdp_tp")
+    model16, p16 = hf.load_hf(path, one_mesh, "fsdp_tp", param_dtype="bfloat16", dtype="bfloat16")
+    assert p16["layers"]["attn"]["q_kernel"].dtype == jnp.bfloat16
+    out32 = np.asarray(jax.jit(model32.apply)(p32, tokens))
+    out16 = jax.jit(model16.apply)(p16, tokens)
+    assert out16.dtype == jnp.float32  # logits are always float32
+    # bf16 has ~3 significant digits: the logits agree to a few percent of their scale.
+    assert np.abs(np.asarray(out16) - out32).max() < 0.05 * np.abs(out32).max()
+    assert (np.asarray(out16).argmax(-1) == out32.argmax(-1)).mean() > 0.9

@@ -87,10 +87,14 @@ def test_colocated_run_outputs(colocated_run):
     assert checkpoint.latest_step_dir(colocated_run).name == "4"
 
 
-def test_separated_placement_gives_same_metrics(base_run, colocated_run, tmp_path):
-    run_dir = tmp_path / "separated"
-    bindings = ppo_bindings(base_run, "RunConfig.placement='separated'")
+@pytest.mark.parametrize("placement", ["separate", "interleave"])
+def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
+    """Flatten (the colocated run), separate and interleave: same seed, same numbers."""
+    run_dir = tmp_path / placement
+    bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'")
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    plan_text = (run_dir / "plan.gin").read_text()
+    assert f"execution plan '{placement}'" in plan_text
     assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
 
 
@@ -213,3 +217,43 @@ def test_indivisible_mesh_fails_before_training(base_run, tmp_path, capsys):
     assert train.main(["--run-dir", str(tmp_path / "r"), "--quiet", *bindings]) == 2
     err = capsys.readouterr().err.strip()
     assert "not divisible by mesh axis 'tensor'" in err and "\n" not in err
+
+
+def test_training_from_jsonl_files_with_a_tokenizer(tmp_path, capsys):
+    from jrlhf.tasks import SyntheticTask
+
+    files = SyntheticTask(seed=0).write_jsonl(
+        tmp_path / "data", num_prompts=64, num_heldout=16, num_sft=64, num_pairs=64
+    )
+    common = [
+        "TaskConfig.name='files'",
+        f"TaskConfig.prompts='{files['prompts']}'",
+        f"TaskConfig.heldout_prompts='{files['heldout_prompts']}'",
+        f"TaskConfig.sft_data='{files['sft']}'",
+        f"TaskConfig.preference_data='{files['preferences']}'",
+        f"TaskConfig.tokenizer='{tmp_path / 'data'}'",
+        "RunConfig.stages=('sft', 'rm')",
+        "SFTConfig.steps=3",
+        "RewardModelConfig.steps=3",
+        *SMALL,
+    ]
+    run_dir = tmp_path / "run"
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *common]) == 0
+    assert (run_dir / "sft" / "model.json").exists() and (run_dir / "rm" / "model.json").exists()
+    assert (run_dir / "tokenizer.json").exists()
+    # A malformed line is reported with its file and line number before anything is trained.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "<bos> a0 a1 ="}\n{"prompt": \n')
+    bindings = [b for b in common if not b.startswith("TaskConfig.prompts=")]
+    rc = train.main(
+        [
+            "--run-dir",
+            str(tmp_path / "bad_run"),
+            "--quiet",
+            f"TaskConfig.prompts='{bad}'",
+            *bindings,
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and f"{bad}:2" in err
+    assert not (tmp_path / "bad_run" / "sft").exists()

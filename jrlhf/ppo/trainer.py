@@ -170,13 +170,6 @@ class RLTrainer:
             actor.rules["train"],
             microbatches=actor.config.microbatches,
         )
-        self.actor_logprobs = make_infer(
-            actor.model,
-            actor.meshes["train"],
-            actor.rules["train"],
-            lambda m, b: rl_batch.response_logprobs(m, b, self.P),
-        )
-
         ref = roles["reference"]
         self.ref_params = load_weights(
             ref.model, sources["reference"], ref.meshes["infer"], ref.rules["infer"], seed
@@ -226,9 +219,15 @@ class RLTrainer:
             )
             self.critic_values = make_infer(
                 critic.model,
-                critic.meshes["train"],
-                critic.rules["train"],
+                critic.meshes["infer"],
+                critic.rules["infer"],
                 lambda m, b: rl_batch.response_values(m, b, self.P),
+            )
+            # The critic scores on its inference layout; when that differs from its training
+            # layout (e.g. an interleaved plan), its weights follow each update there.
+            self.critic_infer_shardings = critic.shardings("infer")
+            self.critic_moves = jax.tree.leaves(critic.shardings("train")) != jax.tree.leaves(
+                self.critic_infer_shardings
             )
 
         # Generation: the engine lives on the actor's generation mesh; the actor's weights are
@@ -255,7 +254,7 @@ class RLTrainer:
         )
         self.gen_shardings = actor.shardings("generate")
         self.resharder = Resharder()
-        self.gen_params = self.resharder(self.actor_state.params, self.gen_shardings)
+        self.sync_weights()
 
         self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
         self.kl_ctl = algos.make_kl_controller(
@@ -272,6 +271,17 @@ class RLTrainer:
                 enable_async_checkpointing=self.rl.async_checkpoint,
             ),
         )
+
+    def sync_weights(self) -> None:
+        """Follow the plan's reshard edges: actor train -> generate, critic train -> infer."""
+        self.gen_params = self.resharder(self.actor_state.params, self.gen_shardings)
+        self.critic_infer_params = None
+        if self.use_critic:
+            self.critic_infer_params = (
+                self.resharder(self.critic_state.params, self.critic_infer_shardings)
+                if self.critic_moves
+                else self.critic_state.params
+            )
 
     def _opt_config(self, setup: RoleSetup) -> OptimizerConfig:
         rc = setup.config
@@ -305,7 +315,7 @@ class RLTrainer:
         """Reference log-probs, rewards and values for a packed batch (device work overlaps)."""
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.data.pad_id)
         ref_lp = self.ref_logprobs(self.ref_params, arrays)
-        values = self.critic_values(self.critic_state.params, arrays) if self.use_critic else None
+        values = self.critic_values(self.critic_infer_params, arrays) if self.use_critic else None
         if self.reward_fn is None:
             scores = self.reward_scores(self.reward_params, arrays)
         else:
@@ -352,8 +362,8 @@ class RLTrainer:
         times["train"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        self.gen_params = self.resharder(self.actor_state.params, self.gen_shardings)
-        jax.block_until_ready(self.gen_params)
+        self.sync_weights()
+        jax.block_until_ready((self.gen_params, self.critic_infer_params))
         times["reshard"] = time.perf_counter() - t0
 
         kl_tokens = arrays["old_logprobs"] - arrays["ref_logprobs"]
@@ -391,8 +401,9 @@ class RLTrainer:
         )
         critic_fields = ("tokens", "positions", "segment_ids", "mask", "old_values", "returns")
         rng = np.random.default_rng([self.seed, self.iteration, 7])
-        sums: dict[str, float] = {}
-        count = 0
+        # Metrics stay on device until the end, so actor and critic steps (which may run on
+        # different devices) are dispatched back to back without a host sync in between.
+        collected: list[dict] = []
         for _ in range(self.rl.epochs):
             order = rng.permutation(rows)
             for start in range(0, rows, mb):
@@ -404,11 +415,10 @@ class RLTrainer:
                     cbatch = {k: arrays[k][idx] for k in critic_fields}
                     self.critic_state, cm = self.critic_step(self.critic_state, cbatch)
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
-                for k, v in jax.device_get(m).items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
+                collected.append(m)
+        stacked = jax.device_get({k: [m[k] for m in collected] for k in collected[0]})
         skip = {"weight", "critic/weight", "num_tokens"}
-        return {f"train/{k}": v / count for k, v in sums.items() if k not in skip}
+        return {f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip}
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], samples: int = 1) -> dict[str, float]:
@@ -485,7 +495,7 @@ class RLTrainer:
             self.critic_state = TrainState(c["step"], restored["critic_params"], c["opt_state"])
         self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(meta["kl_coef"]))
         self.iteration = int(meta["iteration"])
-        self.gen_params = self.resharder(self.actor_state.params, self.gen_shardings)
+        self.sync_weights()
         return meta["loader"]
 
     def wait_for_checkpoints(self) -> None:
