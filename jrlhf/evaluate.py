@@ -63,28 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         data = build_task_data(cfg)
         P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
         prompts = data.heldout_prompts[: args.num_prompts or None]
-        ref_model, ref_source = resolve_model(
-            cfg.roles["reference"].init,
-            cfg.roles["reference"],
-            "lm",
-            data.model_overrides,
-            run_dir,
-        )
-        ref_params = load_weights(ref_model, ref_source, mesh, rules, cfg.run.seed)
-        ref_fn = make_infer(
-            ref_model, mesh, rules, lambda m, b: rl_batch.response_logprobs(m, b, P)
-        )
+
+        def frozen_role(role: str, head: str, fn):
+            """A frozen role from the run (reference, reward) loaded onto the evaluation mesh."""
+            rc = cfg.roles[role]
+            role_model, source = resolve_model(rc.init, rc, head, data.model_overrides, run_dir)
+            role_params = load_weights(role_model, source, mesh, rules, cfg.run.seed)
+            infer = make_infer(role_model, mesh, rules, fn)
+            return lambda arrays: infer(role_params, arrays)
+
+        ref_fn = frozen_role("reference", "lm", lambda m, b: rl_batch.response_logprobs(m, b, P))
         reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
         if reward_fn is None:
-            rm_model, rm_source = resolve_model(
-                cfg.roles["reward"].init,
-                cfg.roles["reward"],
-                "value",
-                data.model_overrides,
-                run_dir,
-            )
-            rm_params = load_weights(rm_model, rm_source, mesh, rules, cfg.run.seed)
-            rm_fn = make_infer(rm_model, mesh, rules, rl_batch.sequence_scores)
+            rm_fn = frozen_role("reward", "value", rl_batch.sequence_scores)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     result = engine.generate(params, prompts, sampling)
     rep = [prompts[int(i)] for i in result.prompt_index]
     arrays = rl_batch.pack(rep, result.completion_ids, P, R, data.pad_id)
-    arrays["ref_logprobs"] = ref_fn(ref_params, arrays)
+    arrays["ref_logprobs"] = ref_fn(arrays)
     lp = arrays["mask"] * 0
     for i, row in enumerate(result.raw_logprobs):
         lp[i, : len(row)] = row
     arrays["old_logprobs"] = lp
     if reward_fn is None:
-        arrays["scores"] = rm_fn(rm_params, arrays)
+        arrays["scores"] = rm_fn(arrays)
     else:
         arrays["scores"] = [reward_fn(p, r) for p, r in zip(rep, result.completion_ids)]
     report = summarize_samples(

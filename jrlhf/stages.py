@@ -75,70 +75,76 @@ def _train_loop(
     return state.params
 
 
-def run_sft(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: int) -> Path:
-    """Supervised fine-tuning of the actor on prompt/response demonstrations."""
-    out = run_dir / "sft"
+def _supervised_stage(
+    name: str,
+    setup: RoleSetup,
+    source,
+    records,
+    make_batch,
+    loss_fn,
+    stage_cfg,
+    run_dir: Path,
+    logger,
+    seed: int,
+) -> Path:
+    """Train ``setup``'s model on random batches of ``records`` and save it to run_dir/name.
+
+    A stage whose output already exists is skipped (a resumed pipeline does not redo it).
+    """
+    out = run_dir / name
     if (out / checkpoint.MODEL_JSON).exists():
-        log.info("sft: %s exists, skipping the stage", out)
+        log.info("%s: %s exists, skipping the stage", name, out)
         return out
-    P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
-    records = data.sft_records
-    rng = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([seed, sum(map(ord, name))])
 
     def batches():
         while True:
-            idx = rng.choice(len(records), cfg.sft.batch_size, replace=False)
-            chosen = [records[i] for i in idx]
-            yield rl_batch.pack(
-                [r.prompt_ids for r in chosen], [r.response_ids for r in chosen], P, R, data.pad_id
-            )
+            idx = rng.choice(len(records), stage_cfg.batch_size, replace=False)
+            yield make_batch([records[i] for i in idx])
 
     params = load_weights(setup.model, source, setup.meshes["train"], setup.rules["train"], seed)
     opt = OptimizerConfig(
-        learning_rate=cfg.sft.learning_rate,
-        warmup_steps=cfg.sft.warmup_steps,
-        total_steps=cfg.sft.steps,
+        learning_rate=stage_cfg.learning_rate,
+        warmup_steps=stage_cfg.warmup_steps,
+        total_steps=stage_cfg.steps,
         min_lr_ratio=0.1,
         grad_clip=setup.config.grad_clip,
     )
     params = _train_loop(
-        setup, params, sft_loss_fn(P), batches(), cfg.sft.steps, opt, logger, "sft", seed
+        setup, params, loss_fn, batches(), stage_cfg.steps, opt, logger, name, seed
     )
     checkpoint.save_model(_fresh(out), setup.model, params)
     return out
+
+
+def run_sft(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: int) -> Path:
+    """Supervised fine-tuning of the actor on prompt/response demonstrations."""
+    P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
+
+    def make_batch(rows):
+        prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
+        return rl_batch.pack(prompts, responses, P, R, data.pad_id)
+
+    return _supervised_stage(
+        "sft", setup, source, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, run_dir,
+        logger, seed,
+    )  # fmt: skip
 
 
 def run_reward_model(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: int):
     """Bradley-Terry training of the reward model on preference pairs."""
-    out = run_dir / "rm"
-    if (out / checkpoint.MODEL_JSON).exists():
-        log.info("rm: %s exists, skipping the stage", out)
-        return out
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
-    pairs = data.preference_records
-    rng = np.random.default_rng([seed, 2])
 
-    def batches():
-        while True:
-            idx = rng.choice(len(pairs), cfg.rm.batch_size, replace=False)
-            chosen = [pairs[i] for i in idx]
-            prompts = [p.prompt_ids for p in chosen] * 2
-            responses = [p.chosen_ids for p in chosen] + [p.rejected_ids for p in chosen]
-            yield rl_batch.pack(prompts, responses, P, R, data.pad_id)
+    def make_batch(pairs):
+        # chosen rows first, rejected rows second: reward_loss_fn splits the batch in half.
+        prompts = [p.prompt_ids for p in pairs] * 2
+        responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+        return rl_batch.pack(prompts, responses, P, R, data.pad_id)
 
-    params = load_weights(setup.model, source, setup.meshes["train"], setup.rules["train"], seed)
-    opt = OptimizerConfig(
-        learning_rate=cfg.rm.learning_rate,
-        warmup_steps=cfg.rm.warmup_steps,
-        total_steps=cfg.rm.steps,
-        min_lr_ratio=0.1,
-        grad_clip=setup.config.grad_clip,
-    )
-    params = _train_loop(
-        setup, params, reward_loss_fn, batches(), cfg.rm.steps, opt, logger, "rm", seed
-    )
-    checkpoint.save_model(_fresh(out), setup.model, params)
-    return out
+    return _supervised_stage(
+        "rm", setup, source, data.preference_records, make_batch, reward_loss_fn, cfg.rm,
+        run_dir, logger, seed,
+    )  # fmt: skip
 
 
 def _fresh(path: Path) -> Path:
