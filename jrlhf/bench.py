@@ -12,6 +12,8 @@ import sys
 SUITES = {
     "decode": "jrlhf.decode.bench",
     "reshard": "jrlhf.reshard.bench",
+    "interleave": "jrlhf.plan.overlap",
+    "plan": "jrlhf.plan.bench",
 }
 
 

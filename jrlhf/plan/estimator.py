@@ -1,0 +1,559 @@
+"""Cost estimator for execution plans: per-call seconds, reshard seconds, and memory per device.
+
+Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
+
+* compute: FLOPs / (achieved matmul FLOP/s x a fitted per-kind efficiency);
+* memory-bound decode: each step reads the weight shard and the KV cache; a step costs
+  ``max(compute, bytes / bandwidth) / decode_efficiency``;
+* collectives: FSDP all-gathers of weights (and reduce-scatter of gradients), tensor-parallel
+  all-reduces of activations (two per layer forward, four forward + backward), priced by bytes per
+  device over the intra- or inter-node bandwidth (whichever the call's device span needs);
+* fixed costs: per jitted call, per layer (kernel launches / small ops), per decode step.
+
+Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
+and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
+exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
+against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices.
+
+Memory per device is what lives there for the whole iteration (train states with fp32 AdamW
+moments, the actor's generation copy, frozen models, the KV pool) plus what the running call needs
+transiently (gradients, activations under the remat policy, gathered FSDP weights, logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from collections.abc import Iterable
+
+import numpy as np
+
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.meshes.rules import get_rules, logical_to_spec
+from jrlhf.models.config import ModelConfig
+from jrlhf.plan.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
+from jrlhf.plan.profile import DeviceProfile
+from jrlhf.plan.workload import (
+    Workload,
+    activation_bytes_per_token,
+    decode_step_flops,
+    forward_flops,
+    head_params,
+    itemsize,
+    kv_bytes_per_token,
+)
+
+PHASES = ("generate", "score", "train", "reshard")
+MOMENT_BYTES = 8  # AdamW mu + nu, float32 each
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class PlanEstimate:
+    plan: ExecutionPlan
+    call_seconds: dict[str, float]  # every call in CALLS (0 for calls the workload lacks)
+    reshard_seconds: dict[str, float]  # per ReshardEdge, keyed by role
+    phase_seconds: dict[str, float]  # the trainer's phases: generate, score, train, reshard
+    iteration_seconds: float
+    memory_bytes: dict[str, int]  # peak bytes per device for each call
+    fits: bool
+    reasons: list[str]
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v:.3g}s" for k, v in self.phase_seconds.items())
+        mem = max(self.memory_bytes.values(), default=0) / GIB
+        verdict = "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.reasons)
+        head = f"{self.plan.name}: {self.iteration_seconds:.3g}s/iter ({phases})"
+        return f"{head}; peak {mem:.2f} GiB; {verdict}"
+
+
+# ------------------------------------------------------------------------ sharding arithmetic
+@functools.lru_cache(maxsize=64)
+def _param_table(
+    cfg: ModelConfig, head: str
+) -> tuple[tuple[str, tuple, tuple[int, ...], int], ...]:
+    """(path, logical axes, shape, itemsize) per parameter, from the model's abstract state."""
+    import jax
+
+    from jrlhf.meshes.rules import path_str
+    from jrlhf.models.model_def import ModelDef
+
+    model = ModelDef(cfg, head)
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
+    axes, treedef = jax.tree_util.tree_flatten_with_path(model.logical_axes, is_leaf=is_axes)
+    shapes = treedef.flatten_up_to(model.abstract_params)
+    return tuple(
+        (path_str(path), ax, tuple(s.shape), np.dtype(s.dtype).itemsize)
+        for (path, ax), s in zip(axes, shapes)
+    )
+
+
+def _dim_axes(logical: tuple, spec: MeshSpec, rules: str) -> list[tuple[str, ...]]:
+    """Mesh axes each dimension is split over: the rule set's PartitionSpec on this mesh shape.
+
+    ``logical_to_spec`` only reads ``mesh.shape``, so a stand-in with the MeshSpec's axis sizes
+    gives exactly the spec a real ``Mesh`` would.
+    """
+    fake = types.SimpleNamespace(shape=spec.shape)
+    out = []
+    for part in logical_to_spec(logical, fake, get_rules(rules)):
+        out.append(() if part is None else (part,) if isinstance(part, str) else tuple(part))
+    return out
+
+
+def _ways(spec: MeshSpec, axes: Iterable[str]) -> int:
+    return math.prod(spec.shape[a] for a in axes)
+
+
+def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int, int], ...]]:
+    """device id -> (start, stop) per dim, as NamedSharding lays out the array on the mesh."""
+    sizes = [s for _, s in spec.axes]
+    names = spec.names
+    out = {}
+    for pos, device in enumerate(spec.device_ids()):
+        coord = dict(zip(names, np.unravel_index(pos, sizes)))
+        bounds = []
+        for dim, axes in zip(shape, dim_axes):
+            k = _ways(spec, axes)
+            index = 0
+            for a in axes:  # the first listed axis is the major one
+                index = index * spec.shape[a] + int(coord[a])
+            chunk = -(-dim // k)
+            bounds.append((min(dim, index * chunk), min(dim, (index + 1) * chunk)))
+        out[device] = tuple(bounds)
+    return out
+
+
+def _volume(bounds) -> int:
+    return math.prod(max(0, hi - lo) for lo, hi in bounds)
+
+
+def shard_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
+    """Parameter bytes one device holds under ``placement`` (the largest shard, ceil-divided)."""
+    total = 0
+    for _path, logical, shape, size in _param_table(cfg, head):
+        axes = _dim_axes(logical, placement.mesh, placement.rules)
+        total += math.prod(-(-d // _ways(placement.mesh, a)) for d, a in zip(shape, axes)) * size
+    return total
+
+
+def layout_problems(cfg: ModelConfig, head: str, placement: CallPlacement) -> list[str]:
+    """Parameters whose dims do not divide their mesh axes (the trainer would refuse them)."""
+    out = []
+    for path, logical, shape, _ in _param_table(cfg, head):
+        for dim, (size, axes) in enumerate(
+            zip(shape, _dim_axes(logical, placement.mesh, placement.rules))
+        ):
+            k = _ways(placement.mesh, axes)
+            if k > 1 and size % k:
+                out.append(
+                    f"parameter {path} dim {dim} (size {size}) not divisible by {axes} ({k})"
+                )
+    return out
+
+
+def reshard_bytes_per_device(
+    cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement
+) -> dict[int, int]:
+    """Bytes each target device must receive to go from ``src``'s layout to ``dst``'s.
+
+    Same definition as ``jrlhf.reshard.layout.moved_bytes_per_device`` (what a device lacks of
+    its target slice; a device the source does not use receives its whole slice), computed from
+    the MeshSpecs and rules without building devices.
+    """
+    out: dict[int, int] = {d: 0 for d in dst.mesh.device_ids()}
+    for _path, logical, shape, size in _param_table(cfg, head):
+        have = _device_bounds(shape, _dim_axes(logical, src.mesh, src.rules), src.mesh)
+        want = _device_bounds(shape, _dim_axes(logical, dst.mesh, dst.rules), dst.mesh)
+        for device, w in want.items():
+            h = have.get(device)
+            held = (
+                0
+                if h is None
+                else _volume(tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(w, h)))
+            )
+            out[device] += (_volume(w) - held) * size
+    return out
+
+
+def reshard_bytes(cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement) -> int:
+    """Total bytes crossing devices (equals ``layout.bytes_moved`` of the two shardings)."""
+    return sum(reshard_bytes_per_device(cfg, head, src, dst).values())
+
+
+# ------------------------------------------------------------------------------ call geometry
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    n: int  # devices
+    batch: int  # ways the batch (rows / slots) is split
+    tensor: int  # ways heads / mlp are split
+    kv_tensor: int  # ways kv heads are split (activations / KV cache)
+    devices: frozenset[int]
+    nodes: int
+
+
+def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
+    spec = p.mesh
+
+    def ways(name: str) -> int:
+        return _ways(spec, _dim_axes((name,), spec, p.rules)[0])
+
+    devices = p.devices
+    nodes = len({d // profile.devices_per_node for d in devices})
+    return _Geometry(spec.size, ways("batch"), ways("heads"), ways("act_kv_heads"), devices, nodes)
+
+
+def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile) -> float:
+    """Seconds for ``per_device`` units of work on each of the call's devices at ``rate``.
+
+    On a shared host the devices are threads on the same cores: the machine does n times the
+    per-device work at its aggregate rate.
+    """
+    return per_device * (g.n if profile.shared_host else 1) / rate
+
+
+def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
+    """A fixed per-device cost (dispatch, per-op launch): on a shared host every device's
+    program runs its ops on the same cores, so the cost is paid n times over."""
+    return seconds * (g.n if profile.shared_host else 1)
+
+
+def _link_bandwidth(nodes: int, profile: DeviceProfile) -> float:
+    return profile.intra_node_bandwidth if nodes <= 1 else profile.inter_node_bandwidth
+
+
+def _comm_s(bytes_per_device: float, count: int, g: _Geometry, profile: DeviceProfile) -> float:
+    """``count`` collectives moving ``bytes_per_device`` in total into each device."""
+    if bytes_per_device <= 0 or g.n <= 1:
+        return 0.0
+    bw = _link_bandwidth(g.nodes, profile)
+    return _work_s(bytes_per_device, g, bw, profile) + count * profile.collective_latency_s
+
+
+def _ring(bytes_total: float, k: int) -> float:
+    """Bytes into each device for an all-gather / reduce-scatter of ``bytes_total`` over k."""
+    return bytes_total * (k - 1) / k if k > 1 else 0.0
+
+
+def _bucket(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------- call costs
+def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
+    """FSDP: bytes of weights a device must fetch to compute (its tensor shard, minus what it
+    holds)."""
+    full = sum(math.prod(s) * size for _, _, s, size in _param_table(cfg, head))
+    return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
+
+
+def _head_tokens(w: Workload, head: str, role: str, rows: int) -> int:
+    # lm heads and the critic run at every response column, the reward model at one per row
+    return rows * (1 if role == "reward" else w.gen_len)
+
+
+def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> float:
+    """Prefill in batches of <= 64 prompts, then gen_len - 1 decode steps over all slots."""
+    cfg = w.actor
+    g = _geometry(p, profile)
+    rows = w.rows
+    a = itemsize(cfg.dtype)
+    # prefill: prompts padded to a power of two (the engine's bucketing), <= 64 rows per call
+    plen = _bucket(w.prompt_len, min(16, w.prompt_len))
+    prefill_calls = -(-rows // 64)
+    flops = forward_flops(cfg, rows, plen, "lm", rows)
+    prefill = prefill_calls * (
+        profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s
+    )
+    prefill += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+    # decode: each step every slot runs one token; weights and the KV cache are read once
+    steps = max(0, w.gen_len - 1)
+    context = w.prompt_len + w.gen_len / 2
+    slots_per_shard = -(-rows // g.batch)
+    compute = _work_s(decode_step_flops(cfg, rows, context) / g.n, g, profile.matmul_flops, profile)
+    weight_bytes = shard_bytes(cfg, "lm", p)
+    kv_bytes = slots_per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
+    memory = _work_s(weight_bytes + kv_bytes, g, profile.memory_bandwidth, profile)
+    tp = _comm_s(
+        2 * cfg.num_layers * 2 * _ring(slots_per_shard * cfg.hidden_size * a, g.tensor),
+        2 * cfg.num_layers,
+        g,
+        profile,
+    )
+    step = max(compute, memory) / profile.decode_efficiency
+    step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
+    chunks = -(-steps // max(1, w.decode_chunk_steps))
+    return prefill + steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
+
+
+def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
+    """One forward over the packed batch (rows x (prompt + gen) tokens)."""
+    cfg, head = w.models()[role]
+    g = _geometry(p, profile)
+    rows, seq = w.rows, w.seq_len
+    flops = forward_flops(cfg, rows, seq, head, _head_tokens(w, head, role, rows))
+    t = _fixed_s(
+        profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s, g, profile
+    )
+    t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+    t += _comm_s(_gathered_weight_bytes(cfg, head, p, g), cfg.num_layers, g, profile)
+    act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
+    t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
+    return t
+
+
+def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
+    """epochs x minibatches steps: fwd + bwd (+ recompute), FSDP gathers, optimizer update."""
+    cfg, head = w.models()[role]
+    g = _geometry(p, profile)
+    mb, seq = min(w.minibatch_size, w.rows), w.seq_len
+    passes = 3.0 + (1.0 if cfg.remat_policy != "none" else 0.0)
+    flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
+    step = _fixed_s(
+        profile.call_overhead_s + cfg.num_layers * profile.train_layer_overhead_s, g, profile
+    )
+    step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)
+    # two all-gathers of the weights (forward, backward) and a reduce-scatter of the gradients
+    step += _comm_s(3 * _gathered_weight_bytes(cfg, head, p, g), 3 * cfg.num_layers, g, profile)
+    act = -(-mb // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
+    step += _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
+    elems = shard_bytes(cfg, head, p) / itemsize(cfg.param_dtype)
+    step += _work_s(elems * profile.optimizer_bytes_per_param, g, profile.memory_bandwidth, profile)
+    return w.train_steps * step
+
+
+def reshard_seconds(
+    w: Workload, edge: ReshardEdge, plan: ExecutionPlan, profile: DeviceProfile
+) -> float:
+    """Bytes each target device receives (from the shardings) over the links the move spans."""
+    cfg, head = w.models()[edge.role]
+    src, dst = plan[edge.src], plan[edge.dst]
+    per_device = reshard_bytes_per_device(cfg, head, src, dst)
+    devices = src.devices | dst.devices
+    nodes = len({d // profile.devices_per_node for d in devices})
+    bw = _link_bandwidth(nodes, profile) * profile.reshard_efficiency
+    if profile.shared_host:
+        moved = sum(per_device.values()) / bw
+    else:
+        moved = max(per_device.values(), default=0) / bw
+    latency = profile.collective_latency_s if moved > 0 else 0.0
+    return profile.reshard_overhead_s + moved + latency
+
+
+# ------------------------------------------------------------------------------- memory model
+def _state_bytes(cfg: ModelConfig, head: str, p: CallPlacement, train: bool) -> int:
+    """Parameters (and, for a trained model, fp32 AdamW moments) on one device."""
+    b = shard_bytes(cfg, head, p)
+    if train:
+        b += b // itemsize(cfg.param_dtype) * MOMENT_BYTES
+    return b
+
+
+def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
+    slots = -(-w.rows // g.batch) * g.batch  # the trainer rounds slots up to the data shards
+    per_shard = slots // g.batch * w.seq_len * kv_bytes_per_token(w.actor)
+    return int(per_shard / g.kv_tensor)
+
+
+def _resident(
+    w: Workload, plan: ExecutionPlan, profile: DeviceProfile
+) -> dict[int, dict[str, int]]:
+    """device -> {what: bytes} for everything that lives on the device across the iteration."""
+    out: dict[int, dict[str, int]] = {}
+
+    def add(devices, what: str, nbytes: int):
+        for d in devices:
+            out.setdefault(d, {})
+            out[d][what] = out[d].get(what, 0) + int(nbytes)
+
+    models = w.models()
+    for role, (cfg, head) in models.items():
+        if role in ("actor", "critic"):
+            train = plan.for_role(role, "train")
+            add(train.devices, f"{role} params+adam", _state_bytes(cfg, head, train, True))
+        elif role == "reference":
+            p = plan["reference_infer"]
+            add(p.devices, "reference params", _state_bytes(cfg, head, p, False))
+        elif role == "reward":
+            p = plan["reward_infer"]
+            add(p.devices, "reward params", _state_bytes(cfg, head, p, False))
+    gen = plan["actor_generate"]
+    # the generation copy always exists in the trainer (the resharder's output); it is the
+    # "shadow" copy when generation has its own devices
+    add(gen.devices, "actor generation copy", _state_bytes(w.actor, "lm", gen, False))
+    add(gen.devices, "kv pool", _kv_pool_bytes(w, _geometry(gen, profile)))
+    if "critic" in models and plan["critic_infer"] != plan["critic_train"]:
+        p = plan["critic_infer"]
+        add(p.devices, "critic inference copy", _state_bytes(w.critic, "value", p, False))
+    return out
+
+
+def _logits_bytes(cfg, head: str, head_tokens_per_device: float, tensor: int, copies: int) -> float:
+    if head != "lm":
+        return head_tokens_per_device * 4 * copies
+    return head_tokens_per_device * cfg.vocab_size / tensor * 4 * copies  # float32 logits
+
+
+def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProfile) -> float:
+    """Transient bytes a call needs on top of the residents (per device)."""
+    role, phase = CALLS[call]
+    cfg, head = w.models()[role]
+    g = _geometry(p, profile)
+    a = itemsize(cfg.dtype)
+    gathered = _gathered_weight_bytes(cfg, head, p, g)
+    if phase == "generate":
+        plen = _bucket(w.prompt_len, min(16, w.prompt_len))
+        prefill_rows = -(-min(w.rows, 64) // g.batch)
+        act = (
+            prefill_rows
+            * plen
+            * (
+                activation_bytes_per_token(cfg, plen, g.tensor, saved=False)
+                + 2 * cfg.hidden_size * a
+            )
+        )
+        slots = -(-w.rows // g.batch)
+        return act + _logits_bytes(cfg, "lm", max(slots, prefill_rows), g.tensor, 4)
+    if phase == "infer":
+        rows = -(-w.rows // g.batch)
+        tokens = rows * w.seq_len
+        act = tokens * (
+            activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=False)
+            + 2 * cfg.hidden_size * a
+        )
+        logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
+        return act + logits + gathered
+    # train: gradients, saved activations per the remat policy, logits and their gradient
+    rows = -(-min(w.minibatch_size, w.rows) // g.batch)
+    tokens = rows * w.seq_len
+    grads = shard_bytes(cfg, head, p)
+    saved_layer = activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=True)
+    if cfg.remat_policy == "none":
+        act = cfg.num_layers * tokens * saved_layer
+    elif cfg.remat_policy == "full":
+        act = cfg.num_layers * tokens * cfg.hidden_size * a + tokens * saved_layer
+    else:  # dots policies keep the matmul outputs, not the attention probabilities
+        dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * cfg.intermediate_size
+        act = (
+            cfg.num_layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + tokens * saved_layer
+        )
+    logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
+    return grads + act + logits + 2 * gathered
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------ estimate
+def _active_calls(w: Workload) -> list[str]:
+    models = w.models()
+    return [c for c, (role, _) in CALLS.items() if role in models]
+
+
+def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
+    """Seconds per call, phase and iteration, peak memory per call, and whether the plan fits."""
+    w = workload
+    active = _active_calls(w)
+    reasons: list[str] = []
+    for call in active:
+        role, _ = CALLS[call]
+        cfg, head = w.models()[role]
+        for problem in layout_problems(cfg, head, plan[call])[:1]:
+            reasons.append(f"{call}: {plan[call]}: {problem}")
+
+    call_seconds = {c: 0.0 for c in CALLS}
+    for call in active:
+        role, phase = CALLS[call]
+        p = plan[call]
+        if phase == "generate":
+            call_seconds[call] = generate_seconds(w, p, profile)
+        elif phase == "infer":
+            call_seconds[call] = infer_seconds(w, role, p, profile)
+        else:
+            call_seconds[call] = train_seconds(w, role, p, profile)
+
+    reshard = {}
+    for edge in plan.reshard_edges():
+        if edge.role in w.models():
+            reshard[edge.role] = reshard_seconds(w, edge, plan, profile)
+
+    infer = [call_seconds[c] for c in INFERENCE_CALLS]
+    overlap = plan.overlapping_inference() and not profile.shared_host
+    # host work of the score phase besides the model calls: packing, the advantage function and
+    # fetching its results (a few synchronizing calls)
+    score = (max(infer) if overlap else sum(infer)) + 2 * profile.call_overhead_s
+    disjoint_train = not (plan["actor_train"].devices & plan["critic_train"].devices)
+    trains = [call_seconds["actor_train"], call_seconds["critic_train"]]
+    train = max(trains) if disjoint_train and not profile.shared_host else sum(trains)
+    phases = {
+        "generate": call_seconds["actor_generate"],
+        "score": score,
+        "train": train,
+        "reshard": sum(reshard.values()),
+    }
+
+    resident = _resident(w, plan, profile)
+    memory = {c: 0 for c in CALLS}
+    for call in active:
+        p = plan[call]
+        working = _working_bytes(w, call, p, profile)
+        worst_device, worst = None, -1.0
+        for d in p.devices:
+            total = sum(resident.get(d, {}).values()) + working
+            if total > worst:
+                worst_device, worst = d, total
+        memory[call] = int(worst)
+        if worst > profile.memory_bytes:
+            parts = ", ".join(
+                f"{k} {_fmt(v)}" for k, v in sorted(resident.get(worst_device, {}).items())
+            )
+            reasons.append(
+                f"{call}: needs {_fmt(worst)} per device on device {worst_device} "
+                f"({parts}, working {_fmt(working)}) but {profile.name} has "
+                f"{_fmt(profile.memory_bytes)}"
+            )
+    return PlanEstimate(
+        plan=plan,
+        call_seconds=call_seconds,
+        reshard_seconds=reshard,
+        phase_seconds=phases,
+        iteration_seconds=sum(phases.values()),
+        memory_bytes=memory,
+        fits=not reasons,
+        reasons=reasons,
+    )
+
+
+def compiled_memory_bytes(compiled) -> int | None:
+    """Peak bytes per device XLA reports for a compiled program (None if it cannot say).
+
+    For checking the memory model against XLA after a plan's programs are compiled.
+    """
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # backends without memory analysis
+        return None
+    if m is None:
+        return None
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+__all__ = [
+    "PHASES",
+    "PlanEstimate",
+    "compiled_memory_bytes",
+    "estimate",
+    "head_params",
+    "layout_problems",
+    "reshard_bytes",
+    "reshard_bytes_per_device",
+    "shard_bytes",
+]

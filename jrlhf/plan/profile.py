@@ -1,0 +1,101 @@
+"""Device profiles: the handful of rates and overheads the cost estimator prices work with.
+
+A profile is a JSON file per device kind. ``jrlhf/plan/profiles/cpu.json`` was measured on the
+development machine by ``python -m jrlhf.plan.calibrate``; ``h100.json`` and ``h200.json`` are
+datasheet numbers scaled by typical published efficiencies (their ``notes`` say so). Calibrate on
+the real machine (``--device-kind``) before trusting a GPU plan's absolute times.
+
+Two regimes:
+
+* ``shared_host=False`` (accelerators): every device has its own compute, memory bandwidth and
+  links; rates are per device, calls on disjoint devices run concurrently.
+* ``shared_host=True`` (XLA's fake CPU devices): all "devices" are threads on the same cores and
+  memory, so rates are for the whole machine, work on n devices costs n times the per-device
+  work at that aggregate rate, and calls on disjoint devices do not speed each other up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """Rates (per device, or per machine when ``shared_host``), efficiencies and overheads."""
+
+    name: str
+    memory_bytes: int  # usable device memory (per device; the host's RAM when shared_host)
+    # compute: achieved dense-matmul FLOP/s in the compute dtype (microbenchmark), and the
+    # fraction of it a real model call reaches (fitted to short model profiles)
+    matmul_flops: float
+    peak_flops: float = 0.0  # datasheet peak, for reference (0: unknown)
+    forward_efficiency: float = 1.0
+    train_efficiency: float = 1.0
+    decode_efficiency: float = 1.0
+    # memory and links: achieved bytes/s
+    memory_bandwidth: float = 1e11
+    intra_node_bandwidth: float = 1e11  # per device, one direction, inside a node
+    inter_node_bandwidth: float = 1e10  # per device, one direction, across nodes
+    devices_per_node: int = 8
+    # fixed costs
+    call_overhead_s: float = 0.0  # one jitted call: dispatch + host sync
+    forward_layer_overhead_s: float = 0.0  # per layer of a forward (kernel launches, small ops)
+    train_layer_overhead_s: float = 0.0  # per layer of a training step (fwd + bwd)
+    decode_layer_overhead_s: float = 0.0  # per layer of one decode step
+    collective_latency_s: float = 0.0  # per collective (all-gather, all-reduce, ...)
+    reshard_overhead_s: float = 0.0  # one cached resharder transition: tree walk, dispatch, sync
+    reshard_efficiency: float = 1.0  # fraction of the link bandwidth a transition achieves
+    shared_host: bool = False
+    optimizer_bytes_per_param: float = 28.0  # AdamW: read p,g,m,v + write p,m,v at 4 bytes
+    notes: str = ""
+    measured: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        for field in ("memory_bytes", "matmul_flops", "memory_bandwidth", "intra_node_bandwidth"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"profile {self.name!r}: {field} must be > 0")
+        for field in ("forward_efficiency", "train_efficiency", "decode_efficiency"):
+            if not 0 < getattr(self, field) <= 10:
+                raise ValueError(f"profile {self.name!r}: {field} must be in (0, 10]")
+        if self.devices_per_node < 1:
+            raise ValueError(f"profile {self.name!r}: devices_per_node must be >= 1")
+
+    def replace(self, **changes: Any) -> DeviceProfile:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "profile") -> DeviceProfile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown profile field(s) {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, name_or_path: str) -> DeviceProfile:
+        """A built-in profile by name (``cpu``, ``h100``, ``h200``) or a JSON file path."""
+        path = Path(name_or_path)
+        if not (path.suffix == ".json" or path.exists()):
+            path = PROFILE_DIR / f"{name_or_path}.json"
+            if not path.exists():
+                known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+                raise ValueError(f"unknown device profile {name_or_path!r} (built-in: {known})")
+        if not path.exists():
+            raise ValueError(f"device profile file {path} does not exist")
+        return cls.from_dict(json.loads(path.read_text()), where=str(path))
+
+    @staticmethod
+    def builtin() -> list[str]:
+        return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))

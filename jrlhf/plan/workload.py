@@ -1,0 +1,163 @@
+"""What one RLHF iteration asks of the hardware: models, batch and lengths, and FLOP/byte counts.
+
+A ``Workload`` is the part of a run's configuration that the cost estimator needs. The counting
+functions here are deliberately plain arithmetic over ``ModelConfig`` fields (no tracing), so they
+can be checked by hand in tests and evaluated for 70B models in microseconds.
+
+FLOP conventions (one multiply-add = 2 FLOPs):
+
+* a dense matmul over ``tokens`` rows with ``p`` weight entries costs ``2 * p * tokens``;
+* attention scores and the weighted sum each cost ``2 * heads * head_dim`` per (query, key) pair;
+  training and scoring compute the full ``S x S`` masked square (our attention is dense), decode
+  attends each new token to the cached context;
+* the embedding is a gather (no FLOPs); the lm head is a matmul but the trainer only evaluates it
+  at the response columns (``jrlhf.ppo.batch.response_hidden``), the value head likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jrlhf.models.config import ModelConfig
+
+# Which head each role carries (jrlhf.train.run_rl): value-head models have no lm_head.
+ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Models and the shape of one iteration (prompts x samples rows of prompt_len + gen_len)."""
+
+    actor: ModelConfig
+    critic: ModelConfig | None  # None for GRPO
+    reference: ModelConfig
+    reward: ModelConfig | None  # None when a verifiable Python reward is used
+    prompts: int  # prompts per iteration
+    samples_per_prompt: int
+    prompt_len: int
+    gen_len: int  # generated tokens per sample
+    epochs: int
+    minibatch_size: int
+    # Decode-engine knobs that change the number of host round trips (DecodeConfig.chunk_steps).
+    decode_chunk_steps: int = 8
+
+    @property
+    def rows(self) -> int:
+        """Samples per iteration (rollout batch)."""
+        return self.prompts * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        """Packed sequence length used by scoring and training (prompt + response columns)."""
+        return self.prompt_len + self.gen_len
+
+    @property
+    def train_steps(self) -> int:
+        """Optimizer steps per model per iteration."""
+        return self.epochs * max(1, -(-self.rows // self.minibatch_size))
+
+    def models(self) -> dict[str, tuple[ModelConfig, str]]:
+        """role -> (config, head) for the roles this workload has."""
+        out = {"actor": (self.actor, "lm"), "reference": (self.reference, "lm")}
+        if self.critic is not None:
+            out["critic"] = (self.critic, "value")
+        if self.reward is not None:
+            out["reward"] = (self.reward, "value")
+        return out
+
+    @classmethod
+    def from_config(cls, cfg, models: dict[str, ModelConfig]) -> Workload:
+        """The workload of a ``jrlhf.config.Config`` whose roles resolved to ``models``.
+
+        ``models`` maps role names to the ``ModelConfig`` each role will run (after overrides);
+        the reference defaults to the actor's config and the critic/reward to the actor's too
+        when the stage needs them but the dict does not say.
+        """
+        stages = tuple(cfg.run.stages)
+        actor = models["actor"]
+        algorithm = "grpo" if "grpo" in stages and "ppo" not in stages else "ppo"
+        critic = models.get("critic", actor) if algorithm == "ppo" else None
+        reward = None if cfg.task.reward_fn else models.get("reward", actor)
+        return cls(
+            actor=actor,
+            critic=critic,
+            reference=models.get("reference", actor),
+            reward=reward,
+            prompts=cfg.rl.prompts_per_iteration,
+            samples_per_prompt=cfg.rl.samples_per_prompt,
+            prompt_len=cfg.task.max_prompt_len,
+            gen_len=cfg.task.max_response_len,
+            epochs=cfg.rl.epochs,
+            minibatch_size=cfg.rl.minibatch_size,
+            decode_chunk_steps=cfg.decode.chunk_steps,
+        )
+
+
+# ------------------------------------------------------------------------------ counting helpers
+def itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weight entries of one decoder layer that take part in matmuls (attention + MLP)."""
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * f
+
+
+def head_params(cfg: ModelConfig, head: str) -> int:
+    """Weight entries of the output head: vocab x hidden (lm head) or hidden (value head)."""
+    return cfg.vocab_size * cfg.hidden_size if head == "lm" else cfg.hidden_size
+
+
+def num_params(cfg: ModelConfig, head: str) -> int:
+    """All parameters of a model with this head (matches ModelDef's parameter tree)."""
+    return (
+        cfg.num_params(with_lm_head=False)
+        + (head_params(cfg, "lm") if head == "lm" and not cfg.tie_word_embeddings else 0)
+        + (head_params(cfg, "value") if head == "value" else 0)
+    )
+
+
+def param_bytes(cfg: ModelConfig, head: str) -> int:
+    return num_params(cfg, head) * itemsize(cfg.param_dtype)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """K and V of one token over all layers, in the compute dtype (the decode pool's dtype)."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize(cfg.dtype)
+
+
+def attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
+    """QK^T and AV for ``queries`` x ``keys`` pairs over all layers."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
+
+
+def forward_flops(cfg: ModelConfig, rows: int, seq: int, head: str, head_tokens: int) -> float:
+    """One forward over ``rows`` sequences of ``seq`` tokens; the head runs on ``head_tokens``
+    positions (in total over all rows)."""
+    body = 2.0 * cfg.num_layers * layer_matmul_params(cfg) * rows * seq
+    attn = attention_flops(cfg, seq, seq) * rows
+    return body + attn + 2.0 * head_params(cfg, head) * head_tokens
+
+
+def decode_step_flops(cfg: ModelConfig, slots: int, context: int) -> float:
+    """One decode step: every slot runs one token through the model and attends to ``context``."""
+    body = 2.0 * (cfg.num_layers * layer_matmul_params(cfg) + head_params(cfg, "lm")) * slots
+    return body + attention_flops(cfg, 1, context) * slots
+
+
+def activation_bytes_per_token(cfg: ModelConfig, seq: int, tensor: int, saved: bool) -> float:
+    """Activation bytes one token keeps for one layer (saved for backward, or live in forward).
+
+    Saved for backward without remat: the layer input, normed inputs, q/k/v, attention output,
+    the attention probabilities row (heads x seq, float32 softmax) and the MLP's gate/up/act
+    tensors. Head- and MLP-sized tensors are split over the tensor axis.
+    """
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    a = itemsize(cfg.dtype)
+    qkv = cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    per = (4 * e + (qkv + cfg.num_heads * cfg.head_dim + 3 * f) / tensor) * a
+    per += 4 * cfg.num_heads / tensor * seq * (2 if saved else 1)  # softmax probs (and scores)
+    return per

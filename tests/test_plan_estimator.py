@@ -1,0 +1,217 @@
+"""The plan cost estimator: FLOP/byte counts, memory rejection, overlap, reshard bytes, profiles."""
+
+import math
+
+import pytest
+
+from jrlhf.meshes.mesh import make_mesh
+from jrlhf.models.config import tiny_config
+from jrlhf.models.model_def import ModelDef
+from jrlhf.plan import estimator as est
+from jrlhf.plan import workload as wl
+from jrlhf.plan.plan import CALLS, CallPlacement, ExecutionPlan, flatten, interleave, separate
+from jrlhf.plan.profile import DeviceProfile
+from jrlhf.plan.workload import Workload
+from jrlhf.reshard import layout
+
+
+def _workload(cfg, **kw) -> Workload:
+    base = dict(
+        actor=cfg,
+        critic=cfg,
+        reference=cfg,
+        reward=cfg,
+        prompts=16,
+        samples_per_prompt=2,
+        prompt_len=8,
+        gen_len=8,
+        epochs=2,
+        minibatch_size=16,
+    )
+    base.update(kw)
+    return Workload(**base)
+
+
+def _llama7b(**kw):
+    kw.setdefault("remat_policy", "full")
+    return tiny_config(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_position_embeddings=4096,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+        **kw,
+    )
+
+
+def test_flop_and_byte_counts_by_hand():
+    # hidden 64, mlp 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 256
+    cfg = tiny_config()
+    per_layer = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128  # q,o + k,v + gate/up/down
+    assert wl.layer_matmul_params(cfg) == per_layer == 36864
+    # all params: embedding + layers (+ two norms each) + final norm + lm head
+    assert wl.num_params(cfg, "lm") == 256 * 64 + 2 * (per_layer + 2 * 64) + 64 + 64 * 256
+    assert wl.num_params(cfg, "value") == 256 * 64 + 2 * (per_layer + 2 * 64) + 64 + 64
+    assert wl.num_params(cfg, "lm") == ModelDef(cfg).config.num_params()
+    # forward of 3 rows x 10 tokens with the lm head at 4 positions
+    body = 2 * 2 * per_layer * 30
+    attn = 4 * 2 * 4 * 16 * 10 * 10 * 3
+    head = 2 * 256 * 64 * 4
+    assert wl.forward_flops(cfg, 3, 10, "lm", 4) == body + attn + head
+    # a decode step of 5 slots attending to 12 cached tokens
+    step = 2 * (2 * per_layer + 256 * 64) * 5 + 4 * 2 * 4 * 16 * 12 * 5
+    assert wl.decode_step_flops(cfg, 5, 12) == step
+    # KV cache: layers x (K, V) x kv heads x head_dim x float32
+    assert wl.kv_bytes_per_token(cfg) == 2 * 2 * 2 * 16 * 4
+
+
+def test_shard_bytes_match_the_real_shardings():
+    cfg = tiny_config()
+    for plan in (flatten(8), separate(8)):
+        for call in ("actor_train", "actor_generate"):
+            p = plan[call]
+            model = ModelDef(cfg)
+            shardings = model.shardings(make_mesh(p.mesh), p.rules)
+            per_device = layout.bytes_per_device(shardings, model.abstract_params)
+            assert est.shard_bytes(cfg, "lm", p) == max(per_device.values())
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_reshard_bytes_arithmetic_equals_layout_bytes_moved(head):
+    cfg = tiny_config(num_kv_heads=4)
+    model = ModelDef(cfg, head)
+    pairs = [
+        (flatten(8), "actor_train", "actor_generate"),
+        (separate(8), "actor_train", "actor_generate"),
+        (interleave(8), "actor_train", "reference_infer"),
+        (interleave(8), "reward_infer", "critic_infer"),
+        (flatten(8, tensor=4, gen_tensor=2), "actor_train", "actor_generate"),
+    ]
+    for plan, a, b in pairs:
+        src, dst = plan[a], plan[b]
+        want = layout.bytes_moved(
+            model.shardings(make_mesh(src.mesh), src.rules),
+            model.shardings(make_mesh(dst.mesh), dst.rules),
+            model.abstract_params,
+        )
+        assert est.reshard_bytes(cfg, head, src, dst) == want, (plan.name, a, b)
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = DeviceProfile.load("h100")
+    path = tmp_path / "p.json"
+    p.save(path)
+    q = DeviceProfile.load(str(path))
+    assert q == p and q.measured == p.measured
+    assert set(DeviceProfile.builtin()) >= {"cpu", "h100", "h200"}
+    with pytest.raises(ValueError, match="unknown device profile"):
+        DeviceProfile.load("tpu-v9")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "memory_bytes": 1, "matmul_flops": 1, "warp_drive": 1}')
+    with pytest.raises(ValueError, match="warp_drive"):
+        DeviceProfile.load(str(bad))
+
+
+def test_estimate_reports_every_call_and_phase():
+    cfg = tiny_config()
+    e = est.estimate(flatten(8), _workload(cfg), DeviceProfile.load("cpu"))
+    assert set(e.call_seconds) == set(CALLS)
+    assert set(e.phase_seconds) == {"generate", "score", "train", "reshard"}
+    assert set(e.reshard_seconds) == {"actor"}
+    assert all(v > 0 for v in e.call_seconds.values())
+    assert e.iteration_seconds == pytest.approx(sum(e.phase_seconds.values()))
+    assert e.fits and not e.reasons
+    # GRPO with a Python reward: no critic or reward calls
+    g = est.estimate(
+        flatten(8), _workload(cfg, critic=None, reward=None), DeviceProfile.load("cpu")
+    )
+    assert g.call_seconds["critic_train"] == g.call_seconds["reward_infer"] == 0
+    assert g.memory_bytes["critic_infer"] == 0
+
+
+def test_interleaved_score_phase_is_the_max_on_accelerators_and_the_sum_on_a_shared_host():
+    cfg = tiny_config()
+    w = _workload(cfg)
+    gpu = DeviceProfile.load("h100")
+    e = est.estimate(interleave(8), w, gpu)
+    infer = [e.call_seconds[c] for c in ("reference_infer", "reward_infer", "critic_infer")]
+    fixed = 2 * gpu.call_overhead_s
+    assert e.phase_seconds["score"] == pytest.approx(max(infer) + fixed)
+    f = est.estimate(flatten(8), w, gpu)  # same devices: the calls queue up
+    infer_f = [f.call_seconds[c] for c in ("reference_infer", "reward_infer", "critic_infer")]
+    assert f.phase_seconds["score"] == pytest.approx(sum(infer_f) + fixed)
+    cpu = DeviceProfile.load("cpu")
+    assert cpu.shared_host
+    c = est.estimate(interleave(8), w, cpu)
+    infer_c = [c.call_seconds[k] for k in ("reference_infer", "reward_infer", "critic_infer")]
+    assert c.phase_seconds["score"] == pytest.approx(sum(infer_c) + 2 * cpu.call_overhead_s)
+
+
+def test_memory_model_rejects_an_impossible_plan_with_a_reason():
+    cfg = tiny_config()
+    tiny_device = DeviceProfile.load("h100").replace(name="tiny-gpu", memory_bytes=2**20)
+    e = est.estimate(flatten(8), _workload(cfg), tiny_device)
+    assert not e.fits
+    assert any(
+        r.startswith("actor_train: needs") and "tiny-gpu has 1.0 MiB" in r for r in e.reasons
+    )
+    assert e.memory_bytes["actor_train"] > 2**20
+
+
+def test_h100_7b_on_8_devices_fits_and_70b_on_one_does_not():
+    h100 = DeviceProfile.load("h100")
+    w7 = _workload(
+        _llama7b(),
+        prompts=64,
+        samples_per_prompt=1,
+        prompt_len=512,
+        gen_len=512,
+        minibatch_size=16,
+    )
+    for plan in (flatten(8, tensor=2), interleave(8, tensor=2), separate(8, tensor=2)):
+        e = est.estimate(plan, w7, h100)
+        assert e.fits, (plan.name, e.reasons)
+        values = [*e.call_seconds.values(), *e.phase_seconds.values(), e.iteration_seconds]
+        assert all(math.isfinite(v) and v >= 0 for v in values)
+        assert 1 < e.iteration_seconds < 3600
+    cfg70 = tiny_config(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    )
+    one = CallPlacement("fsdp=1", "fsdp_tp")
+    absurd = ExecutionPlan("one-device", tuple((c, one) for c in CALLS))
+    w70 = _workload(
+        cfg70, prompts=8, samples_per_prompt=1, prompt_len=128, gen_len=128, minibatch_size=8
+    )
+    e = est.estimate(absurd, w70, h100)
+    assert not e.fits
+    assert any(r.startswith("actor_train: needs") and "GiB" in r for r in e.reasons)
+
+
+def test_reshard_over_nodes_uses_the_slower_links():
+    cfg = _llama7b()
+    w = _workload(
+        cfg, prompts=64, samples_per_prompt=1, prompt_len=256, gen_len=256, minibatch_size=64
+    )
+    h100 = DeviceProfile.load("h100")
+    e_one_node = est.estimate(separate(16, gen_devices=8), w, h100.replace(devices_per_node=16))
+    e_two_nodes = est.estimate(separate(16, gen_devices=8), w, h100)
+    assert e_two_nodes.reshard_seconds["actor"] > 2 * e_one_node.reshard_seconds["actor"]
+
+
+def test_layout_that_does_not_divide_is_reported():
+    cfg = tiny_config(num_kv_heads=1, num_heads=2, hidden_size=64)
+    plan = flatten(8, tensor=4, gen_tensor=4)
+    e = est.estimate(plan, _workload(cfg), DeviceProfile.load("cpu"))
+    assert not e.fits
+    assert any("not divisible" in r for r in e.reasons)
