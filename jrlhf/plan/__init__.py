@@ -1,4 +1,8 @@
-"""Execution plans: per-call placements, strategies, cost estimation and plan search."""
+"""Execution plans: per-call placements, strategies, cost estimation and plan search.
+
+plan.py (plans and strategies) -> workload.py + profile.py + estimator.py (cost model) ->
+candidates.py + search.py (exhaustive / MCMC search) -> __main__.py (``python -m jrlhf.plan``).
+"""
 
 from jrlhf.plan.plan import (
     CALLS,
@@ -12,6 +16,25 @@ from jrlhf.plan.plan import (
     separate,
     strategy,
 )
+
+
+def __getattr__(name):
+    # The cost model and search import more (estimator, presets); load them on first use.
+    lazy = {
+        "estimate": "jrlhf.plan.estimator",
+        "PlanEstimate": "jrlhf.plan.estimator",
+        "Workload": "jrlhf.plan.workload",
+        "DeviceProfile": "jrlhf.plan.profile",
+        "search": "jrlhf.plan.search",
+        "SearchResult": "jrlhf.plan.search",
+        "search_for_config": "jrlhf.plan.search",
+    }
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(lazy[name]), name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "CALLS",

@@ -1,0 +1,190 @@
+"""The search space of execution plans: per-call candidate placements, checked arithmetically.
+
+A call's placement is abstracted as a ``Slot``: a contiguous, aligned, power-of-two slice of the
+devices ``[start, start + size)`` and a tensor-parallel size. Training and inference calls lay
+their model out as ``fsdp x tensor`` with the ``fsdp_tp`` rules; generation as ``data x tensor``
+with ``dp_tp`` (no FSDP: each decode step must read its weights locally). Power-of-two aligned
+slices are the sub-meshes that nest cleanly (ReaL's device-mesh candidates are the same shape);
+they keep the space small without excluding the placements the literature uses.
+
+Everything is checked from the model's dimensions alone, with no devices, so a plan for 128 H100s
+can be searched on a laptop: a tensor size must divide the attention heads, the KV heads, the MLP
+width and the vocabulary (the rules shard all four over ``tensor``), the FSDP size must divide the
+hidden size (``embed`` is sharded over ``fsdp``), and the batch must split over the batch axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.models.config import ModelConfig
+from jrlhf.plan.plan import CALLS, CallPlacement, ExecutionPlan
+
+# Which model each call runs (the role), and the call a model-less call follows (see below).
+GENERATE_CALL = "actor_generate"
+DEVICES_PER_NODE = 8  # H100/H200 HGX nodes: tensor parallelism stays inside NVLink
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Slot:
+    """A call's devices ``[start, start + size)`` and tensor size (the rest is fsdp or data)."""
+
+    start: int
+    size: int
+    tensor: int = 1
+
+    @property
+    def devices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def __str__(self) -> str:
+        return f"{self.size}x(t{self.tensor})@{self.start}"
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def slices(num_devices: int) -> list[tuple[int, int]]:
+    """All aligned power-of-two slices (start, size) of ``num_devices`` devices, biggest first."""
+    out, size = [], 1
+    while size <= num_devices:
+        out.extend((start, size) for start in range(0, num_devices - size + 1, size))
+        size *= 2
+    return sorted(out, key=lambda s: (-s[1], s[0]))
+
+
+def tensor_problem(model: ModelConfig, tensor: int) -> str | None:
+    """Why ``tensor`` cannot split ``model`` (None when it can)."""
+    dims = {
+        "num_heads": model.num_heads,
+        "num_kv_heads": model.num_kv_heads,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+    }
+    for name, value in dims.items():
+        if value % tensor:
+            return f"tensor={tensor} does not divide {name}={value}"
+    return None
+
+
+def slot_problem(
+    call: str,
+    model: ModelConfig | None,
+    slot: Slot,
+    num_devices: int,
+    *,
+    batch: int | None = None,
+    devices_per_node: int = DEVICES_PER_NODE,
+) -> str | None:
+    """Why ``slot`` is not a valid placement of ``call`` (None when it is).
+
+    ``batch`` is the number of rows the call's batch axis carries (the train minibatch, or the
+    iteration's samples for inference and generation); it must split over ``size / tensor``.
+    """
+    start, size, tensor = slot.start, slot.size, slot.tensor
+    if size < 1 or start < 0 or start + size > num_devices:
+        return f"slice {start}..{start + size - 1} is outside the {num_devices} devices"
+    if not is_pow2(tensor):
+        return f"tensor={tensor} is not a power of two"
+    if tensor > devices_per_node:
+        return f"tensor={tensor} exceeds the {devices_per_node} devices of a node"
+    if size % tensor:
+        return f"tensor={tensor} does not divide the slice of {size} devices"
+    if model is not None:
+        problem = tensor_problem(model, tensor)
+        if problem:
+            return problem
+        shards = size // tensor
+        if call != GENERATE_CALL and model.hidden_size % shards:
+            return f"fsdp={shards} does not divide hidden_size={model.hidden_size}"
+    if batch is not None and batch % (size // tensor):
+        axis = "data" if call == GENERATE_CALL else "fsdp"
+        return f"batch of {batch} rows does not split over {axis}={size // tensor}"
+    return None
+
+
+def call_candidates(
+    call: str,
+    model: ModelConfig | None,
+    num_devices: int,
+    *,
+    batch: int | None = None,
+    devices_per_node: int = DEVICES_PER_NODE,
+    max_tensor: int | None = None,
+) -> list[Slot]:
+    """Every valid slot of ``call`` on ``num_devices`` devices (aligned power-of-two slices)."""
+    limit = min(devices_per_node, max_tensor or devices_per_node)
+    out = []
+    for start, size in slices(num_devices):
+        tensor = 1
+        while tensor <= min(size, limit):
+            slot = Slot(start, size, tensor)
+            problem = slot_problem(
+                call, model, slot, num_devices, batch=batch, devices_per_node=devices_per_node
+            )
+            if problem is None:
+                out.append(slot)
+            tensor *= 2
+    return out
+
+
+def placement(call: str, slot: Slot, actor_train: CallPlacement | None = None) -> CallPlacement:
+    """The CallPlacement of ``slot``; a generation slot on exactly the actor's training devices
+    is ordered for zero-redundancy resharding (jrlhf.reshard.choose_generation_mesh), as
+    ``plan.flatten`` does."""
+    if call == GENERATE_CALL:
+        if actor_train is not None and set(actor_train.mesh.device_ids()) == set(slot.devices):
+            from jrlhf.reshard import choose_generation_mesh
+
+            return CallPlacement(choose_generation_mesh(actor_train.mesh, slot.tensor), "dp_tp")
+        axes = (("data", slot.size // slot.tensor), ("tensor", slot.tensor))
+        return CallPlacement(MeshSpec(axes, tuple(slot.devices)), "dp_tp")
+    axes = (("fsdp", slot.size // slot.tensor), ("tensor", slot.tensor))
+    return CallPlacement(MeshSpec(axes, tuple(slot.devices)), "fsdp_tp")
+
+
+def build_plan(name: str, slots: Mapping[str, Slot]) -> ExecutionPlan:
+    """An ExecutionPlan from one slot per call (actor_train first: generation may follow it)."""
+    train = placement("actor_train", slots["actor_train"])
+    placements = {call: placement(call, slots[call], train) for call in CALLS}
+    return ExecutionPlan(name, tuple(placements.items()))
+
+
+def slot_of(placement_: CallPlacement) -> Slot | None:
+    """The slot a placement occupies, or None when it is not a contiguous (X, tensor) slice."""
+    mesh = placement_.mesh
+    ids = sorted(mesh.device_ids())
+    if ids != list(range(ids[0], ids[0] + len(ids))):
+        return None
+    names = mesh.names
+    if len(names) > 2 or (len(names) == 2 and names[1] != "tensor"):
+        return None
+    return Slot(ids[0], len(ids), mesh.shape.get("tensor", 1))
+
+
+def slots_of(plan: ExecutionPlan) -> dict[str, Slot] | None:
+    """Slots of every call of ``plan``, or None when some placement is not a slot."""
+    out = {}
+    for call in CALLS:
+        slot = slot_of(plan[call])
+        if slot is None:
+            return None
+        out[call] = slot
+    return out
+
+
+def call_models(workload) -> dict[str, ModelConfig | None]:
+    """The model each call runs, from a Workload (None where the role is absent)."""
+    return {call: getattr(workload, role) for call, (role, _) in CALLS.items()}
+
+
+def call_batches(workload) -> dict[str, int]:
+    """Rows on each call's batch axis: the train minibatch, else all samples of the iteration."""
+    rows = workload.prompts * workload.samples_per_prompt
+    return {
+        call: workload.minibatch_size if phase == "train" else rows
+        for call, (_, phase) in CALLS.items()
+    }

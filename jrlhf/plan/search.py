@@ -1,0 +1,563 @@
+"""Search for the fastest execution plan under a cost estimate (ReaL's plan search, in small).
+
+The space gives each model call a slot (``candidates.Slot``: an aligned power-of-two device slice
+and a tensor size). When the product of the per-call candidate counts is small the search is
+exhaustive; otherwise it runs simulated-annealing MCMC as ReaL does: propose a change of one call's
+placement, accept it with probability ``min(1, exp(-(c' - c) / T))`` while ``T`` cools, from
+several starting plans, with a fixed seed so a run is reproducible. The three named strategies of
+the literature (flatten, interleave, separate), each over a few tensor sizes, are always
+evaluated: they are the baselines the result is compared against and the MCMC's starting points.
+
+The search never looks inside the cost: it calls ``cost_fn(plan) -> PlanEstimate``, by default
+``jrlhf.plan.estimator.estimate`` with the workload and device profile, so tests can inject a
+cost function with a known optimum. A plan that does not fit in memory costs infinity in the
+ranking but keeps its estimate (and so its reasons); inside the MCMC it gets a large finite energy
+that grows with its memory overflow, so a chain that starts outside the feasible region walks
+towards it instead of drifting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jrlhf.plan import plan as plans
+from jrlhf.plan.candidates import (
+    DEVICES_PER_NODE,
+    Slot,
+    build_plan,
+    call_batches,
+    call_candidates,
+    call_models,
+    slot_problem,
+    slots_of,
+)
+from jrlhf.plan.plan import CALLS, ExecutionPlan
+
+CostFn = Callable[[ExecutionPlan], Any]  # returns a PlanEstimate (duck-typed: see _energy)
+
+EXHAUSTIVE_LIMIT = 20_000
+# Energy offset of a plan that does not fit: above any real iteration time (see _energy).
+INFEASIBLE = 1e9
+
+
+@dataclasses.dataclass
+class Ranked:
+    """One evaluated plan and its estimate; ``cost`` is infinite when it does not fit."""
+
+    plan: ExecutionPlan
+    estimate: Any
+
+    @property
+    def cost(self) -> float:
+        return self.estimate.iteration_seconds if self.estimate.fits else math.inf
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Distinct plans, fitting ones first and fastest first, plus the best variant of each named
+    strategy (``baselines``; absent when no variant of it is valid on this many devices)."""
+
+    ranked: list[Ranked]
+    baselines: dict[str, Ranked]
+    method: str  # 'exhaustive' or 'mcmc'
+    space_size: int  # number of plans in the candidate space
+    evaluated: int  # distinct plans whose cost was computed
+
+    @property
+    def best(self) -> Ranked:
+        return self.ranked[0]
+
+    def speedup(self, strategy: str) -> float:
+        """Estimated iteration time of the best variant of ``strategy`` over the best plan's."""
+        base = self.baselines.get(strategy)
+        if base is None or not math.isfinite(base.cost) or not math.isfinite(self.best.cost):
+            return math.nan
+        return base.cost / self.best.cost
+
+
+def peak_memory_bytes(estimate: Any) -> int:
+    """The largest per-device figure in an estimate's ``memory_bytes`` (0 when none)."""
+    values = list(getattr(estimate, "memory_bytes", {}).values())
+    return max(values) if values else 0
+
+
+class SearchSpace:
+    """Per-call candidate slots for a workload on ``num_devices`` devices.
+
+    Calls whose model is absent (no critic in GRPO, a Python reward function) are *tied*: they
+    follow the actor's training slot, so they neither enlarge the space nor write odd meshes.
+    """
+
+    def __init__(
+        self,
+        workload: Any,
+        num_devices: int,
+        *,
+        devices_per_node: int = DEVICES_PER_NODE,
+        max_tensor: int | None = None,
+        candidates: Mapping[str, Sequence[Slot]] | None = None,
+    ):
+        if num_devices < 1:
+            raise ValueError(f"need at least one device, got {num_devices}")
+        self.num_devices = num_devices
+        self.devices_per_node = devices_per_node
+        self.models = call_models(workload)
+        self.batches = call_batches(workload)
+        self.tied = tuple(c for c in CALLS if self.models[c] is None and c != "actor_train")
+        self.free = tuple(c for c in CALLS if c not in self.tied)
+        if candidates is None:
+            candidates = {
+                c: call_candidates(
+                    c,
+                    self.models[c],
+                    num_devices,
+                    batch=self.batches[c],
+                    devices_per_node=devices_per_node,
+                    max_tensor=max_tensor,
+                )
+                for c in self.free
+            }
+        self.candidates = {c: list(candidates[c]) for c in self.free}
+        for call, cands in self.candidates.items():
+            if not cands:
+                whole = Slot(0, num_devices, 1)
+                why = self.problem(call, whole) or "no aligned power-of-two slice is valid"
+                raise ValueError(f"no valid placement of {call} on {num_devices} devices ({why})")
+        self._members = {c: set(v) for c, v in self.candidates.items()}
+        self._neighbours: dict[tuple[str, Slot], list[Slot]] = {}
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(v) for v in self.candidates.values())
+
+    def problem(self, call: str, slot: Slot) -> str | None:
+        return slot_problem(
+            call,
+            self.models[call],
+            slot,
+            self.num_devices,
+            batch=self.batches[call],
+            devices_per_node=self.devices_per_node,
+        )
+
+    def key(self, slots: Mapping[str, Slot]) -> tuple[Slot, ...]:
+        return tuple(slots[c] for c in self.free)
+
+    def complete(self, free: Mapping[str, Slot]) -> dict[str, Slot]:
+        out = dict(free)
+        for call in self.tied:
+            out[call] = free["actor_train"]
+        return out
+
+    def plan(self, slots: Mapping[str, Slot], name: str = "searched") -> ExecutionPlan:
+        return build_plan(name, self.complete(slots))
+
+    def valid(self, slots: Mapping[str, Slot]) -> bool:
+        return all(self.problem(c, slots[c]) is None for c in self.free)
+
+    def enumerate(self):
+        for combo in itertools.product(*(self.candidates[c] for c in self.free)):
+            yield dict(zip(self.free, combo))
+
+    def random(self, rng: random.Random) -> dict[str, Slot]:
+        return {c: rng.choice(self.candidates[c]) for c in self.free}
+
+    def neighbours(self, call: str, slot: Slot) -> list[Slot]:
+        """Slots one step away: shift by one slice, halve or double the slice, halve or double
+        the tensor size. Local moves let the annealing refine a plan it has found."""
+        key = (call, slot)
+        if key not in self._neighbours:
+            s, n, t = slot.start, slot.size, slot.tensor
+            near = [
+                Slot(s - n, n, t),
+                Slot(s + n, n, t),
+                Slot(s, n // 2, t),
+                Slot(s + n // 2, n // 2, t),
+                Slot(s - s % (2 * n), 2 * n, t),
+                Slot(s, n, t * 2),
+                Slot(s, n, t // 2),
+                Slot(s, n // 2, max(1, t // 2)),
+                Slot(s - s % (2 * n), 2 * n, t * 2),
+            ]
+            members = self._members.get(call, set())
+            self._neighbours[key] = sorted({x for x in near if x in members and x != slot})
+        return self._neighbours[key]
+
+    def propose(self, slots: Mapping[str, Slot], rng: random.Random) -> dict[str, Slot]:
+        """Change one call's placement: a uniform candidate, a local step, or another call's
+        slice (co-location is what flatten and separate are made of, and a uniform draw would
+        rarely hit another call's slice exactly)."""
+        out = dict(slots)
+        call = rng.choice(self.free)
+        current = slots[call]
+        u = rng.random()
+        choice = None
+        if u < 0.3:
+            near = self.neighbours(call, current)
+            choice = rng.choice(near) if near else None
+        elif u < 0.55 and len(self.free) > 1:
+            other = slots[rng.choice([c for c in self.free if c != call])]
+            same_slice = [
+                x
+                for x in self.candidates[call]
+                if (x.start, x.size) == (other.start, other.size) and x != current
+            ]
+            if same_slice:
+                choice = min(same_slice, key=lambda x: (abs(x.tensor - current.tensor), x.tensor))
+        if choice is None:
+            choice = rng.choice(self.candidates[call])
+        out[call] = choice
+        return out
+
+
+def strategy_variants(space: SearchSpace) -> dict[str, list[ExecutionPlan]]:
+    """Flatten, interleave and separate over every valid (tensor, generation tensor) pair, and
+    for separate over generation slices of a quarter, half and three quarters of the devices:
+    the baselines are each strategy tuned, not a strawman."""
+    n = space.num_devices
+    tensors = []
+    t = 1
+    while t <= min(n, space.devices_per_node):
+        tensors.append(t)
+        t *= 2
+    out: dict[str, list[ExecutionPlan]] = {name: [] for name in plans.STRATEGIES}
+    seen: set = set()
+
+    def add(strategy: str, label: str, **kwargs: int) -> None:
+        try:
+            plan = plans.strategy(strategy, n, **kwargs)
+        except ValueError:
+            return
+        if not _plan_valid(space, plan) or plan.placements in seen:
+            return
+        seen.add(plan.placements)
+        out[strategy].append(dataclasses.replace(plan, name=f"{strategy}({label})"))
+
+    for t, gt in itertools.product(tensors, tensors):
+        label = f"t={t},gen_t={gt}"
+        add("flatten", label, tensor=t, gen_tensor=gt)
+        add("interleave", label, tensor=t, gen_tensor=gt)
+        for gen in sorted({n // 4, n // 2, 3 * n // 4}):
+            if 0 < gen < n:
+                add("separate", f"gen={gen},{label}", gen_devices=gen, tensor=t, gen_tensor=gt)
+    return out
+
+
+def _plan_valid(space: SearchSpace, plan: ExecutionPlan) -> bool:
+    """Whether every call of a strategy's plan passes the same checks as the candidates."""
+    try:
+        plan.validate(space.num_devices)
+    except ValueError:
+        return False
+    for call in CALLS:
+        mesh = plan[call].mesh
+        ids = sorted(mesh.device_ids())
+        slot = Slot(ids[0], len(ids), mesh.shape.get("tensor", 1))
+        model = space.models[call]
+        # Strategy slices need not be power-of-two aligned (separate on 3/4 of the devices), so
+        # check the dimensions, not membership in the candidate list.
+        problem = slot_problem(
+            call,
+            model,
+            slot,
+            max(ids) + 1,
+            batch=space.batches[call],
+            devices_per_node=space.devices_per_node,
+        )
+        if problem is not None:
+            return False
+    return True
+
+
+def _energy(estimate: Any, capacity: int | None) -> float:
+    """Iteration seconds for a plan that fits. One that does not sits above every plan that
+    does (``INFEASIBLE``) and pays for its overflow (10% over capacity doubles its time): the
+    differences between two such plans stay on the scale of the annealing temperature, so a
+    chain outside the feasible region can still climb out of a local minimum of overflow."""
+    seconds = float(estimate.iteration_seconds)
+    if estimate.fits:
+        return seconds
+    overflow = max(0.0, peak_memory_bytes(estimate) / capacity - 1.0) if capacity else 1.0
+    return INFEASIBLE + seconds * (1.0 + 10.0 * overflow)
+
+
+def default_cost_fn(workload: Any, profile: Any) -> CostFn:
+    """``estimator.estimate`` bound to a workload and profile (tests replace this hook)."""
+    from jrlhf.plan.estimator import estimate
+
+    return lambda plan: estimate(plan, workload, profile)
+
+
+def search(
+    workload: Any,
+    num_devices: int,
+    profile: Any = None,
+    *,
+    cost_fn: CostFn | None = None,
+    devices_per_node: int = DEVICES_PER_NODE,
+    max_tensor: int | None = None,
+    exhaustive_limit: int = EXHAUSTIVE_LIMIT,
+    steps: int = 2000,
+    restarts: int = 4,
+    seed: int = 0,
+    top: int = 10,
+    space: SearchSpace | None = None,
+) -> SearchResult:
+    """Find the plan with the smallest estimated iteration time for ``workload``.
+
+    ``cost_fn(plan)`` returns a PlanEstimate; by default ``estimator.estimate(plan, workload,
+    profile)``. With more than ``exhaustive_limit`` plans in the space the search runs
+    ``restarts`` annealing chains of ``steps`` proposals each (seeded by ``seed``).
+    """
+    if cost_fn is None:
+        if profile is None:
+            raise ValueError("search needs a device profile or a cost_fn")
+        cost_fn = default_cost_fn(workload, profile)
+    capacity = getattr(profile, "memory_bytes", None)
+    space = space or SearchSpace(
+        workload, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
+    )
+    # Keyed by placements (not names): the same plan reached twice is evaluated once.
+    evaluated: dict[tuple, tuple[float, ExecutionPlan, Any]] = {}
+
+    def evaluate(plan: ExecutionPlan) -> float:
+        hit = evaluated.get(plan.placements)
+        if hit is None:
+            est = cost_fn(plan)
+            hit = evaluated[plan.placements] = (_energy(est, capacity), plan, est)
+        return hit[0]
+
+    baselines: dict[str, Ranked] = {}
+    seeds: list[dict[str, Slot]] = []
+    for strategy, variants in strategy_variants(space).items():
+        scored = sorted(((evaluate(p), i, p) for i, p in enumerate(variants)), key=lambda x: x[:2])
+        if scored:
+            best = scored[0][2]
+            baselines[strategy] = Ranked(best, evaluated[best.placements][2])
+        for _, _, p in scored[:2]:
+            slots = slots_of(p)
+            if slots is not None:
+                seeds.append({c: slots[c] for c in space.free})
+
+    if space.size <= exhaustive_limit:
+        method = "exhaustive"
+        for slots in space.enumerate():
+            evaluate(space.plan(slots))
+    else:
+        method = "mcmc"
+        _anneal(space, evaluate, seeds, random.Random(seed), steps, restarts)
+
+    ranked = _rank(evaluated.values(), baselines, top)
+    return SearchResult(ranked, baselines, method, space.size, len(evaluated))
+
+
+def _anneal(
+    space: SearchSpace,
+    evaluate: Callable[[ExecutionPlan], float],
+    seeds: list[dict[str, Slot]],
+    rng: random.Random,
+    steps: int,
+    restarts: int,
+) -> None:
+    """Simulated annealing: ``restarts`` chains, each from a strategy seed, the best plan found
+    so far, or a random plan; geometric cooling from 5% to 0.05% of the best feasible cost."""
+
+    def energy(slots: Mapping[str, Slot]) -> float:
+        return evaluate(space.plan(slots))
+
+    starts = [s for s in seeds if space.valid(s)]
+    best_slots, best_e = None, math.inf
+    for s in starts:
+        e = energy(s)
+        if e < best_e:
+            best_slots, best_e = s, e
+    for r in range(restarts):
+        if r < len(starts) and r < restarts - 1:
+            current = starts[r]
+        elif best_slots is not None and r == restarts - 1:
+            current = best_slots  # the last chain refines the best plan found
+        else:
+            current = space.random(rng)
+        e = energy(current)
+        # Temperatures are relative to the iteration time of the best plan so far (without the
+        # infeasible offset), so one schedule serves 7B on 8 devices and 70B on 128.
+        scale = (best_e if best_e < math.inf else e) % INFEASIBLE or 1.0
+        t0, t1 = 0.05 * scale, 0.0005 * scale
+        for i in range(steps):
+            temperature = t0 * (t1 / t0) ** (i / max(1, steps - 1))
+            proposal = space.propose(current, rng)
+            e_new = energy(proposal)
+            if e_new <= e or rng.random() < math.exp(-(e_new - e) / temperature):
+                current, e = proposal, e_new
+                if e < best_e:
+                    best_slots, best_e = current, e
+
+
+def _rank(entries: Any, baselines: Mapping[str, Ranked], top: int) -> list[Ranked]:
+    """Fitting plans first, fastest first; names say which strategy a plan is, if any."""
+    names = {b.plan.placements: b.plan.name for b in baselines.values()}
+    # Among equally fast plans prefer the simpler one (fewer distinct placements: fewer meshes
+    # to compile and fewer reshards), and a named strategy's over an anonymous one.
+    order = sorted(
+        entries,
+        key=lambda x: (
+            not x[2].fits,
+            x[0],
+            len({p for _, p in x[1].placements}),
+            x[1].placements not in names,
+            # then the plan on the lowest device ids (equal-cost plans are mostly shifted copies)
+            tuple(min(p.mesh.device_ids()) for _, p in x[1].placements),
+            x[1].name,
+        ),
+    )
+    out = []
+    for i, (_, plan, est) in enumerate(order[: max(top, 1)]):
+        name = names.get(plan.placements, plan.name if plan.name != "searched" else "")
+        name = name or f"searched-{i + 1}"
+        out.append(Ranked(dataclasses.replace(plan, name=name), est))
+    return out
+
+
+# ------------------------------------------------------------------------- from a run's config
+_ROLE_DTYPE_FIELDS = ("param_dtype", "dtype", "remat_policy")
+
+
+def _bound(role: str, field: str) -> bool:
+    """Whether the loaded gin config binds ``RoleConfig.<field>`` for ``role`` (scoped or not)."""
+    import gin
+
+    for name in (f"{role}/RoleConfig.{field}", f"RoleConfig.{field}"):
+        try:
+            gin.query_parameter(name)
+            return True
+        except ValueError:
+            continue
+    return False
+
+
+def _task_overrides(cfg: Any) -> dict[str, Any]:
+    """Model fields the task imposes on ``tiny`` models (as jrlhf.train.build_task_data does)."""
+    if cfg.task.name == "synthetic":
+        from jrlhf.tasks import SyntheticTask
+
+        return SyntheticTask(seed=cfg.run.seed).model_overrides()
+    if cfg.task.tokenizer:
+        from jrlhf.data import Tokenizer
+
+        return {"vocab_size": Tokenizer.from_file(cfg.task.tokenizer).vocab_size}
+    return {}
+
+
+def _stage_source(cfg: Any, init: str) -> str:
+    """What a ``stage:NAME`` init resolves to before the stage has run: the model the stage
+    starts from (its role's init, or ``tiny`` when that init names the stage itself)."""
+    if not init.startswith("stage:"):
+        return init
+    role = {"sft": "actor", "rm": "reward"}[init[6:]]
+    start = cfg.roles[role].init
+    return "tiny" if start.startswith("stage:") else start
+
+
+def config_models(cfg: Any, presets: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ModelConfig each role of ``cfg`` runs, resolved without loading weights.
+
+    ``presets`` (role -> preset name, jrlhf.models.presets) replace a role's init; a preset keeps
+    its own (bfloat16) dtypes unless the config binds the role's dtype fields explicitly. Other
+    roles resolve as the trainer does: ``tiny`` sized for the task, ``hf:DIR`` from its
+    config.json, ``ckpt:DIR`` from its model.json, ``stage:NAME`` as the model that stage starts
+    from; RoleConfig's model_overrides and dtypes apply as in ``jrlhf.roles``.
+    """
+    from jrlhf.models.config import tiny_config
+    from jrlhf.models.presets import get_preset
+
+    presets = dict(presets or {})
+    out = {}
+    overrides_for_tiny = None
+    for role, rc in cfg.roles.items():
+        fields = dict(rc.model_overrides)
+        if role in presets:
+            model = get_preset(presets[role])
+            fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS if _bound(role, f)})
+        else:
+            kind, _, where = _stage_source(cfg, rc.init).partition(":")
+            if kind == "tiny":
+                if overrides_for_tiny is None:
+                    overrides_for_tiny = _task_overrides(cfg)
+                model = tiny_config(**overrides_for_tiny)
+            elif kind == "hf":
+                from jrlhf.models.hf import read_hf_config
+
+                model = read_hf_config(where)[0]
+            else:
+                from jrlhf.checkpoint import read_model_json
+
+                model = read_model_json(where).config
+            fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS})
+        out[role] = model.replace(**fields)
+    return out
+
+
+def local_device_kind() -> str:
+    """The built-in profile name of this machine's devices ('cpu', 'h100', 'h200')."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower()
+    for name in ("h200", "h100"):
+        if name in kind:
+            return name
+    raise ValueError(
+        f"no built-in device profile for {device.device_kind!r}: pass a profile JSON "
+        "(python -m jrlhf.plan --device-kind PATH.json)"
+    )
+
+
+def check_device_count(num_devices: int, profile: Any) -> None:
+    """One-line error for a device count the profile's hardware cannot have."""
+    per_node = getattr(profile, "devices_per_node", 1)
+    if num_devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {num_devices}")
+    shared = getattr(profile, "shared_host", False)
+    if not shared and num_devices > per_node and num_devices % per_node:
+        raise ValueError(
+            f"{num_devices} {profile.name} devices is not a whole number of {per_node}-device nodes"
+        )
+
+
+def search_for_config(
+    cfg: Any,
+    num_devices: int,
+    device_kind: str | None = None,
+    *,
+    presets: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> ExecutionPlan:
+    """The best plan for ``cfg`` on ``num_devices`` local devices (``placement='search'``)."""
+    from jrlhf.plan.profile import DeviceProfile
+    from jrlhf.plan.workload import Workload
+
+    profile = DeviceProfile.load(device_kind or local_device_kind())
+    check_device_count(num_devices, profile)
+    workload = Workload.from_config(cfg, config_models(cfg, presets))
+    # A shorter anneal than the CLI's: this runs at every trainer start-up.
+    kwargs.setdefault("steps", 600)
+    kwargs.setdefault("restarts", 3)
+    result = search(
+        workload,
+        num_devices,
+        profile,
+        devices_per_node=min(profile.devices_per_node, num_devices),
+        **kwargs,
+    )
+    return result.best.plan

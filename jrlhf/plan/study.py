@@ -1,0 +1,220 @@
+"""The placement study of docs/plans.md: estimated PPO iteration time on 8 to 128 H100s.
+
+    python -m jrlhf.plan.study                         # print the tables (markdown)
+    python -m jrlhf.plan.study --update docs/plans.md  # rewrite the generated part of the doc
+
+For a 7B and a 70B actor + critic PPO setup (reference and reward the same size as the actor), on
+8, 16, 32, 64 and 128 devices of a profile (H100 by default), it reports the best variant of each
+named strategy (flatten, interleave, separate, each tuned over tensor sizes) and the searched
+plan. Every number is the cost estimator's (jrlhf.plan.estimator) from the profile's datasheet
+rates: an estimate, not a measurement. The search is seeded, so the tables are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+from jrlhf.models.presets import get_preset
+from jrlhf.plan.search import SearchResult, peak_memory_bytes, search
+
+BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
+DEVICES = (8, 16, 32, 64, 128)
+MODELS = {"7B": "llama2_7b", "70B": "llama2_70b"}
+# A typical PPO iteration (the scale of ReaL's and HybridFlow's experiments).
+WORKLOAD = dict(
+    prompts=512,
+    samples_per_prompt=1,
+    prompt_len=1024,
+    gen_len=1024,
+    epochs=1,
+    minibatch_size=128,
+)
+REMAT = "dots_no_batch"  # as configs/llama3_8b_ppo.gin: 2k-token training needs remat
+# Each minibatch is trained in micro-batches of this many rows (gradient accumulation, as
+# RoleConfig.microbatches does); without it no 70B plan fits on 128 H100s at 2k tokens.
+MICROBATCH_ROWS = 16
+SEARCH = dict(steps=1500, restarts=4, seed=0, top=5)
+STRATEGY_NAMES = ("flatten", "interleave", "separate")
+
+
+def workload_for(size: str):
+    from jrlhf.plan.workload import Workload
+
+    model = get_preset(MODELS[size], remat_policy=REMAT)
+    fields = dict(WORKLOAD)
+    known = {f.name for f in dataclasses.fields(Workload)}
+    if "microbatches" in known:
+        fields["microbatches"] = WORKLOAD["minibatch_size"] // MICROBATCH_ROWS
+    else:
+        # The Workload has no micro-batch field: price the minibatch as minibatches of
+        # MICROBATCH_ROWS rows. Same FLOPs, same per-micro-batch FSDP gathers and activation
+        # memory; it counts minibatch_size / MICROBATCH_ROWS optimizer updates instead of one
+        # (docs/plans.md gives the size of that error).
+        fields["minibatch_size"] = MICROBATCH_ROWS
+    return Workload(actor=model, critic=model, reference=model, reward=model, **fields)
+
+
+@dataclasses.dataclass
+class Case:
+    size: str
+    devices: int
+    result: SearchResult | None  # None: no candidate space (cannot even be laid out)
+    seconds: float  # wall time of the search
+
+
+def run_case(size: str, devices: int, profile, **search_kwargs) -> Case:
+    t0 = time.perf_counter()
+    kwargs = {**SEARCH, **search_kwargs}
+    result = search(
+        workload_for(size),
+        devices,
+        profile,
+        devices_per_node=min(profile.devices_per_node, devices),
+        **kwargs,
+    )
+    return Case(size, devices, result, time.perf_counter() - t0)
+
+
+def _secs(r) -> str:
+    if r is None:
+        return "n/a"
+    if not r.estimate.fits:
+        return f"OOM ({peak_memory_bytes(r.estimate) / 2**30:.0f} GiB)"
+    return f"{r.cost:.1f}"
+
+
+def _ratio(a, b) -> str:
+    if a is None or b is None or not (math.isfinite(a.cost) and math.isfinite(b.cost)):
+        return "-"
+    return f"{a.cost / b.cost:.2f}x"
+
+
+def compact(plan) -> str:
+    """``gen 64(t8)@0 | ref,rew,crit-inf 64(t8)@64 | ...``: calls grouped by identical slot."""
+    short = {
+        "actor_generate": "gen",
+        "reference_infer": "ref",
+        "reward_infer": "rew",
+        "critic_infer": "cinf",
+        "actor_train": "atrain",
+        "critic_train": "ctrain",
+    }
+    groups: dict[str, list[str]] = {}
+    for call, p in plan.placements:
+        ids = sorted(p.mesh.device_ids())
+        key = f"{len(ids)}(t{p.mesh.shape.get('tensor', 1)})@{ids[0]}"
+        groups.setdefault(key, []).append(short[call])
+    return " / ".join(f"{','.join(calls)} {key}" for key, calls in groups.items())
+
+
+def tables(cases: list[Case], profile) -> str:
+    lines = [
+        f"Profile `{profile.name}` ({profile.memory_bytes / 2**30:.0f} GiB per device). "
+        f"Workload: {WORKLOAD['prompts']} prompts x {WORKLOAD['samples_per_prompt']} sample, "
+        f"prompt {WORKLOAD['prompt_len']} + generation {WORKLOAD['gen_len']} tokens, "
+        f"{WORKLOAD['epochs']} PPO epoch, minibatch {WORKLOAD['minibatch_size']} in "
+        f"micro-batches of {MICROBATCH_ROWS}; bf16 weights, "
+        f"fp32 AdamW moments, remat `{REMAT}`; search: {SEARCH}.",
+        "",
+        "Estimated seconds per iteration (best variant of each strategy; OOM: no variant fits, "
+        "with the least peak memory per device among them):",
+        "",
+        "| model | devices | flatten | interleave | separate | searched | searched vs flatten "
+        "| vs interleave | vs separate | method (plans evaluated) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        r = c.result
+        b = r.baselines if r else {}
+        best = r.best if r else None
+        lines.append(
+            f"| {c.size} | {c.devices} | "
+            + " | ".join(_secs(b.get(s)) for s in STRATEGY_NAMES)
+            + f" | {_secs(best)} | "
+            + " | ".join(_ratio(b.get(s), best) for s in STRATEGY_NAMES)
+            + f" | {r.method if r else '-'} ({r.evaluated if r else 0}) |"
+        )
+    lines += [
+        "",
+        "Per-phase estimate of the searched plan (seconds) and its placement "
+        "(calls sharing a slot: `devices(tensor)@first device`):",
+        "",
+        "| model | devices | plan | generate | score | train | reshard | peak GiB | placement |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        if c.result is None:
+            continue
+        best = c.result.best
+        ph = best.estimate.phase_seconds
+        fits = "" if best.estimate.fits else " (OOM)"
+        lines.append(
+            f"| {c.size} | {c.devices} | {best.plan.name}{fits} | "
+            + " | ".join(f"{ph.get(p, 0.0):.1f}" for p in ("generate", "score", "train", "reshard"))
+            + f" | {peak_memory_bytes(best.estimate) / 2**30:.0f} | {compact(best.plan)} |"
+        )
+    lines += [
+        "",
+        "Best variant of each strategy (placement and per-phase seconds):",
+        "",
+        "| model | devices | strategy | generate | score | train | reshard | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        if c.result is None:
+            continue
+        for s in STRATEGY_NAMES:
+            r = c.result.baselines.get(s)
+            if r is None:
+                continue
+            ph = r.estimate.phase_seconds
+            fits = "" if r.estimate.fits else " (OOM)"
+            lines.append(
+                f"| {c.size} | {c.devices} | {r.plan.name}{fits} | "
+                + " | ".join(
+                    f"{ph.get(p, 0.0):.1f}" for p in ("generate", "score", "train", "reshard")
+                )
+                + f" | {peak_memory_bytes(r.estimate) / 2**30:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def update(path: Path, text: str) -> None:
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to replace")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jrlhf.plan.profile import DeviceProfile
+
+    p = argparse.ArgumentParser(prog="python -m jrlhf.plan.study", description=__doc__)
+    p.add_argument("--device-kind", default="h100")
+    p.add_argument("--devices", type=int, nargs="*", default=list(DEVICES))
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--update", type=Path, help="rewrite the generated part of this markdown file")
+    args = p.parse_args(argv)
+    profile = DeviceProfile.load(args.device_kind)
+    cases = []
+    for size in args.models:
+        for n in args.devices:
+            case = run_case(size, n, profile)
+            print(f"{size} on {n}: {case.seconds:.0f} s search", file=sys.stderr, flush=True)
+            cases.append(case)
+    text = tables(cases, profile)
+    if args.update:
+        update(args.update, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Plan search, candidate validation, the `python -m jrlhf.plan` CLI and model presets.
+
+The search is tested against injected cost functions with a known optimum, so these tests do not
+depend on the estimator's numbers; one test runs the CLI with the real estimator end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from jrlhf.models.config import tiny_config
+from jrlhf.models.presets import PRESETS, get_preset
+from jrlhf.plan import plan as plans
+from jrlhf.plan import search as search_mod
+from jrlhf.plan.candidates import (
+    Slot,
+    build_plan,
+    call_candidates,
+    slices,
+    slot_problem,
+    slots_of,
+    tensor_problem,
+)
+from jrlhf.plan.search import SearchSpace, search
+
+
+@dataclasses.dataclass
+class FakeEstimate:
+    """Same fields as estimator.PlanEstimate, filled by the fake cost functions below."""
+
+    plan: object
+    iteration_seconds: float
+    fits: bool = True
+    call_seconds: dict = dataclasses.field(default_factory=dict)
+    reshard_seconds: dict = dataclasses.field(default_factory=dict)
+    phase_seconds: dict = dataclasses.field(default_factory=dict)
+    memory_bytes: dict = dataclasses.field(default_factory=dict)
+    reasons: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeWorkload:
+    actor: object
+    critic: object
+    reference: object
+    reward: object
+    prompts: int = 32
+    samples_per_prompt: int = 1
+    minibatch_size: int = 16
+
+
+def tiny_workload(**kw) -> FakeWorkload:
+    m = tiny_config()
+    return FakeWorkload(actor=m, critic=m, reference=m, reward=m, **kw)
+
+
+def distance_cost(target: dict[str, Slot], num_devices: int, infeasible=None):
+    """Cost with its unique minimum at ``target``: 1 s plus a penalty per call that differs."""
+
+    def cost(plan):
+        slots = slots_of(plan)
+        if slots is None:  # a strategy plan outside the slot space
+            return FakeEstimate(plan, 100.0)
+        d = sum(
+            0.0 if slots[c] == t else 1.0 + abs(slots[c].size - t.size) / num_devices
+            for c, t in target.items()
+        )
+        est = FakeEstimate(plan, 1.0 + d, phase_seconds={"generate": 0.5, "train": 0.5 + d})
+        if infeasible is not None and infeasible(slots):
+            est.fits, est.reasons = False, ["fake: does not fit"]
+            est.iteration_seconds = 0.5  # faster than anything, but must not win
+        return est
+
+    return cost
+
+
+# ------------------------------------------------------------------------------------- presets
+def test_presets_have_the_published_parameter_counts():
+    expected = {
+        "llama2_7b": 6_738_415_616,
+        "llama2_13b": 13_015_864_320,
+        "llama2_70b": 68_976_648_192,
+        "llama3_8b": 8_030_261_248,
+        "llama3_70b": 70_553_706_496,
+        "qwen2_7b": 7_615_616_512,
+    }
+    assert set(PRESETS) == set(expected)
+    for name, count in expected.items():
+        assert get_preset(name).num_params() == count, name
+    assert get_preset("Llama2-7B").hidden_size == 4096
+    assert get_preset("llama2_7b", param_dtype="float32").param_dtype == "float32"
+
+
+def test_unknown_preset_is_one_line_listing_names():
+    with pytest.raises(ValueError) as e:
+        get_preset("gpt5")
+    msg = str(e.value)
+    assert "\n" not in msg and "gpt5" in msg and "llama3_70b" in msg and "qwen2_7b" in msg
+
+
+# ---------------------------------------------------------------------------------- candidates
+def test_slices_are_aligned_powers_of_two():
+    got = slices(8)
+    assert len(got) == 8 + 4 + 2 + 1
+    assert all(size & (size - 1) == 0 and start % size == 0 for start, size in got)
+    assert (4, 4) in got and (2, 4) not in got
+
+
+def test_candidate_validation_rejects_indivisible_sizes():
+    qwen = get_preset("qwen2_7b")  # 28 heads, 4 KV heads
+    assert "num_heads=28" in tensor_problem(qwen, 8)
+    assert tensor_problem(qwen, 4) is None
+    assert "num_kv_heads" in tensor_problem(get_preset("llama3_8b"), 16)
+    cands = call_candidates("actor_train", qwen, 16)
+    assert max(s.tensor for s in cands) == 4
+    llama = get_preset("llama3_70b")
+    assert max(s.tensor for s in call_candidates("actor_train", llama, 128)) == 8
+    # tensor never leaves a node, even when the model could be split further
+    assert "exceeds" in slot_problem("actor_train", llama, Slot(0, 16, 16), 16)
+    # FSDP must divide the hidden size (embed is sharded over fsdp): 48 % 32 != 0
+    odd = tiny_config(hidden_size=48, num_heads=4, num_kv_heads=2)
+    assert "hidden_size=48" in slot_problem("actor_train", odd, Slot(0, 32, 1), 32)
+    # generation drops FSDP, so the same slice is fine there
+    assert slot_problem("actor_generate", odd, Slot(0, 32, 1), 32) is None
+    # batch rows must split over the batch axes
+    assert "data=32" in slot_problem("actor_generate", odd, Slot(0, 32, 1), 32, batch=16)
+    assert slot_problem("actor_train", odd, Slot(0, 4, 1), 8, batch=16) is None
+    assert "outside" in slot_problem("actor_train", odd, Slot(4, 8, 1), 8)
+
+
+def test_slots_round_trip_the_strategies():
+    for name in plans.STRATEGIES:
+        p = plans.strategy(name, 8)
+        slots = slots_of(p)
+        assert slots is not None, name
+        assert build_plan(p.name, slots) == p, name
+    # generation on the actor's training slice is ordered for zero-redundancy resharding
+    flat = plans.flatten(8, tensor=4, gen_tensor=2)
+    gen = build_plan("x", {c: slots_of(flat)[c] for c in plans.CALLS})["actor_generate"]
+    assert gen == flat["actor_generate"] and gen.mesh.devices != tuple(range(8))
+
+
+# -------------------------------------------------------------------------------------- search
+def test_exhaustive_search_finds_the_known_optimum_and_skips_plans_that_do_not_fit():
+    wl = tiny_workload()
+    space = SearchSpace(wl, 2)
+    assert space.size == 4**6  # per call: 2 devices t1, 2 devices t2, device 0, device 1
+    target = space.random(random.Random(3))
+
+    def infeasible(slots):  # the actor training on one device "does not fit"
+        return slots["actor_train"].size == 1
+
+    target["actor_train"] = Slot(0, 2, 2)
+    cost = distance_cost(target, 2, infeasible)
+    result = search(wl, 2, cost_fn=cost, top=5000)
+    assert result.method == "exhaustive"
+    assert result.evaluated >= space.size
+    assert slots_of(result.best.plan) == target
+    assert result.best.cost == 1.0
+    losers = [r for r in result.ranked if not r.estimate.fits]
+    assert losers and all(math.isinf(r.cost) for r in losers)
+    assert all(r.estimate.reasons == ["fake: does not fit"] for r in losers)
+    fitting = [r.estimate.fits for r in result.ranked]
+    assert fitting == sorted(fitting, reverse=True)  # every fitting plan ranks first
+    assert set(result.baselines) == {"flatten", "separate"}  # interleave needs 3 devices
+    assert result.speedup("flatten") == result.baselines["flatten"].cost
+
+
+def test_mcmc_finds_the_known_optimum_reproducibly():
+    wl = tiny_workload()
+    space = SearchSpace(wl, 8)
+    assert space.size > 10**8
+    target = space.random(random.Random(7))
+    cost = distance_cost(target, 8)
+    first = search(wl, 8, cost_fn=cost, steps=1500, restarts=4, seed=0)
+    assert first.method == "mcmc"
+    assert slots_of(first.best.plan) == target
+    assert first.evaluated < 10_000  # it did not enumerate
+    again = search(wl, 8, cost_fn=cost, steps=1500, restarts=4, seed=0)
+    assert [r.plan for r in again.ranked] == [r.plan for r in first.ranked]
+    assert again.evaluated == first.evaluated
+    assert set(first.baselines) == set(plans.STRATEGIES)
+
+
+def test_search_names_strategy_plans_and_ties_absent_roles():
+    # GRPO with a function reward: critic and reward calls follow the actor's training slot.
+    m = tiny_config()
+    wl = FakeWorkload(actor=m, critic=None, reference=m, reward=None)
+    space = SearchSpace(wl, 4)
+    assert set(space.tied) == {"critic_infer", "critic_train", "reward_infer"}
+    flat = plans.flatten(4, tensor=2, gen_tensor=2)
+    target = {c: s for c, s in slots_of(flat).items() if c in space.free}
+    result = search(wl, 4, cost_fn=distance_cost(target, 4), top=3)
+    best = result.best.plan
+    assert best.name.startswith("flatten(")
+    for call in space.tied:
+        assert best[call] == best["actor_train"]
+
+
+def test_space_respects_batch_and_head_divisibility():
+    wl = tiny_workload(minibatch_size=3, prompts=3)  # 3 rows split over no power-of-two > 1
+    space = SearchSpace(wl, 8)
+    for call in plans.CALLS:
+        assert all(s.size // s.tensor == 1 for s in space.candidates[call]), call
+    odd = tiny_config(num_heads=3, num_kv_heads=3, hidden_size=48, intermediate_size=96)
+    space = SearchSpace(FakeWorkload(odd, odd, odd, odd), 8)
+    assert {s.tensor for s in space.candidates["actor_train"]} == {1}
+
+
+# ----------------------------------------------------------------------------------------- CLI
+PROFILE = {
+    "name": "fakegpu",
+    "memory_bytes": 80 * 2**30,
+    "matmul_flops": 5e14,
+    "memory_bandwidth": 2e12,
+    "intra_node_bandwidth": 2e11,
+    "devices_per_node": 8,
+}
+
+
+@pytest.fixture
+def fake_profile(tmp_path):
+    path = tmp_path / "fakegpu.json"
+    path.write_text(json.dumps(PROFILE))
+    return str(path)
+
+
+@pytest.fixture
+def fake_cost(monkeypatch):
+    """The CLI's cost: prefer separate-like plans (generation and training apart), so the
+    chosen plan is known without the estimator."""
+
+    def make(workload, profile):
+        def cost(plan):
+            gen, train = plan["actor_generate"].devices, plan["actor_train"].devices
+            t = 2.0 if gen & train else 1.0 + 0.01 * plan["actor_train"].mesh.shape["tensor"]
+            t += 0.001 * len(plan["reference_infer"].devices)
+            return FakeEstimate(
+                plan,
+                t,
+                phase_seconds={"generate": t / 2, "score": 0.1, "train": t / 2, "reshard": 0.0},
+                memory_bytes={"device0": 2**30},
+            )
+
+        return cost
+
+    monkeypatch.setattr(search_mod, "default_cost_fn", make)
+
+
+def _run_cli(args, capsys):
+    from jrlhf.plan.__main__ import main
+
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profile, fake_cost):
+    from jrlhf.config import load_config
+    from jrlhf.roles import role_meshes
+
+    out = tmp_path / "plan.gin"
+    args = ["--config", "configs/ppo_tiny.gin", "--devices", "8", "--device-kind", fake_profile]
+    rc, stdout, err = _run_cli([*args, "--output", str(out), "--top", "3"], capsys)
+    assert rc == 0, err
+    assert "flatten(" in stdout and "interleave(" in stdout and "separate(" in stdout
+    assert "iteration_s" in stdout and "wrote" in stdout
+    text = out.read_text()
+    assert "only where jax sees 8 devices" in text
+
+    rc, stdout, _ = _run_cli([*args, "--output", str(out), "--json"], capsys)
+    assert rc == 0
+    best = json.loads(stdout)["ranked"][0]
+    cfg = load_config(["configs/ppo_tiny.gin", str(out)], [])
+    assert cfg.run.placement == "custom"
+    for call, (role, phase) in plans.CALLS.items():
+        mesh, rules = best["placements"][call]
+        assert getattr(cfg.roles[role], f"{phase}_mesh") == mesh
+        assert getattr(cfg.roles[role], f"{phase}_rules") == rules
+    gen, train = best["placements"]["actor_generate"][0], best["placements"]["actor_train"][0]
+    assert set(gen.split("@")[1].split(",")).isdisjoint(train.split("@")[1].split(","))
+    # the trainer builds exactly these meshes on the 8 test devices
+    meshes, _ = role_meshes(cfg, "actor")
+    assert [d.id for d in meshes["generate"].devices.flat] == [
+        int(i) for i in gen.split("@")[1].split(",")
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--actor", "gpt5"], "unknown model preset 'gpt5'"),
+        (["--device-kind", "tpu9"], "unknown device profile 'tpu9'"),
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--devices", "12", "--device-kind", "PROFILE"], "not a whole number of 8-device"),
+        (["RLConfig.minibatch_size=7"], "RLConfig.minibatch_size"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extra, needle):
+    out = tmp_path / "plan.gin"
+    extra = [fake_profile if x == "PROFILE" else x for x in extra]
+    base = ["--config", "configs/ppo_tiny.gin", "--output", str(out)]
+    if "--device-kind" not in extra:
+        base += ["--device-kind", fake_profile]
+    rc, stdout, err = _run_cli([*base, *extra], capsys)
+    assert rc == 2
+    assert needle in err and err.count("\n") == 1, err
+    assert not out.exists() and stdout == ""
+
+
+def test_cli_plans_big_models_for_other_hardware(tmp_path, capsys, fake_profile, fake_cost):
+    out = tmp_path / "plan.gin"
+    args = ["--config", "configs/ppo_tiny.gin", "--devices", "64", "--device-kind", fake_profile]
+    args += ["--actor", "llama3_70b", "--critic", "llama3_8b", "--reference", "llama3_70b"]
+    args += ["--reward", "llama3_8b", "--steps", "200", "--restarts", "2", "--output", str(out)]
+    rc, stdout, err = _run_cli(args, capsys)
+    assert rc == 0, err
+    assert "actor 70.6B" in stdout and "critic 8.03B" in stdout and "mcmc" in stdout
+    ids = [
+        int(i)
+        for line in out.read_text().splitlines()
+        if "_mesh = '" in line
+        for i in line.split("@")[1].rstrip("'").split(",")
+    ]
+    assert 8 <= max(ids) < 64  # planned for devices this host does not have
+
+
+def test_cli_with_the_real_estimator(tmp_path, capsys):
+    """End to end with jrlhf.plan.estimator and the built-in H100 profile (numbers unchecked)."""
+    out = tmp_path / "plan.gin"
+    args = ["--config", "configs/llama3_8b_ppo.gin", "--devices", "16", "--device-kind", "h100"]
+    args += ["--actor", "llama3_8b", "--critic", "llama3_8b", "--reference", "llama3_8b"]
+    args += ["--reward", "llama3_8b", "--steps", "40", "--restarts", "2", "--output", str(out)]
+    rc, stdout, err = _run_cli([*args, "--json"], capsys)
+    assert rc in (0, 1), err  # 1: nothing fits (the plan is still written)
+    got = json.loads(stdout)
+    assert set(got["baselines"]) == set(plans.STRATEGIES)
+    best = got["ranked"][0]
+    assert best["iteration_seconds"] <= min(
+        b["iteration_seconds"] for b in got["baselines"].values() if b["fits"] == best["fits"]
+    )
+    assert set(best["phase_seconds"]) == {"generate", "score", "train", "reshard"}
+    assert "RunConfig.placement = 'custom'" in out.read_text()
