@@ -174,6 +174,7 @@ class RLConfig:
     top_p: float = 1.0
     epochs: int = 2
     minibatch_size: int = 16
+    infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0  # 0 means symmetric clipping
     dual_clip_c: float = 0.0  # 0 disables dual clip
@@ -203,6 +204,7 @@ class RLConfig:
             "RLConfig.minibatch_size",
             f"{self.minibatch_size} does not divide the {rows} samples of an iteration",
         )
+        _check(self.infer_batch_size >= 0, "RLConfig.infer_batch_size", "must be >= 0")
         if stage == "grpo":
             _check(self.samples_per_prompt >= 2, "RLConfig.samples_per_prompt", "GRPO needs >= 2")
         _check(self.kl_estimator in ("k1", "k2", "k3", "abs"), "RLConfig.kl_estimator", "k1..k3")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.config import Config, RoleConfig
@@ -30,7 +31,7 @@ from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.config import ModelConfig, tiny_config
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.train_step import shard_batch
+from jrlhf.train_step import check_batch_divides, shard_batch
 
 PHASES = ("train", "infer", "generate")
 
@@ -164,10 +165,34 @@ def load_weights(
     return {k: params[k] if k in params and k not in ("lm_head",) else v for k, v in fresh.items()}
 
 
+class ChunkedOutput(list):
+    """Per-chunk device outputs of one inference call; ``np.asarray`` waits for and joins them.
+
+    Keeping the pieces as device arrays until the caller asks for them lets the trainer dispatch
+    the reference, reward and critic calls back to back without a host sync in between.
+    """
+
+    rows: int = 0
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate([np.asarray(piece) for piece in self], axis=0)[: self.rows]
+        return out if dtype is None else out.astype(dtype)
+
+
 def make_infer(
-    model: ModelDef, mesh: Mesh, rules: Rules, fn: Callable[..., jax.Array]
-) -> Callable[[Params, dict], jax.Array]:
-    """A jitted ``fn(module, batch)`` run on ``mesh``: the batch is split over its batch axes."""
+    model: ModelDef,
+    mesh: Mesh,
+    rules: Rules,
+    fn: Callable[..., jax.Array],
+    batch_size: int = 0,
+) -> Callable[[Params, dict], Any]:
+    """A jitted ``fn(module, batch)`` run on ``mesh``: the batch is split over its batch axes.
+
+    With ``batch_size > 0`` the rows are scored ``batch_size`` at a time (the last chunk padded
+    to full size, so one compiled program serves every call), bounding activation memory.
+    """
+    if batch_size:
+        check_batch_divides({"infer_batch_size": np.zeros((batch_size, 1))}, mesh, rules)
 
     def run(params, batch):
         with activation_sharding(mesh, rules):
@@ -176,7 +201,16 @@ def make_infer(
     jitted = jax.jit(run)
 
     def call(params, batch):
-        return jitted(params, shard_batch(batch, mesh, rules))
+        rows = len(next(iter(batch.values())))
+        if not batch_size or rows <= batch_size:
+            return jitted(params, shard_batch(batch, mesh, rules))
+        out = ChunkedOutput()
+        out.rows = rows
+        for start in range(0, rows, batch_size):
+            idx = np.arange(start, start + batch_size) % rows  # wrap to pad the last chunk
+            chunk = {k: np.asarray(v)[idx] for k, v in batch.items()}
+            out.append(jitted(params, shard_batch(chunk, mesh, rules)))
+        return out
 
     call.jitted = jitted
     return call

@@ -87,11 +87,13 @@ def test_colocated_run_outputs(colocated_run):
     assert checkpoint.latest_step_dir(colocated_run).name == "4"
 
 
-@pytest.mark.parametrize("placement", ["separate", "interleave", "search"])
+@pytest.mark.parametrize("placement", ["separate", "interleave", "search", "flatten"])
 def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
-    """Flatten (the colocated run), separate and interleave: same seed, same numbers."""
+    """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
+    numbers. The second flatten run scores in chunks of 8 rows (RLConfig.infer_batch_size)."""
     run_dir = tmp_path / placement
-    bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'")
+    extra = ["RLConfig.infer_batch_size=8"] if placement == "flatten" else []
+    bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'", *extra)
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     plan_text = (run_dir / "plan.gin").read_text()
     if placement == "search":  # the estimator's choice for this machine, whichever it is

@@ -179,6 +179,7 @@ class RLTrainer:
             ref.meshes["infer"],
             ref.rules["infer"],
             lambda m, b: rl_batch.response_logprobs(m, b, self.P),
+            batch_size=self.rl.infer_batch_size,
         )
 
         self.reward_params = None
@@ -188,7 +189,11 @@ class RLTrainer:
                 rw.model, sources["reward"], rw.meshes["infer"], rw.rules["infer"], seed
             )
             self.reward_scores = make_infer(
-                rw.model, rw.meshes["infer"], rw.rules["infer"], rl_batch.sequence_scores
+                rw.model,
+                rw.meshes["infer"],
+                rw.rules["infer"],
+                rl_batch.sequence_scores,
+                batch_size=self.rl.infer_batch_size,
             )
 
         self.critic_state = None
@@ -222,6 +227,7 @@ class RLTrainer:
                 critic.meshes["infer"],
                 critic.rules["infer"],
                 lambda m, b: rl_batch.response_values(m, b, self.P),
+                batch_size=self.rl.infer_batch_size,
             )
             # The critic scores on its inference layout; when that differs from its training
             # layout (e.g. an interleaved plan), its weights follow each update there.
