@@ -15,6 +15,7 @@ different size (``--hidden``/``--layers``), so the error is not fitted to the te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -72,7 +73,9 @@ def _workload(bindings: list[str]):
 def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
     from jrlhf import train
 
-    rc = train.main(["--run-dir", str(run_dir), "--quiet", *bindings])
+    # The trainer prints its result line on stdout; keep stdout for this benchmark's JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        rc = train.main(["--run-dir", str(run_dir), "--quiet", *bindings])
     if rc != 0:
         raise RuntimeError(f"trainer exited with {rc}")
     rows = [
