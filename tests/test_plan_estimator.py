@@ -215,3 +215,101 @@ def test_layout_that_does_not_divide_is_reported():
     e = est.estimate(plan, _workload(cfg), DeviceProfile.load("cpu"))
     assert not e.fits
     assert any("not divisible" in r for r in e.reasons)
+
+
+def _llama7b_workload(**kw) -> Workload:
+    base = dict(prompts=64, samples_per_prompt=1, prompt_len=256, gen_len=256, minibatch_size=32)
+    base.update(kw)
+    return _workload(_llama7b(), **base)
+
+
+def test_kv_pool_scales_with_decode_slots_not_rows():
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    g = est._geometry(plan["actor_generate"], h100)
+    kv = lambda w: est._resident(w, plan, h100)[0]["kv pool"]  # noqa: E731
+    all_rows = _llama7b_workload()
+    assert all_rows.slots == all_rows.rows == 64
+    half = _llama7b_workload(decode_slots=32)
+    assert kv(half) * 2 == kv(all_rows)
+    # twice the rows with the same slots: same pool, but twice the waves of decode steps
+    more = _llama7b_workload(prompts=128, decode_slots=32)
+    assert kv(more) == kv(half)
+    assert est._waves(more, g) == [32, 32, 32, 32] and est._waves(half, g) == [32, 32]
+    t_half = est.generate_seconds(half, plan["actor_generate"], h100)
+    t_more = est.generate_seconds(more, plan["actor_generate"], h100)
+    assert t_more == pytest.approx(2 * t_half, rel=0.05)
+    # fewer slots than rows: more (cheaper) steps; every step still reads all the weights
+    t_all = est.generate_seconds(all_rows, plan["actor_generate"], h100)
+    assert t_all < t_half < 2 * t_all
+    # slots are rounded up to the data shards, as the trainer sizes the engine
+    odd = _llama7b_workload(decode_slots=5)
+    assert est._engine_slots(odd, g) == -(-5 // g.batch) * g.batch
+
+
+def test_inference_memory_follows_the_chunk_and_time_adds_per_call_costs():
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    p = plan["reference_infer"]
+    whole = _llama7b_workload()
+    chunked = _llama7b_workload(infer_batch_size=16)
+    assert chunked.infer_chunk == 16 and whole.infer_chunk == 64
+    m_whole = est._working_bytes(whole, "reference_infer", p, h100)
+    m_chunk = est._working_bytes(chunked, "reference_infer", p, h100)
+    gathered = est._gathered_weight_bytes(whole.reference, "lm", p, est._geometry(p, h100))
+    assert m_chunk - gathered == pytest.approx((m_whole - gathered) / 4, rel=1e-6)
+    # same FLOPs, four calls: dispatch and FSDP gathers four times
+    t_whole = est.infer_seconds(whole, "reference", p, h100)
+    t_chunk = est.infer_seconds(chunked, "reference", p, h100)
+    assert t_whole < t_chunk < 1.5 * t_whole
+    # a chunk that does not split over the call's batch shards is rejected with a reason
+    e = est.estimate(plan, _llama7b_workload(infer_batch_size=6), h100)
+    assert not e.fits and any("scoring chunk of 6 rows" in r for r in e.reasons)
+
+
+def test_microbatches_cut_activation_memory_not_flops():
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    p = plan["actor_train"]
+    one = _llama7b_workload()
+    four = _llama7b_workload(actor_microbatches=4, critic_microbatches=4)
+    assert four.microbatch_rows("actor") == 8 and one.microbatch_rows("actor") == 32
+    assert four.microbatches("reference") == 1
+    g = est._geometry(p, h100)
+    grads = est.shard_bytes(one.actor, "lm", p)
+    gathered = 2 * est._gathered_weight_bytes(one.actor, "lm", p, g)
+    # activations and logits: a quarter; gradients: plus an accumulator of the same size
+    act_one = est._working_bytes(one, "actor_train", p, h100) - grads - gathered
+    act_four = est._working_bytes(four, "actor_train", p, h100) - 2 * grads - gathered
+    assert act_four == pytest.approx(act_one / 4, rel=1e-6)
+    # the training FLOPs are the same: on a profile without communication or fixed costs the
+    # two take the same time; with them, micro-batches pay per-micro-batch gathers and launches
+    compute_only = h100.replace(
+        call_overhead_s=0.0,
+        train_layer_overhead_s=0.0,
+        collective_latency_s=0.0,
+        intra_node_bandwidth=1e30,
+        inter_node_bandwidth=1e30,
+    )
+    t_one = est.train_seconds(one, "actor", p, compute_only)
+    assert est.train_seconds(four, "actor", p, compute_only) == pytest.approx(t_one)
+    assert est.train_seconds(four, "actor", p, h100) > est.train_seconds(one, "actor", p, h100)
+    # one optimizer update per minibatch either way
+    assert one.train_steps == four.train_steps == 2 * 64 // 32
+    # a micro-batch that does not split over the fsdp shards is rejected
+    e = est.estimate(flatten(8, tensor=1), _llama7b_workload(actor_microbatches=8), h100)
+    assert not e.fits and any("micro-batch of 4 rows" in r for r in e.reasons)
+
+
+def test_from_config_reads_slots_chunks_and_microbatches():
+    from jrlhf.config import load_config
+
+    cfg = load_config(["configs/llama3_8b_ppo.gin"], ["DecodeConfig.num_slots = 128"])
+    w = Workload.from_config(cfg, {"actor": tiny_config()})
+    assert w.decode_slots == w.slots == 128
+    assert w.infer_batch_size == getattr(cfg.rl, "infer_batch_size", 0)
+    assert w.actor_microbatches == cfg.roles["actor"].microbatches == 4
+    assert w.critic_microbatches == cfg.roles["critic"].microbatches == 4
+    default = Workload.from_config(load_config([], []), {"actor": tiny_config()})
+    assert default.slots == default.rows and default.infer_chunk == default.rows
+    assert default.microbatches("actor") == default.microbatches("critic") == 1

@@ -336,13 +336,16 @@ def test_cli_with_the_real_estimator(tmp_path, capsys):
     args = ["--config", "configs/llama3_8b_ppo.gin", "--devices", "16", "--device-kind", "h100"]
     args += ["--actor", "llama3_8b", "--critic", "llama3_8b", "--reference", "llama3_8b"]
     args += ["--reward", "llama3_8b", "--steps", "40", "--restarts", "2", "--output", str(out)]
+    args += ["RLConfig.infer_batch_size=64"]  # chunked scoring: it fits
     rc, stdout, err = _run_cli([*args, "--json"], capsys)
     assert rc in (0, 1), err  # 1: nothing fits (the plan is still written)
     got = json.loads(stdout)
     assert set(got["baselines"]) == set(plans.STRATEGIES)
     best = got["ranked"][0]
-    assert best["iteration_seconds"] <= min(
-        b["iteration_seconds"] for b in got["baselines"].values() if b["fits"] == best["fits"]
-    )
+    # plans that do not fit are ranked by a memory penalty, so compare seconds among fitting ones
+    if best["fits"]:
+        assert best["iteration_seconds"] <= min(
+            b["iteration_seconds"] for b in got["baselines"].values() if b["fits"]
+        )
     assert set(best["phase_seconds"]) == {"generate", "score", "train", "reshard"}
     assert "RunConfig.placement = 'custom'" in out.read_text()

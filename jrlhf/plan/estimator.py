@@ -10,6 +10,14 @@ Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
   device over the intra- or inter-node bandwidth (whichever the call's device span needs);
 * fixed costs: per jitted call, per layer (kernel launches / small ops), per decode step.
 
+The call structure follows the trainer: generation keeps ``Workload.decode_slots`` sequences in
+flight (the KV pool holds that many at full length; with uniform lengths the rows decode in
+ceil(rows / slots) waves of gen_len - 1 steps, each step reading the weights once); scoring runs
+one call per ``infer_batch_size`` rows (each paying dispatch and FSDP gathers; memory for one
+chunk); training accumulates gradients over the role's micro-batches (activations of one
+micro-batch, FSDP gathers and gradient reduce-scatter per micro-batch) with one optimizer update
+per minibatch.
+
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
 and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
 exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
@@ -254,71 +262,112 @@ def _head_tokens(w: Workload, head: str, role: str, rows: int) -> int:
     return rows * (1 if role == "reward" else w.gen_len)
 
 
+def _engine_slots(w: Workload, g: _Geometry) -> int:
+    """Decode slots as the trainer sizes the engine: rounded up to a multiple of the data
+    shards."""
+    return -(-w.slots // g.batch) * g.batch
+
+
+def _waves(w: Workload, g: _Geometry) -> list[int]:
+    """Sequences in flight in each decode wave (uniform lengths: full waves, then the rest)."""
+    slots = _engine_slots(w, g)
+    full, rest = divmod(w.rows, slots)
+    return [slots] * full + ([rest] if rest else [])
+
+
 def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> float:
-    """Prefill in batches of <= 64 prompts, then gen_len - 1 decode steps over all slots."""
+    """Prefill in batches of <= min(slots, 64) prompts, then, per wave of up to ``slots``
+    sequences, gen_len - 1 decode steps; each step reads the weight shard once and the KV cache
+    of the sequences in flight."""
     cfg = w.actor
     g = _geometry(p, profile)
     rows = w.rows
     a = itemsize(cfg.dtype)
+    slots = _engine_slots(w, g)
     # prefill: prompts padded to a power of two (the engine's bucketing), <= 64 rows per call
     plen = _bucket(w.prompt_len, min(16, w.prompt_len))
-    prefill_calls = -(-rows // 64)
+    prefill_calls = -(-rows // min(slots, 64))
     flops = forward_flops(cfg, rows, plen, "lm", rows)
     prefill = prefill_calls * (
         profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s
     )
     prefill += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
-    # decode: each step every slot runs one token; weights and the KV cache are read once
     steps = max(0, w.gen_len - 1)
     context = w.prompt_len + w.gen_len / 2
-    slots_per_shard = -(-rows // g.batch)
-    compute = _work_s(decode_step_flops(cfg, rows, context) / g.n, g, profile.matmul_flops, profile)
     weight_bytes = shard_bytes(cfg, "lm", p)
-    kv_bytes = slots_per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
-    memory = _work_s(weight_bytes + kv_bytes, g, profile.memory_bandwidth, profile)
-    tp = _comm_s(
-        2 * cfg.num_layers * 2 * _ring(slots_per_shard * cfg.hidden_size * a, g.tensor),
-        2 * cfg.num_layers,
-        g,
-        profile,
-    )
-    step = max(compute, memory) / profile.decode_efficiency
-    step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
     chunks = -(-steps // max(1, w.decode_chunk_steps))
-    return prefill + steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
+    total = prefill
+    for in_flight in _waves(w, g):
+        per_shard = -(-in_flight // g.batch)
+        compute = _work_s(
+            decode_step_flops(cfg, in_flight, context) / g.n, g, profile.matmul_flops, profile
+        )
+        kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
+        memory = _work_s(weight_bytes + kv_bytes, g, profile.memory_bandwidth, profile)
+        tp = _comm_s(
+            2 * cfg.num_layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
+            2 * cfg.num_layers,
+            g,
+            profile,
+        )
+        step = max(compute, memory) / profile.decode_efficiency
+        step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
+        total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
+    return total
+
+
+def _chunks(w: Workload) -> list[int]:
+    """Rows of each scoring call (infer_batch_size rows at a time, the rest last)."""
+    size = w.infer_chunk
+    full, rest = divmod(w.rows, size)
+    return [size] * full + ([rest] if rest else [])
 
 
 def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
-    """One forward over the packed batch (rows x (prompt + gen) tokens)."""
+    """Forwards over the packed batch (rows x (prompt + gen) tokens) in chunks of
+    ``infer_batch_size`` rows, one call after another: each call pays its dispatch and per-layer
+    overheads and (FSDP) gathers the weights again."""
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
-    rows, seq = w.rows, w.seq_len
-    flops = forward_flops(cfg, rows, seq, head, _head_tokens(w, head, role, rows))
-    t = _fixed_s(
-        profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s, g, profile
-    )
-    t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
-    t += _comm_s(_gathered_weight_bytes(cfg, head, p, g), cfg.num_layers, g, profile)
-    act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
-    t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
+    seq = w.seq_len
+    gathered = _gathered_weight_bytes(cfg, head, p, g)
+    t = 0.0
+    for rows in _chunks(w):
+        flops = forward_flops(cfg, rows, seq, head, _head_tokens(w, head, role, rows))
+        t += _fixed_s(
+            profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s,
+            g,
+            profile,
+        )
+        t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+        t += _comm_s(gathered, cfg.num_layers, g, profile)
+        act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
+        t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
     return t
 
 
 def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
-    """epochs x minibatches steps: fwd + bwd (+ recompute), FSDP gathers, optimizer update."""
+    """epochs x minibatches steps; each step accumulates gradients over ``microbatches``
+    micro-batches (fwd + bwd (+ recompute), FSDP gathers and gradient reduce-scatter and
+    per-layer overheads per micro-batch) and ends with one optimizer update."""
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
+    m = w.microbatches(role)
+    micro = w.microbatch_rows(role)
     passes = 3.0 + (1.0 if cfg.remat_policy != "none" else 0.0)
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     step = _fixed_s(
-        profile.call_overhead_s + cfg.num_layers * profile.train_layer_overhead_s, g, profile
+        profile.call_overhead_s + m * cfg.num_layers * profile.train_layer_overhead_s, g, profile
     )
     step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)
-    # two all-gathers of the weights (forward, backward) and a reduce-scatter of the gradients
-    step += _comm_s(3 * _gathered_weight_bytes(cfg, head, p, g), 3 * cfg.num_layers, g, profile)
-    act = -(-mb // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
-    step += _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
+    # per micro-batch: two all-gathers of the weights (forward, backward) and a reduce-scatter
+    # of the gradients
+    gathered = _gathered_weight_bytes(cfg, head, p, g)
+    step += m * _comm_s(3 * gathered, 3 * cfg.num_layers, g, profile)
+    act = -(-micro // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
+    tp = _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
+    step += m * tp
     elems = shard_bytes(cfg, head, p) / itemsize(cfg.param_dtype)
     step += _work_s(elems * profile.optimizer_bytes_per_param, g, profile.memory_bandwidth, profile)
     return w.train_steps * step
@@ -352,8 +401,9 @@ def _state_bytes(cfg: ModelConfig, head: str, p: CallPlacement, train: bool) -> 
 
 
 def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
-    slots = -(-w.rows // g.batch) * g.batch  # the trainer rounds slots up to the data shards
-    per_shard = slots // g.batch * w.seq_len * kv_bytes_per_token(w.actor)
+    """The engine's page pool: its slots (not the rows) at full length, split over the data
+    shards and the kv-head axis."""
+    per_shard = _engine_slots(w, g) // g.batch * w.seq_len * kv_bytes_per_token(w.actor)
     return int(per_shard / g.kv_tensor)
 
 
@@ -405,7 +455,8 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     gathered = _gathered_weight_bytes(cfg, head, p, g)
     if phase == "generate":
         plen = _bucket(w.prompt_len, min(16, w.prompt_len))
-        prefill_rows = -(-min(w.rows, 64) // g.batch)
+        slots = _engine_slots(w, g)
+        prefill_rows = -(-min(w.rows, slots, 64) // g.batch)
         act = (
             prefill_rows
             * plen
@@ -414,10 +465,10 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
                 + 2 * cfg.hidden_size * a
             )
         )
-        slots = -(-w.rows // g.batch)
-        return act + _logits_bytes(cfg, "lm", max(slots, prefill_rows), g.tensor, 4)
+        in_flight = -(-min(w.rows, slots) // g.batch)
+        return act + _logits_bytes(cfg, "lm", max(in_flight, prefill_rows), g.tensor, 4)
     if phase == "infer":
-        rows = -(-w.rows // g.batch)
+        rows = -(-w.infer_chunk // g.batch)
         tokens = rows * w.seq_len
         act = tokens * (
             activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=False)
@@ -425,10 +476,11 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
         )
         logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
         return act + logits + gathered
-    # train: gradients, saved activations per the remat policy, logits and their gradient
-    rows = -(-min(w.minibatch_size, w.rows) // g.batch)
+    # train: gradients (and their accumulator with micro-batches), saved activations of one
+    # micro-batch per the remat policy, logits and their gradient
+    rows = -(-w.microbatch_rows(role) // g.batch)
     tokens = rows * w.seq_len
-    grads = shard_bytes(cfg, head, p)
+    grads = shard_bytes(cfg, head, p) * (2 if w.microbatches(role) > 1 else 1)
     saved_layer = activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=True)
     if cfg.remat_policy == "none":
         act = cfg.num_layers * tokens * saved_layer
@@ -441,6 +493,22 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
         )
     logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
     return grads + act + logits + 2 * gathered
+
+
+def batch_problem(w: Workload, call: str, p: CallPlacement) -> str | None:
+    """A training micro-batch or a scoring chunk whose rows do not split over the call's batch
+    shards (the trainer would refuse it; decode slots are rounded up instead)."""
+    role, phase = CALLS[call]
+    shards = _ways(p.mesh, _dim_axes(("batch",), p.mesh, p.rules)[0])
+    if phase == "train":
+        rows, what = w.microbatch_rows(role), "micro-batch"
+    elif phase == "infer":
+        rows, what = w.infer_chunk, "scoring chunk"
+    else:
+        return None
+    if shards > 1 and rows % shards:
+        return f"{what} of {rows} rows does not split over {shards} batch shards"
+    return None
 
 
 def _fmt(n: float) -> str:
@@ -462,6 +530,9 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         role, _ = CALLS[call]
         cfg, head = w.models()[role]
         for problem in layout_problems(cfg, head, plan[call])[:1]:
+            reasons.append(f"{call}: {plan[call]}: {problem}")
+        problem = batch_problem(w, call, plan[call])
+        if problem:
             reasons.append(f"{call}: {plan[call]}: {problem}")
 
     call_seconds = {c: 0.0 for c in CALLS}
@@ -549,6 +620,7 @@ def compiled_memory_bytes(compiled) -> int | None:
 __all__ = [
     "PHASES",
     "PlanEstimate",
+    "batch_problem",
     "compiled_memory_bytes",
     "estimate",
     "head_params",

@@ -90,6 +90,22 @@ def peak_memory_bytes(estimate: Any) -> int:
     return max(values) if values else 0
 
 
+def effective_batches(workload: Any) -> dict[str, int]:
+    """Rows each call's batch axis carries in one program: a training micro-batch
+    (minibatch / microbatches), a scoring chunk (infer_batch_size rows), or, for generation,
+    the rollout batch (``call_batches``). Workloads without these fields use the defaults."""
+    out = dict(call_batches(workload))
+    rows = workload.prompts * workload.samples_per_prompt
+    chunk = getattr(workload, "infer_batch_size", 0) or 0
+    for call, (role, phase) in CALLS.items():
+        if phase == "train":
+            m = max(1, getattr(workload, f"{role}_microbatches", 1) or 1)
+            out[call] = -(-out[call] // m)
+        elif phase == "infer" and chunk > 0:
+            out[call] = min(chunk, rows)
+    return out
+
+
 class SearchSpace:
     """Per-call candidate slots for a workload on ``num_devices`` devices.
 
@@ -111,7 +127,7 @@ class SearchSpace:
         self.num_devices = num_devices
         self.devices_per_node = devices_per_node
         self.models = call_models(workload)
-        self.batches = call_batches(workload)
+        self.batches = effective_batches(workload)
         self.tied = tuple(c for c in CALLS if self.models[c] is None and c != "actor_train")
         self.free = tuple(c for c in CALLS if c not in self.tied)
         if candidates is None:

@@ -35,28 +35,44 @@ WORKLOAD = dict(
     minibatch_size=128,
 )
 REMAT = "dots_no_batch"  # as configs/llama3_8b_ppo.gin: 2k-token training needs remat
-# Each minibatch is trained in micro-batches of this many rows (gradient accumulation, as
-# RoleConfig.microbatches does); without it no 70B plan fits on 128 H100s at 2k tokens.
-MICROBATCH_ROWS = 16
-SEARCH = dict(steps=1500, restarts=4, seed=0, top=5)
+# How the trainer runs it (see docs/plans.md): the decode engine keeps DECODE_SLOTS sequences in
+# flight in total over its data shards (DecodeConfig.num_slots; the rest wait for a free slot),
+# reference / reward / critic score INFER_BATCH_SIZE rows per call (RLConfig.infer_batch_size),
+# and each minibatch is trained in micro-batches of microbatch_rows() rows (gradient accumulation,
+# RoleConfig.microbatches = minibatch_size / rows), one optimizer update per minibatch.
+# A micro-batch's rows must split over the training call's batch (fsdp) shards, so 8-row
+# micro-batches would cap training at 8 shards; they are used where memory needs them (8-16
+# devices) and 16-row micro-batches from 32 devices on.
+DECODE_SLOTS = 256
+INFER_BATCH_SIZE = 64
+MICROBATCH_ROWS = {8: 8, 16: 8}  # devices -> rows per micro-batch
+DEFAULT_MICROBATCH_ROWS = 16
+
+
+def microbatch_rows(devices: int) -> int:
+    return MICROBATCH_ROWS.get(devices, DEFAULT_MICROBATCH_ROWS)
+
+
+SEARCH = dict(steps=3000, restarts=4, seed=0, top=5)
 STRATEGY_NAMES = ("flatten", "interleave", "separate")
 
 
-def workload_for(size: str):
+def workload_for(size: str, devices: int = 8):
     from jrlhf.plan.workload import Workload
 
     model = get_preset(MODELS[size], remat_policy=REMAT)
-    fields = dict(WORKLOAD)
-    known = {f.name for f in dataclasses.fields(Workload)}
-    if "microbatches" in known:
-        fields["microbatches"] = WORKLOAD["minibatch_size"] // MICROBATCH_ROWS
-    else:
-        # The Workload has no micro-batch field: price the minibatch as minibatches of
-        # MICROBATCH_ROWS rows. Same FLOPs, same per-micro-batch FSDP gathers and activation
-        # memory; it counts minibatch_size / MICROBATCH_ROWS optimizer updates instead of one
-        # (docs/plans.md gives the size of that error).
-        fields["minibatch_size"] = MICROBATCH_ROWS
-    return Workload(actor=model, critic=model, reference=model, reward=model, **fields)
+    microbatches = WORKLOAD["minibatch_size"] // microbatch_rows(devices)
+    return Workload(
+        actor=model,
+        critic=model,
+        reference=model,
+        reward=model,
+        **WORKLOAD,
+        decode_slots=DECODE_SLOTS,
+        infer_batch_size=INFER_BATCH_SIZE,
+        actor_microbatches=microbatches,
+        critic_microbatches=microbatches,
+    )
 
 
 @dataclasses.dataclass
@@ -71,7 +87,7 @@ def run_case(size: str, devices: int, profile, **search_kwargs) -> Case:
     t0 = time.perf_counter()
     kwargs = {**SEARCH, **search_kwargs}
     result = search(
-        workload_for(size),
+        workload_for(size, devices),
         devices,
         profile,
         devices_per_node=min(profile.devices_per_node, devices),
@@ -118,7 +134,9 @@ def tables(cases: list[Case], profile) -> str:
         f"Workload: {WORKLOAD['prompts']} prompts x {WORKLOAD['samples_per_prompt']} sample, "
         f"prompt {WORKLOAD['prompt_len']} + generation {WORKLOAD['gen_len']} tokens, "
         f"{WORKLOAD['epochs']} PPO epoch, minibatch {WORKLOAD['minibatch_size']} in "
-        f"micro-batches of {MICROBATCH_ROWS}; bf16 weights, "
+        f"micro-batches of {microbatch_rows(8)} rows on 8-16 devices, "
+        f"{DEFAULT_MICROBATCH_ROWS} from 32 on; {DECODE_SLOTS} decode slots in total, scoring "
+        f"{INFER_BATCH_SIZE} rows per call; bf16 weights, "
         f"fp32 AdamW moments, remat `{REMAT}`; search: {SEARCH}.",
         "",
         "Estimated seconds per iteration (best variant of each strategy; OOM: no variant fits, "
@@ -201,14 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, nargs="*", default=list(DEVICES))
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--update", type=Path, help="rewrite the generated part of this markdown file")
+    p.add_argument("--jobs", type=int, default=1, help="cases searched in parallel processes")
     args = p.parse_args(argv)
     profile = DeviceProfile.load(args.device_kind)
-    cases = []
-    for size in args.models:
-        for n in args.devices:
-            case = run_case(size, n, profile)
-            print(f"{size} on {n}: {case.seconds:.0f} s search", file=sys.stderr, flush=True)
-            cases.append(case)
+    todo = [(size, n) for size in args.models for n in args.devices]
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        # largest cases first so the pool stays busy; results are put back in table order
+        order = sorted(todo, key=lambda c: (-c[1], c[0]))
+        with ProcessPoolExecutor(args.jobs) as pool:
+            futures = {c: pool.submit(run_case, *c, profile) for c in order}
+            done = {c: f.result() for c, f in futures.items()}
+        cases = [done[c] for c in todo]
+    else:
+        cases = [run_case(size, n, profile) for size, n in todo]
+    for case in cases:
+        print(f"{case.size} on {case.devices}: {case.seconds:.0f} s search", file=sys.stderr)
     text = tables(cases, profile)
     if args.update:
         update(args.update, text)

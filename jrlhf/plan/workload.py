@@ -42,6 +42,38 @@ class Workload:
     minibatch_size: int
     # Decode-engine knobs that change the number of host round trips (DecodeConfig.chunk_steps).
     decode_chunk_steps: int = 8
+    # Sequence slots of the decode engine in total over its data shards (DecodeConfig.num_slots;
+    # 0 = every row in flight at once). The KV pool holds this many sequences at full length;
+    # rows beyond it wait for a free slot, so uniform lengths decode in ceil(rows / slots) waves.
+    decode_slots: int = 0
+    # Rows per reference / reward / critic scoring call (RLConfig.infer_batch_size; 0 = all rows
+    # in one call). The trainer scores in chunks of this many rows, one after another.
+    infer_batch_size: int = 0
+    # Gradient-accumulation micro-batches per minibatch (RoleConfig.microbatches of each role).
+    actor_microbatches: int = 1
+    critic_microbatches: int = 1
+
+    @property
+    def slots(self) -> int:
+        """Sequences the decode engine keeps in flight (before rounding to the data shards)."""
+        return self.decode_slots if self.decode_slots > 0 else self.rows
+
+    @property
+    def infer_chunk(self) -> int:
+        """Rows per scoring call."""
+        if self.infer_batch_size <= 0:
+            return self.rows
+        return min(self.infer_batch_size, self.rows)
+
+    def microbatches(self, role: str) -> int:
+        """Micro-batches per minibatch of a trained role (1 for frozen roles)."""
+        m = {"actor": self.actor_microbatches, "critic": self.critic_microbatches}.get(role, 1)
+        return max(1, m)
+
+    def microbatch_rows(self, role: str) -> int:
+        """Rows of one training micro-batch."""
+        mb = min(self.minibatch_size, self.rows)
+        return -(-mb // self.microbatches(role))
 
     @property
     def rows(self) -> int:
@@ -92,7 +124,17 @@ class Workload:
             epochs=cfg.rl.epochs,
             minibatch_size=cfg.rl.minibatch_size,
             decode_chunk_steps=cfg.decode.chunk_steps,
+            decode_slots=cfg.decode.num_slots,
+            infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
+            actor_microbatches=_microbatches(cfg, "actor"),
+            critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
         )
+
+
+def _microbatches(cfg, role: str) -> int:
+    roles = getattr(cfg, "roles", None) or {}
+    rc = roles.get(role)
+    return int(getattr(rc, "microbatches", 1) or 1) if rc is not None else 1
 
 
 # ------------------------------------------------------------------------------ counting helpers
