@@ -47,7 +47,7 @@ def _check_mesh(field: str, value: str) -> None:
 class RunConfig:
     """What to run and where its outputs go."""
 
-    run_dir: str = "runs/default"
+    run_dir: str = ""  # "" means runs/run-<timestamp>
     seed: int = 0
     stages: tuple[str, ...] = ("sft", "rm", "ppo")
     # An execution plan (jrlhf.plan): flatten/colocated, interleave, separate/separated, search,
