@@ -13,8 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from jrlhf.devices import ensure_host_devices
 
 
@@ -43,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     ensure_host_devices()
     from jrlhf import checkpoint
     from jrlhf.config import ConfigError, load_config
-    from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
+    from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams, round_slots
     from jrlhf.meshes import MeshSpec, get_rules, make_mesh
     from jrlhf.ppo import batch as rl_batch
-    from jrlhf.ppo.trainer import summarize_samples
-    from jrlhf.roles import load_weights, make_infer, resolve_model
+    from jrlhf.ppo.scoring import Scorer
+    from jrlhf.roles import frozen_infer, resolve_model
     from jrlhf.tasks import get_reward_fn
     from jrlhf.train import build_task_data
 
@@ -64,31 +62,33 @@ def main(argv: list[str] | None = None) -> int:
         P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
         prompts = data.heldout_prompts[: args.num_prompts or None]
 
-        def frozen_role(role: str, head: str, fn):
-            """A frozen role from the run (reference, reward) loaded onto the evaluation mesh."""
+        def frozen(role: str, head: str, fn):
+            """A frozen role of the run (reference, reward) loaded onto the evaluation mesh."""
             rc = cfg.roles[role]
             role_model, source = resolve_model(rc.init, rc, head, data.model_overrides, run_dir)
-            role_params = load_weights(role_model, source, mesh, rules, cfg.run.seed)
-            infer = make_infer(role_model, mesh, rules, fn)
-            return lambda arrays: infer(role_params, arrays)
+            return frozen_infer(role_model, source, mesh, rules, fn, cfg.run.seed)
 
-        ref_fn = frozen_role("reference", "lm", lambda m, b: rl_batch.response_logprobs(m, b, P))
         reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
-        if reward_fn is None:
-            rm_fn = frozen_role("reward", "value", rl_batch.sequence_scores)
+        scorer = Scorer(
+            P,
+            R,
+            data.pad_id,
+            frozen("reference", "lm", lambda m, b: rl_batch.response_logprobs(m, b, P)),
+            reward_model=None if reward_fn else frozen("reward", "value", rl_batch.sequence_scores),
+            reward_fn=reward_fn,
+            ground_truth=data.ground_truth,
+        )
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    data_shards = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     rows = len(prompts) * args.samples
-    slots = -(-min(rows, 64) // data_shards) * data_shards
     engine = DecodeEngine(
         model,
         mesh,
         rules,
         EngineConfig(
-            num_slots=slots,
+            num_slots=round_slots(min(rows, 64), mesh, rules),
             page_size=8,
             max_prompt_len=P,
             max_new_tokens=R,
@@ -106,22 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = engine.generate(params, prompts, sampling)
     rep = [prompts[int(i)] for i in result.prompt_index]
-    arrays = rl_batch.pack(rep, result.completion_ids, P, R, data.pad_id)
-    arrays["ref_logprobs"] = ref_fn(arrays)
-    lp = arrays["mask"] * 0
-    for i, row in enumerate(result.raw_logprobs):
-        lp[i, : len(row)] = row
-    arrays["old_logprobs"] = lp
-    if reward_fn is None:
-        arrays["scores"] = rm_fn(arrays)
-    else:
-        arrays["scores"] = [reward_fn(p, r) for p, r in zip(rep, result.completion_ids)]
-    report = summarize_samples(
-        {k: np.asarray(v) for k, v in arrays.items()},
-        rep,
-        result.completion_ids,
-        data.ground_truth,
-    )
+    arrays = scorer(rep, result.completion_ids, result.raw_logprobs)
+    report = scorer.summarize(arrays, rep, result.completion_ids)
     report.update(checkpoint=str(ckpt), mesh=str(MeshSpec.parse(args.mesh)), run_dir=str(run_dir))
     text = json.dumps(report, indent=2)
     print(text)

@@ -154,11 +154,10 @@ def run(args: argparse.Namespace) -> int:
 
         model_def, params = load_model(args.checkpoint, mesh, args.rules)
 
-    from jrlhf.decode.engine import DecodeEngine, EngineConfig, data_shards
+    from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
 
-    shards = data_shards(mesh, args.rules)
     want = args.num_slots or min(len(prompts) * args.num_samples, 64)
-    num_slots = -(-want // shards) * shards
+    num_slots = round_slots(want, mesh, args.rules)
     longest = max(len(p) for p in prompts)
     engine = DecodeEngine(
         model_def,

@@ -214,3 +214,18 @@ def make_infer(
 
     call.jitted = jitted
     return call
+
+
+def frozen_infer(
+    model: ModelDef,
+    source: str | None,
+    mesh: Mesh,
+    rules: Rules,
+    fn: Callable[..., jax.Array],
+    seed: int,
+    batch_size: int = 0,
+) -> Callable[[dict], Any]:
+    """Load a frozen model (reference, reward) onto ``mesh`` and return ``arrays -> fn(...)``."""
+    params = load_weights(model, source, mesh, rules, seed)
+    infer = make_infer(model, mesh, rules, fn, batch_size)
+    return lambda arrays: infer(params, arrays)

@@ -264,7 +264,7 @@ def run_rl(cfg, stage, run_dir, data, logger, setup, trainer_cls, quiet) -> dict
     heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
     for role in needed:
         roles[role], sources[role] = setup(role, cfg.roles[role].init, heads[role])
-    trainer = trainer_cls(cfg, stage, roles, sources, data, run_dir, logger, reward_fn=reward_fn)
+    trainer = trainer_cls(cfg, stage, roles, sources, data, run_dir, reward_fn=reward_fn)
     loader = PromptLoader(data.train_prompts, cfg.rl.prompts_per_iteration, seed=cfg.run.seed)
     resumed = trainer.restore()
     if resumed is not None:

@@ -7,6 +7,7 @@ from jrlhf.decode.engine import (
     GenerationResult,
     data_shards,
     decode_rules,
+    round_slots,
 )
 from jrlhf.decode.kernels import paged_attention_reference, select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
@@ -24,6 +25,7 @@ __all__ = [
     "filter_logits",
     "paged_attention_reference",
     "pages_for",
+    "round_slots",
     "sample_tokens",
     "select_kernel",
 ]

@@ -201,6 +201,12 @@ def data_shards(mesh: Mesh, rules: Rules | str) -> int:
     return _axes_size(mesh, logical_to_spec(("slots",), mesh, decode_rules(rules))[0])
 
 
+def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
+    """``wanted`` slots rounded up to a multiple of the mesh's data shards."""
+    shards = data_shards(mesh, rules)
+    return -(-max(wanted, 1) // shards) * shards
+
+
 class DecodeEngine:
     """Continuous-batching generator for one model on one generation mesh.
 

@@ -16,6 +16,7 @@ position and the KL controller, so a resumed run repeats the uninterrupted one e
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -29,11 +30,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jrlhf.config import Config
-from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
+from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams, round_slots
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo.scoring import Scorer
 from jrlhf.reshard import Resharder
-from jrlhf.roles import RoleSetup, load_weights, make_infer
+from jrlhf.roles import RoleSetup, frozen_infer, load_weights, make_infer
 from jrlhf.train_step import (
     OptimizerConfig,
     TrainState,
@@ -49,13 +51,6 @@ log = logging.getLogger("jrlhf")
 _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    prompts: list[list[int]]
-    responses: list[list[int]]
-    arrays: dict[str, np.ndarray]  # packed layout + per-token RL quantities
 
 
 def _actor_loss(P: int, rl, kl_in_loss: bool):
@@ -103,28 +98,34 @@ def _critic_loss(P: int, rl):
 
 
 def make_advantage_fn(rl, algorithm: str, group_size: int):
-    """A jitted pure function from scored rollouts to (advantages, returns, token rewards)."""
+    """A jitted pure function from scored rollouts to (advantages, returns).
 
-    def ppo(scores_b, logp_bt, ref_logp_bt, values_bt, mask_bt, kl_coef):
-        if rl.kl_in_loss:
-            rewards = scores_b[:, None] * algos.last_token_onehot(mask_bt)
+    The estimator comes from core_algos' registry: GAE over KL-shaped token rewards for PPO
+    (the score lands on the last response token), group-normalized scores for GRPO.
+    """
+    estimator = algos.get_advantage_estimator("gae" if algorithm == "ppo" else "grpo")
+
+    def advantages(scores_b, logp_bt, ref_logp_bt, values_bt, mask_bt, kl_coef):
+        if rl.kl_in_loss or algorithm == "grpo":
+            rewards_bt = scores_b[:, None] * algos.last_token_onehot(mask_bt)
         else:
-            rewards = algos.apply_kl_to_rewards(
+            rewards_bt = algos.apply_kl_to_rewards(
                 scores_b, logp_bt, ref_logp_bt, mask_bt, kl_coef, rl.kl_estimator
             )
-        adv, returns = algos.compute_gae(rewards, values_bt, mask_bt, rl.gamma, rl.lam)
-        if rl.whiten_advantages:
+        adv, returns = estimator(
+            rewards_bt=rewards_bt,
+            values_bt=values_bt,
+            scores_b=scores_b,
+            mask_bt=mask_bt,
+            gamma=rl.gamma,
+            lam=rl.lam,
+            group_size=group_size,
+        )
+        if algorithm == "ppo" and rl.whiten_advantages:
             adv = algos.masked_whiten(adv, mask_bt)
-        return adv, returns, rewards
+        return adv, returns
 
-    def grpo(scores_b, logp_bt, ref_logp_bt, values_bt, mask_bt, kl_coef):
-        del logp_bt, ref_logp_bt, values_bt, kl_coef
-        adv_b = algos.grpo_advantages(scores_b, group_size)
-        adv = algos.broadcast_to_tokens(adv_b, mask_bt)
-        rewards = scores_b[:, None] * algos.last_token_onehot(mask_bt)
-        return adv, adv, rewards
-
-    return jax.jit(ppo if algorithm == "ppo" else grpo)
+    return jax.jit(advantages)
 
 
 class RLTrainer:
@@ -138,111 +139,80 @@ class RLTrainer:
         sources: dict[str, str | None],
         data: Any,
         run_dir: Path,
-        logger: Any,
         reward_fn: RewardFn | None = None,
-        progress: Any = None,
     ):
         self.cfg, self.rl, self.algorithm = cfg, cfg.rl, algorithm
-        self.roles, self.data, self.logger = roles, data, logger
+        self.roles, self.data = roles, data
         self.run_dir = Path(run_dir)
-        self.reward_fn = reward_fn
-        self.progress = progress
         self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
         self.group = cfg.rl.samples_per_prompt
         self.use_critic = algorithm == "ppo"
         self.kl_in_loss = cfg.rl.kl_in_loss or algorithm == "grpo"
-        seed = cfg.run.seed
-        self.seed = seed
+        self.seed = seed = cfg.run.seed
+        batch_size = self.rl.infer_batch_size
 
-        actor = roles["actor"]
-        self.actor_opt = make_optimizer(self._opt_config(actor))
-        params = load_weights(
-            actor.model, sources["actor"], actor.meshes["train"], actor.rules["train"], seed
-        )
-        self.actor_state = init_train_state(
-            actor.model, self.actor_opt, actor.meshes["train"], actor.rules["train"], params=params
-        )
-        self.actor_step = make_train_step(
-            actor.model,
-            self.actor_opt,
-            _actor_loss(self.P, self.rl, self.kl_in_loss),
-            actor.meshes["train"],
-            actor.rules["train"],
-            microbatches=actor.config.microbatches,
-        )
-        ref = roles["reference"]
-        self.ref_params = load_weights(
-            ref.model, sources["reference"], ref.meshes["infer"], ref.rules["infer"], seed
-        )
-        self.ref_logprobs = make_infer(
-            ref.model,
-            ref.meshes["infer"],
-            ref.rules["infer"],
-            lambda m, b: rl_batch.response_logprobs(m, b, self.P),
-            batch_size=self.rl.infer_batch_size,
-        )
-
-        self.reward_params = None
-        if reward_fn is None:
-            rw = roles["reward"]
-            self.reward_params = load_weights(
-                rw.model, sources["reward"], rw.meshes["infer"], rw.rules["infer"], seed
+        # Trained roles: optimizer, sharded state and jitted step on their training mesh.
+        self.trained = ["actor", "critic"] if self.use_critic else ["actor"]
+        losses = {
+            "actor": _actor_loss(self.P, self.rl, self.kl_in_loss),
+            "critic": _critic_loss(self.P, self.rl),
+        }
+        self.opts, self.states, self.steps = {}, {}, {}
+        for i, role in enumerate(self.trained):
+            setup = roles[role]
+            mesh, rules = setup.meshes["train"], setup.rules["train"]
+            self.opts[role] = make_optimizer(self._opt_config(setup))
+            params = load_weights(setup.model, sources[role], mesh, rules, seed + i)
+            self.states[role] = init_train_state(
+                setup.model, self.opts[role], mesh, rules, params=params
             )
-            self.reward_scores = make_infer(
-                rw.model,
-                rw.meshes["infer"],
-                rw.rules["infer"],
-                rl_batch.sequence_scores,
-                batch_size=self.rl.infer_batch_size,
-            )
+            self.steps[role] = make_train_step(
+                setup.model, self.opts[role], losses[role], mesh, rules,
+                microbatches=setup.config.microbatches,
+            )  # fmt: skip
 
-        self.critic_state = None
+        def frozen(role: str, fn):
+            setup = roles[role]
+            return frozen_infer(
+                setup.model, sources[role], setup.meshes["infer"], setup.rules["infer"], fn,
+                seed, batch_size,
+            )  # fmt: skip
+
+        critic_fn = None
         if self.use_critic:
             critic = roles["critic"]
-            self.critic_opt = make_optimizer(self._opt_config(critic))
-            cparams = load_weights(
-                critic.model,
-                sources["critic"],
-                critic.meshes["train"],
-                critic.rules["train"],
-                seed + 1,
-            )
-            self.critic_state = init_train_state(
-                critic.model,
-                self.critic_opt,
-                critic.meshes["train"],
-                critic.rules["train"],
-                params=cparams,
-            )
-            self.critic_step = make_train_step(
-                critic.model,
-                self.critic_opt,
-                _critic_loss(self.P, self.rl),
-                critic.meshes["train"],
-                critic.rules["train"],
-                microbatches=critic.config.microbatches,
-            )
-            self.critic_values = make_infer(
+            critic_values = make_infer(
                 critic.model,
                 critic.meshes["infer"],
                 critic.rules["infer"],
                 lambda m, b: rl_batch.response_values(m, b, self.P),
-                batch_size=self.rl.infer_batch_size,
+                batch_size,
             )
+            critic_fn = lambda arrays: critic_values(self.critic_infer_params, arrays)  # noqa: E731
             # The critic scores on its inference layout; when that differs from its training
             # layout (e.g. an interleaved plan), its weights follow each update there.
             self.critic_infer_shardings = critic.shardings("infer")
             self.critic_moves = jax.tree.leaves(critic.shardings("train")) != jax.tree.leaves(
                 self.critic_infer_shardings
             )
+        self.scorer = Scorer(
+            self.P,
+            self.R,
+            data.pad_id,
+            frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, self.P)),
+            reward_model=None if reward_fn else frozen("reward", rl_batch.sequence_scores),
+            reward_fn=reward_fn,
+            critic=critic_fn,
+            reward_scale=self.rl.reward_scale,
+            ground_truth=data.ground_truth,
+        )
 
         # Generation: the engine lives on the actor's generation mesh; the actor's weights are
         # moved there by the (cached) resharder after every update.
-        rows = cfg.rl.prompts_per_iteration * self.group
+        actor = roles["actor"]
         gen_mesh = actor.meshes["generate"]
-        data_shards = int(np.prod([gen_mesh.shape.get(a, 1) for a in ("data", "fsdp")]))
-        slots = cfg.decode.num_slots or rows
-        slots = -(-slots // data_shards) * data_shards
+        rows = cfg.rl.prompts_per_iteration * self.group
+        slots = round_slots(cfg.decode.num_slots or rows, gen_mesh, actor.rules["generate"])
         self.engine = DecodeEngine(
             actor.model,
             gen_mesh,
@@ -280,13 +250,12 @@ class RLTrainer:
 
     def sync_weights(self) -> None:
         """Follow the plan's reshard edges: actor train -> generate, critic train -> infer."""
-        self.gen_params = self.resharder(self.actor_state.params, self.gen_shardings)
+        self.gen_params = self.resharder(self.states["actor"].params, self.gen_shardings)
         self.critic_infer_params = None
         if self.use_critic:
+            critic = self.states["critic"].params
             self.critic_infer_params = (
-                self.resharder(self.critic_state.params, self.critic_infer_shardings)
-                if self.critic_moves
-                else self.critic_state.params
+                self.resharder(critic, self.critic_infer_shardings) if self.critic_moves else critic
             )
 
     def _opt_config(self, setup: RoleSetup) -> OptimizerConfig:
@@ -317,24 +286,6 @@ class RLTrainer:
         rep_prompts = [prompts[int(i)] for i in result.prompt_index]
         return rep_prompts, result
 
-    def score(self, prompts, responses, raw_logprobs):
-        """Reference log-probs, rewards and values for a packed batch (device work overlaps)."""
-        arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.data.pad_id)
-        ref_lp = self.ref_logprobs(self.ref_params, arrays)
-        values = self.critic_values(self.critic_infer_params, arrays) if self.use_critic else None
-        if self.reward_fn is None:
-            scores = self.reward_scores(self.reward_params, arrays)
-        else:
-            scores = np.array([self.reward_fn(p, r) for p, r in zip(prompts, responses)])
-        old_lp = np.zeros((len(responses), self.R), np.float32)
-        for i, lp in enumerate(raw_logprobs):
-            old_lp[i, : len(lp)] = lp
-        arrays["old_logprobs"] = old_lp
-        arrays["ref_logprobs"] = np.asarray(ref_lp)
-        arrays["old_values"] = np.asarray(values) if values is not None else np.zeros_like(old_lp)
-        arrays["scores"] = np.asarray(scores, np.float32) * self.rl.reward_scale
-        return arrays
-
     # -- one iteration -------------------------------------------------------------------------
     def run_iteration(self, prompts: list[list[int]]) -> dict[str, float]:
         it = self.iteration
@@ -345,10 +296,10 @@ class RLTrainer:
         times["generate"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        arrays = self.score(rep_prompts, responses, result.raw_logprobs)
+        arrays = self.scorer(rep_prompts, responses, result.raw_logprobs)
         mask = arrays["mask"]
         kl_coef = np.float32(self.kl_ctl.value)
-        adv, returns, _rewards = self.advantages(
+        adv, returns = self.advantages(
             arrays["scores"],
             arrays["old_logprobs"],
             arrays["ref_logprobs"],
@@ -372,23 +323,20 @@ class RLTrainer:
         jax.block_until_ready((self.gen_params, self.critic_infer_params))
         times["reshard"] = time.perf_counter() - t0
 
-        kl_tokens = arrays["old_logprobs"] - arrays["ref_logprobs"]
-        kl_seq = float(np.mean(np.sum(kl_tokens * mask, axis=1)))
-        self.kl_ctl = self.kl_ctl.update(kl_seq, len(responses))
+        summary = self.scorer.summarize(arrays, rep_prompts, responses)
+        self.kl_ctl = self.kl_ctl.update(summary["kl_to_ref"], len(responses))
         lengths = mask.sum(axis=1)
         metrics = {
-            "reward": float(np.mean(arrays["scores"])),
-            "kl": kl_seq,
+            "reward": summary["reward"],
+            "kl": summary["kl_to_ref"],
             "kl_coef": float(kl_coef),
-            "response_len": float(np.mean(lengths)),
+            "response_len": summary["response_len"],
             "tokens_per_sec": float(lengths.sum() / max(times["generate"], 1e-9)),
             **{f"time/{k}": v for k, v in times.items()},
             **train_metrics,
         }
-        if self.data.ground_truth is not None:
-            metrics["gt_score"] = float(
-                np.mean([self.data.ground_truth(p, r) for p, r in zip(rep_prompts, responses)])
-            )
+        if "gt_score" in summary:
+            metrics["gt_score"] = summary["gt_score"]
         self.iteration += 1
         return metrics
 
@@ -416,10 +364,10 @@ class RLTrainer:
                 idx = order[start : start + mb]
                 batch = {k: arrays[k][idx] for k in fields}
                 batch["kl_coef"] = np.full((len(idx),), kl_coef, np.float32)
-                self.actor_state, m = self.actor_step(self.actor_state, batch)
+                self.states["actor"], m = self.steps["actor"](self.states["actor"], batch)
                 if self.use_critic:
                     cbatch = {k: arrays[k][idx] for k in critic_fields}
-                    self.critic_state, cm = self.critic_step(self.critic_state, cbatch)
+                    self.states["critic"], cm = self.steps["critic"](self.states["critic"], cbatch)
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
                 collected.append(m)
         stacked = jax.device_get({k: [m[k] for m in collected] for k in collected[0]})
@@ -431,16 +379,13 @@ class RLTrainer:
         """Sampled completions on held-out prompts: ground truth, reward model and KL to ref."""
         sp = dataclasses.replace(self.sampling(10**6, seed_salt=99), num_samples=samples)
         rep_prompts, result = self.generate(prompts, sp)
-        arrays = self.score(rep_prompts, result.completion_ids, result.raw_logprobs)
-        return summarize_samples(arrays, rep_prompts, result.completion_ids, self.data.ground_truth)
+        arrays = self.scorer(rep_prompts, result.completion_ids, result.raw_logprobs)
+        return self.scorer.summarize(arrays, rep_prompts, result.completion_ids)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, loader_state: dict[str, int]) -> None:
         """Asynchronous save of everything a resume needs; Orbax renames the step into place
         only once every item is written, so a crash mid-save leaves the last good step."""
-        models = {"actor": self.roles["actor"].model}
-        if self.use_critic:
-            models["critic"] = self.roles["critic"].model
         meta = {
             "iteration": self.iteration,
             "algorithm": self.algorithm,
@@ -448,18 +393,21 @@ class RLTrainer:
             "kl_coef": float(self.kl_ctl.value),
             "seed": self.seed,
             "models": {
-                role: {"head": m.head, "config": json_config(m)} for role, m in models.items()
+                role: {
+                    "head": self.roles[role].model.head,
+                    "config": json.loads(self.roles[role].model.config.to_json()),
+                }
+                for role in self.trained
             },
         }
         args = {"meta": ocp.args.JsonSave(meta)}
-        args["actor_params"] = ocp.args.StandardSave(self.actor_state.params)
-        args["actor_opt_state"] = ocp.args.StandardSave(
-            {"step": self.actor_state.step, "opt_state": self.actor_state.opt_state}
-        )
-        if self.use_critic:
-            args["critic_params"] = ocp.args.StandardSave(self.critic_state.params)
-            args["critic_opt_state"] = ocp.args.StandardSave(
-                {"step": self.critic_state.step, "opt_state": self.critic_state.opt_state}
+        for role in self.trained:
+            # Parameters apart from the optimizer state, so jrlhf.checkpoint.load_model (evaluate,
+            # convert) restores a role without knowing the optimizer.
+            state = self.states[role]
+            args[f"{role}_params"] = ocp.args.StandardSave(state.params)
+            args[f"{role}_opt_state"] = ocp.args.StandardSave(
+                {"step": state.step, "opt_state": state.opt_state}
             )
         self.ckpt.save(self.iteration, args=ocp.args.Composite(**args))
 
@@ -468,37 +416,28 @@ class RLTrainer:
         step = self.ckpt.latest_step()
         if step is None:
             return None
-
-        def target(state: TrainState, role: str):
+        args = {"meta": ocp.args.JsonRestore()}
+        for role in self.trained:
             setup = self.roles[role]
-            opt = self.actor_opt if role == "actor" else self.critic_opt
-            sh = state_shardings(setup.model, opt, setup.meshes["train"], setup.rules["train"])
-            abstract = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh
+            shardings = state_shardings(
+                setup.model, self.opts[role], setup.meshes["train"], setup.rules["train"]
             )
-            return abstract
-
-        actor_t = target(self.actor_state, "actor")
-        args = {
-            "meta": ocp.args.JsonRestore(),
-            "actor_params": ocp.args.StandardRestore(actor_t.params),
-            "actor_opt_state": ocp.args.StandardRestore(
-                {"step": actor_t.step, "opt_state": actor_t.opt_state}
-            ),
-        }
-        if self.use_critic:
-            critic_t = target(self.critic_state, "critic")
-            args["critic_params"] = ocp.args.StandardRestore(critic_t.params)
-            args["critic_opt_state"] = ocp.args.StandardRestore(
-                {"step": critic_t.step, "opt_state": critic_t.opt_state}
+            target = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                self.states[role],
+                shardings,
+            )
+            args[f"{role}_params"] = ocp.args.StandardRestore(target.params)
+            args[f"{role}_opt_state"] = ocp.args.StandardRestore(
+                {"step": target.step, "opt_state": target.opt_state}
             )
         restored = self.ckpt.restore(step, args=ocp.args.Composite(**args))
+        for role in self.trained:
+            opt = restored[f"{role}_opt_state"]
+            self.states[role] = TrainState(
+                opt["step"], restored[f"{role}_params"], opt["opt_state"]
+            )
         meta = restored["meta"]
-        a = restored["actor_opt_state"]
-        self.actor_state = TrainState(a["step"], restored["actor_params"], a["opt_state"])
-        if self.use_critic:
-            c = restored["critic_opt_state"]
-            self.critic_state = TrainState(c["step"], restored["critic_params"], c["opt_state"])
         self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(meta["kl_coef"]))
         self.iteration = int(meta["iteration"])
         self.sync_weights()
@@ -506,25 +445,3 @@ class RLTrainer:
 
     def wait_for_checkpoints(self) -> None:
         self.ckpt.wait_until_finished()
-
-
-def json_config(model) -> dict:
-    import json
-
-    return json.loads(model.config.to_json())
-
-
-def summarize_samples(arrays, prompts, responses, ground_truth=None) -> dict[str, float]:
-    """Mean reward, KL to the reference (sum over tokens of log pi - log ref), length, and the
-    ground-truth score when the task knows it."""
-    mask = arrays["mask"]
-    kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
-    out = {
-        "kl_to_ref": float(np.mean(kl)),
-        "reward": float(np.mean(arrays["scores"])),
-        "response_len": float(np.mean(mask.sum(axis=1))),
-        "num_samples": float(len(responses)),
-    }
-    if ground_truth is not None:
-        out["gt_score"] = float(np.mean([ground_truth(p, r) for p, r in zip(prompts, responses)]))
-    return out

@@ -1,0 +1,89 @@
+"""Scoring rollouts: reference log-probs, rewards and critic values, and their summary.
+
+One implementation serves the trainer (every iteration, and its held-out evaluation) and
+``python -m jrlhf.evaluate``. Each scoring call runs on its own role's mesh; the calls are
+dispatched back to back and only then fetched, so calls on disjoint devices can overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jrlhf.ppo import batch as rl_batch
+
+# arrays (the packed layout of jrlhf.ppo.batch) -> per-row or per-token device values
+InferFn = Callable[[dict[str, np.ndarray]], Any]
+RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+
+
+class Scorer:
+    """Packs prompt/response pairs and scores them with the frozen and critic models.
+
+    ``reward_model`` (a learned reward, scored at each row's last token) and ``reward_fn`` (a
+    verifiable Python reward of the decoded ids) are alternatives; ``critic`` is optional (GRPO).
+    """
+
+    def __init__(
+        self,
+        max_prompt_len: int,
+        max_response_len: int,
+        pad_id: int,
+        reference: InferFn,
+        *,
+        reward_model: InferFn | None = None,
+        reward_fn: RewardFn | None = None,
+        critic: InferFn | None = None,
+        reward_scale: float = 1.0,
+        ground_truth: RewardFn | None = None,
+    ):
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError("give exactly one of reward_model and reward_fn")
+        self.P, self.R, self.pad_id = max_prompt_len, max_response_len, pad_id
+        self.reference, self.reward_model, self.reward_fn = reference, reward_model, reward_fn
+        self.critic, self.reward_scale, self.ground_truth = critic, reward_scale, ground_truth
+
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        rollout_logprobs: Sequence[np.ndarray],
+    ) -> dict[str, np.ndarray]:
+        """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs``,
+        ``old_values`` (zeros without a critic) and ``scores`` (B,)."""
+        arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
+        # Dispatch every device call before fetching any result.
+        ref_lp = self.reference(arrays)
+        values = self.critic(arrays) if self.critic is not None else None
+        if self.reward_model is not None:
+            scores = self.reward_model(arrays)
+        else:
+            scores = [self.reward_fn(p, r) for p, r in zip(prompts, responses)]
+        old_lp = np.zeros((len(responses), self.R), np.float32)
+        for i, lp in enumerate(rollout_logprobs):
+            old_lp[i, : len(lp)] = lp
+        arrays["old_logprobs"] = old_lp
+        arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)
+        arrays["old_values"] = (
+            np.asarray(values, np.float32) if values is not None else np.zeros_like(old_lp)
+        )
+        arrays["scores"] = np.asarray(scores, np.float32) * self.reward_scale
+        return arrays
+
+    def summarize(self, arrays, prompts, responses) -> dict[str, float]:
+        """Mean reward, KL to the reference (per-sequence sum of log pi - log ref), response
+        length, and the ground-truth score when the task knows it."""
+        mask = arrays["mask"]
+        kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
+        out = {
+            "reward": float(np.mean(arrays["scores"])),
+            "kl_to_ref": float(np.mean(kl)),
+            "response_len": float(np.mean(mask.sum(axis=1))),
+            "num_samples": float(len(responses)),
+        }
+        if self.ground_truth is not None:
+            truth = [self.ground_truth(p, r) for p, r in zip(prompts, responses)]
+            out["gt_score"] = float(np.mean(truth))
+        return out
