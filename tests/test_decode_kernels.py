@@ -47,6 +47,22 @@ def test_paged_kernels_match_dense_attention(kernel, window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", ["reference", "pallas_interpret"])
+def test_idle_rows_attend_over_nothing_and_leave_others_exact(kernel):
+    """An idle decode slot: every table entry out of range (the pool has P pages) and length 0,
+    as the engine passes it. The kernel must not read through those ids, must stay finite, and
+    must not disturb the other rows."""
+    q, k_pool, v_pool, table, lengths = _case(1)
+    table = table.at[1].set(P + 3)
+    lengths = lengths.at[1].set(0)
+    _, fn = select_kernel(kernel)
+    got = np.asarray(fn(q, k_pool, v_pool, jnp.int32(0), table, lengths, 0))
+    assert np.isfinite(got).all()
+    live = np.array([0, 2])
+    want = _dense(q[live], k_pool, v_pool, 0, table[live], lengths[live], 0)
+    np.testing.assert_allclose(got[live], np.asarray(want), atol=2e-5, rtol=0)
+
+
 def test_auto_selects_reference_on_cpu():
     name, _ = select_kernel("auto")
     assert name == ("pallas" if jax.default_backend() == "gpu" else "reference")

@@ -389,7 +389,10 @@ class DecodeEngine:
             off = lengths % ps
             kp = kp.at[layer, page, off].set(k[:, 0].astype(kp.dtype), mode="drop")
             vp = vp.at[layer, page, off].set(v[:, 0].astype(vp.dtype), mode="drop")
-            out = kernel(q[:, 0], kp, vp, layer, table, lengths + 1, window)
+            # Idle slots attend over nothing: their table rows hold out-of-range page ids and
+            # their lengths are stale, which a kernel without bounds checks would read through.
+            kv_len = jnp.where(active, lengths + 1, 0)
+            out = kernel(q[:, 0], kp, vp, layer, table, kv_len, window)
             return out[:, None], kp, vp
 
         mapped = jax.shard_map(

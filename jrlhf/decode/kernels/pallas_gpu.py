@@ -48,7 +48,9 @@ def _kernel(
 
     def body(i, carry):
         o, m, l = carry
-        page = pages_ref[i]
+        # Same contract as the reference kernel: out-of-range ids (unused table entries) are
+        # clamped rather than read past the end of the pool.
+        page = jnp.minimum(pages_ref[i], k_ref.shape[1] - 1)
         k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
         v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
         s = pl.dot(q, k.astype(jnp.float32), trans_b=True)  # (rows, page_size)

@@ -37,7 +37,7 @@ def paged_attention_reference(
       (batch, heads, head_dim) in the dtype of ``q_bhd``.
     """
     b, h, d = q_bhd.shape
-    _, num_pages, page_size, kv_heads, _ = k_pool.shape
+    _, num_pages, _, kv_heads, _ = k_pool.shape
     # One gather with (layer, page) indices rather than slicing the layer first: slicing a layer
     # out of the pool would materialise a copy of every page of that layer.
     pages = jnp.clip(page_table_bp, 0, num_pages - 1)
@@ -58,5 +58,4 @@ def paged_attention_reference(
     scores_bskg = jnp.where(valid_bs[:, :, None, None], scores_bskg, MASK_VALUE)
     probs_bskg = jax.nn.softmax(scores_bskg, axis=1)
     out = jnp.sum(probs_bskg[..., None] * v_bskd[:, :, :, None, :].astype(jnp.float32), axis=1)
-    del page_size
     return out.reshape(b, h, d).astype(q_bhd.dtype)
