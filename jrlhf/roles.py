@@ -102,12 +102,18 @@ def role_meshes(cfg: Config, role: str, plan=None) -> tuple[dict[str, Mesh], dic
     return meshes, rules
 
 
-def _apply_role_overrides(model_cfg: ModelConfig, rc: RoleConfig) -> ModelConfig:
+def model_overrides(rc: RoleConfig) -> dict[str, Any]:
+    """A role's ``model_overrides`` as a dict, failing in one line on unknown model fields."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     overrides = dict(rc.model_overrides)
     bad = sorted(set(overrides) - known)
     if bad:
         raise ValueError(f"RoleConfig.model_overrides: unknown model field(s) {bad}")
+    return overrides
+
+
+def _apply_role_overrides(model_cfg: ModelConfig, rc: RoleConfig) -> ModelConfig:
+    overrides = model_overrides(rc)
     overrides.update(param_dtype=rc.param_dtype, dtype=rc.dtype, remat_policy=rc.remat_policy)
     return model_cfg.replace(**overrides)
 

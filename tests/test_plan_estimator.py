@@ -313,3 +313,20 @@ def test_from_config_reads_slots_chunks_and_microbatches():
     default = Workload.from_config(load_config([], []), {"actor": tiny_config()})
     assert default.slots == default.rows and default.infer_chunk == default.rows
     assert default.microbatches("actor") == default.microbatches("critic") == 1
+
+
+def test_absent_scoring_calls_do_not_break_overlap():
+    """GRPO has no critic: its placeholder slot (here on every device) must not stop the
+    reference and reward calls, on disjoint devices, from counting as concurrent."""
+    cfg = tiny_config()
+    w = _workload(cfg, critic=None)
+    everywhere = CallPlacement("fsdp=8", "fsdp_tp")
+    placements = {c: everywhere for c in CALLS}
+    placements["reference_infer"] = CallPlacement("fsdp=4@0:4", "fsdp_tp")
+    placements["reward_infer"] = CallPlacement("fsdp=4@4:8", "fsdp_tp")
+    plan = ExecutionPlan("grpo-interleaved", tuple(placements.items()))
+    h100 = DeviceProfile.load("h100")
+    e = est.estimate(plan, w, h100)
+    ref, rew = e.call_seconds["reference_infer"], e.call_seconds["reward_infer"]
+    assert e.call_seconds["critic_infer"] == 0.0
+    assert e.phase_seconds["score"] == pytest.approx(max(ref, rew) + 2 * h100.call_overhead_s)

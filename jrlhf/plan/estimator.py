@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import math
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from jrlhf.plan.workload import (
     itemsize,
     kv_bytes_per_token,
 )
+from jrlhf.reshard.layout import moved_elements
 
 PHASES = ("generate", "score", "train", "reshard")
 MOMENT_BYTES = 8  # AdamW mu + nu, float32 each
@@ -134,10 +135,9 @@ def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int
     return out
 
 
-def _volume(bounds) -> int:
-    return math.prod(max(0, hi - lo) for lo, hi in bounds)
-
-
+# The search evaluates thousands of plans built from a few hundred distinct placements: the
+# per-placement arithmetic below is cached (configs and placements are frozen, hashable).
+@functools.lru_cache(maxsize=4096)
 def shard_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
     """Parameter bytes one device holds under ``placement`` (the largest shard, ceil-divided)."""
     total = 0
@@ -147,7 +147,8 @@ def shard_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
     return total
 
 
-def layout_problems(cfg: ModelConfig, head: str, placement: CallPlacement) -> list[str]:
+@functools.lru_cache(maxsize=4096)
+def layout_problems(cfg: ModelConfig, head: str, placement: CallPlacement) -> tuple[str, ...]:
     """Parameters whose dims do not divide their mesh axes (the trainer would refuse them)."""
     out = []
     for path, logical, shape, _ in _param_table(cfg, head):
@@ -159,31 +160,26 @@ def layout_problems(cfg: ModelConfig, head: str, placement: CallPlacement) -> li
                 out.append(
                     f"parameter {path} dim {dim} (size {size}) not divisible by {axes} ({k})"
                 )
-    return out
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def reshard_bytes_per_device(
     cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement
-) -> dict[int, int]:
+) -> Mapping[int, int]:
     """Bytes each target device must receive to go from ``src``'s layout to ``dst``'s.
 
-    Same definition as ``jrlhf.reshard.layout.moved_bytes_per_device`` (what a device lacks of
-    its target slice; a device the source does not use receives its whole slice), computed from
-    the MeshSpecs and rules without building devices.
+    The same count as ``jrlhf.reshard.layout.moved_bytes_per_device`` (both use
+    ``layout.moved_elements``), from the MeshSpecs and rules without building devices. The
+    returned mapping is shared by the cache: read-only.
     """
     out: dict[int, int] = {d: 0 for d in dst.mesh.device_ids()}
     for _path, logical, shape, size in _param_table(cfg, head):
         have = _device_bounds(shape, _dim_axes(logical, src.mesh, src.rules), src.mesh)
         want = _device_bounds(shape, _dim_axes(logical, dst.mesh, dst.rules), dst.mesh)
-        for device, w in want.items():
-            h = have.get(device)
-            held = (
-                0
-                if h is None
-                else _volume(tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(w, h)))
-            )
-            out[device] += (_volume(w) - held) * size
-    return out
+        for device, n in moved_elements(have, want).items():
+            out[device] += n * size
+    return types.MappingProxyType(out)
 
 
 def reshard_bytes(cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement) -> int:
@@ -317,10 +313,11 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
 
 
 def _chunks(w: Workload) -> list[int]:
-    """Rows of each scoring call (infer_batch_size rows at a time, the rest last)."""
+    """Rows of each scoring call: infer_batch_size at a time, the last chunk padded to full
+    size as the trainer does (one compiled shape), or all rows in one call."""
     size = w.infer_chunk
-    full, rest = divmod(w.rows, size)
-    return [size] * full + ([rest] if rest else [])
+    calls = -(-w.rows // size)
+    return [w.rows] if calls == 1 else [size] * calls
 
 
 def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
@@ -552,7 +549,10 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
             reshard[edge.role] = reshard_seconds(w, edge, plan, profile)
 
     infer = [call_seconds[c] for c in INFERENCE_CALLS]
-    overlap = plan.overlapping_inference() and not profile.shared_host
+    # Only the calls this workload makes can overlap (no critic in GRPO, no reward model with a
+    # verifiable reward): an absent call's placeholder slot must not break the overlap.
+    scoring = [c for c in INFERENCE_CALLS if c in active]
+    overlap = plan.overlapping_inference(scoring) and not profile.shared_host
     # host work of the score phase besides the model calls: packing, the advantage function and
     # fetching its results (a few synchronizing calls)
     score = (max(infer) if overlap else sum(infer)) + 2 * profile.call_overhead_s

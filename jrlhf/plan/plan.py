@@ -127,9 +127,10 @@ class ExecutionPlan:
                     f"{max(ids)} but only {num_devices} devices exist"
                 )
 
-    def overlapping_inference(self) -> bool:
-        """Whether the independent inference calls sit on pairwise disjoint devices."""
-        sets = [self[c].devices for c in INFERENCE_CALLS]
+    def overlapping_inference(self, calls: Iterable[str] = INFERENCE_CALLS) -> bool:
+        """Whether the given inference calls (default: all three) sit on pairwise disjoint
+        devices, so they can run at the same time."""
+        sets = [self[c].devices for c in calls]
         return all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :])
 
     def to_gin(self, header: str = "") -> str:

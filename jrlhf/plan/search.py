@@ -498,8 +498,10 @@ def config_models(cfg: Any, presets: Mapping[str, str] | None = None) -> dict[st
     presets = dict(presets or {})
     out = {}
     overrides_for_tiny = None
+    from jrlhf.roles import model_overrides
+
     for role, rc in cfg.roles.items():
-        fields = dict(rc.model_overrides)
+        fields = model_overrides(rc)
         if role in presets:
             model = get_preset(presets[role])
             fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS if _bound(role, f)})

@@ -13,7 +13,7 @@ a device already holds is sent to it again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -21,6 +21,8 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jrlhf.meshes.mesh import MeshSpec
+
+Bounds = tuple[tuple[int, int], ...]
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -54,6 +56,20 @@ def _flat_triples(src_shardings: Any, dst_shardings: Any, shapes: Any):
     return list(zip(src, dst, leaves))
 
 
+def moved_elements(have: Mapping[Any, Bounds], want: Mapping[Any, Bounds]) -> dict[Any, int]:
+    """Elements each device must receive: its wanted slice minus what it already holds.
+
+    ``have`` and ``want`` map devices to per-dimension (start, stop) bounds; a device absent from
+    ``have`` receives its whole slice. Shared by the byte counts here (from real shardings) and
+    the plan estimator (from mesh specs, without devices).
+    """
+    out = {}
+    for device, w in want.items():
+        h = have.get(device)
+        out[device] = _volume(w) - (0 if h is None else _volume(_intersect(w, h)))
+    return out
+
+
 def moved_bytes_per_device(src: Sharding, dst: Sharding, shape, dtype) -> dict[Any, int]:
     """Bytes each target device must receive to go from ``src`` to ``dst`` for one array.
 
@@ -61,14 +77,9 @@ def moved_bytes_per_device(src: Sharding, dst: Sharding, shape, dtype) -> dict[A
     """
     shape = tuple(shape)
     itemsize = np.dtype(dtype).itemsize
-    held = {d: _bounds(idx, shape) for d, idx in src.devices_indices_map(shape).items()}
-    out = {}
-    for device, idx in dst.devices_indices_map(shape).items():
-        want = _bounds(idx, shape)
-        have = held.get(device)
-        overlap = 0 if have is None else _volume(_intersect(want, have))
-        out[device] = (_volume(want) - overlap) * itemsize
-    return out
+    have = {d: _bounds(idx, shape) for d, idx in src.devices_indices_map(shape).items()}
+    want = {d: _bounds(idx, shape) for d, idx in dst.devices_indices_map(shape).items()}
+    return {d: n * itemsize for d, n in moved_elements(have, want).items()}
 
 
 def bytes_moved(src_shardings: Any, dst_shardings: Any, shapes: Any) -> int:
