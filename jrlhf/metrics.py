@@ -226,21 +226,6 @@ class PhaseTimer:
         self.counts.clear()
 
 
-@contextlib.contextmanager
-def phase_timer(
-    name: str, totals: dict[str, float] | None = None, block: bool = True
-) -> Iterator[_Phase]:
-    """Time one block, adding the seconds to ``totals[name]`` (a plain dict you own)."""
-    handle = _Phase()
-    start = time.perf_counter()
-    try:
-        yield handle
-    finally:
-        handle._wait(block)
-        if totals is not None:
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
-
-
 # ---------------------------------------------------------------------------------------------
 # Progress bar
 # ---------------------------------------------------------------------------------------------

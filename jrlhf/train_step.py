@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrlhf.meshes.context import activation_sharding
-from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 
@@ -155,11 +155,8 @@ def check_batch_divides(
     """One-line error when a batch cannot be split over the mesh's batch axes."""
     for name, value in batch.items():
         spec = batch_sharding(mesh, rules, jnp.ndim(value)).spec
-        axes = () if not spec or spec[0] is None else spec[0]
-        axes = (axes,) if isinstance(axes, str) else axes
-        n = 1
-        for a in axes:
-            n *= mesh.shape[a]
+        axes = spec[0] if spec else None
+        n = axis_size(mesh, axes)
         size = jnp.shape(value)[0]
         if size % (n * microbatches):
             raise ValueError(

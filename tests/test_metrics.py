@@ -108,12 +108,6 @@ def test_phase_timer_accumulates_and_blocks(tmp_path):
     assert timer.counts["score"] == 1
     timer.reset()
     assert timer.summary() == {}
-    totals = {}
-    for _ in range(3):
-        with metrics.phase_timer("reshard", totals) as ph:
-            ph.block_on([jnp.zeros(3)])
-            time.sleep(0.005)
-    assert totals["reshard"] >= 0.015
 
 
 def test_progress_bar_disabled_off_tty(capsys):

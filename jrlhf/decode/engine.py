@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +39,7 @@ from jrlhf.decode.kernels import select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
 from jrlhf.meshes.context import activation_sharding
-from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import attention_mask, masked_attention
 from jrlhf.models.model_def import ModelDef, Params
 
@@ -147,20 +146,6 @@ class GenerationResult:
     def lengths(self) -> np.ndarray:
         return np.array([len(c) for c in self.completion_ids], np.int32)
 
-    def padded(self, pad_id: int = 0) -> dict[str, np.ndarray]:
-        """Right-padded (n, max_len) arrays: ids, both log-probs, and a mask."""
-        n, t = len(self.completion_ids), max([1, *self.lengths.tolist()])
-        ids = np.full((n, t), pad_id, np.int32)
-        mask = np.zeros((n, t), bool)
-        slp = np.zeros((n, t), np.float32)
-        rlp = np.zeros((n, t), np.float32)
-        for i, c in enumerate(self.completion_ids):
-            ids[i, : len(c)] = c
-            mask[i, : len(c)] = True
-            slp[i, : len(c)] = self.sampling_logprobs[i]
-            rlp[i, : len(c)] = self.raw_logprobs[i]
-        return dict(ids=ids, mask=mask, sampling_logprobs=slp, raw_logprobs=rlp)
-
 
 @dataclasses.dataclass
 class _Request:
@@ -192,13 +177,9 @@ def decode_rules(rules: Rules | str) -> Rules:
     return tuple(r for r in base if r[0] != "kv_pages") + extra
 
 
-def _axes_size(mesh: Mesh, part) -> int:
-    return math.prod(mesh.shape[a] for a in ((part,) if isinstance(part, str) else part or ()))
-
-
 def data_shards(mesh: Mesh, rules: Rules | str) -> int:
     """How many ways slots (and pages) are split on ``mesh``: num_slots must be a multiple."""
-    return _axes_size(mesh, logical_to_spec(("slots",), mesh, decode_rules(rules))[0])
+    return axis_size(mesh, logical_to_spec(("slots",), mesh, decode_rules(rules))[0])
 
 
 def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
@@ -235,7 +216,7 @@ class DecodeEngine:
         ec = self.config
 
         self.num_shards = data_shards(mesh, self.rules)
-        tensor = _axes_size(mesh, logical_to_spec(("act_kv_heads",), mesh, self.rules)[0])
+        tensor = axis_size(mesh, logical_to_spec(("act_kv_heads",), mesh, self.rules)[0])
         if ec.num_slots % self.num_shards:
             raise ValueError(
                 f"num_slots {ec.num_slots} is not divisible by the {self.num_shards} data shards "

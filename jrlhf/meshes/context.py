@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jrlhf.meshes.rules import Rules, get_rules, logical_to_spec
+from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "jrlhf_activation_sharding", default=None
@@ -39,14 +39,8 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     spec = logical_to_spec(logical, mesh, rules)
     # Skip dimensions that do not divide (e.g. a batch of 1 during decode): a constraint is a
     # hint, and an impossible one would fail compilation.
-    for size, part in zip(x.shape, spec):
-        if part is not None:
-            names = (part,) if isinstance(part, str) else part
-            n = 1
-            for a in names:
-                n *= mesh.shape[a]
-            if size % n:
-                return x
+    if any(size % axis_size(mesh, part) for size, part in zip(x.shape, spec)):
+        return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

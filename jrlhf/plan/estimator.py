@@ -34,12 +34,12 @@ import dataclasses
 import functools
 import math
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from jrlhf.meshes.mesh import MeshSpec
-from jrlhf.meshes.rules import get_rules, logical_to_spec
+from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec
 from jrlhf.models.config import ModelConfig
 from jrlhf.plan.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.plan.profile import DeviceProfile
@@ -112,10 +112,6 @@ def _dim_axes(logical: tuple, spec: MeshSpec, rules: str) -> list[tuple[str, ...
     return out
 
 
-def _ways(spec: MeshSpec, axes: Iterable[str]) -> int:
-    return math.prod(spec.shape[a] for a in axes)
-
-
 def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int, int], ...]]:
     """device id -> (start, stop) per dim, as NamedSharding lays out the array on the mesh."""
     sizes = [s for _, s in spec.axes]
@@ -125,7 +121,7 @@ def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int
         coord = dict(zip(names, np.unravel_index(pos, sizes)))
         bounds = []
         for dim, axes in zip(shape, dim_axes):
-            k = _ways(spec, axes)
+            k = axis_size(spec, axes)
             index = 0
             for a in axes:  # the first listed axis is the major one
                 index = index * spec.shape[a] + int(coord[a])
@@ -143,7 +139,9 @@ def shard_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
     total = 0
     for _path, logical, shape, size in _param_table(cfg, head):
         axes = _dim_axes(logical, placement.mesh, placement.rules)
-        total += math.prod(-(-d // _ways(placement.mesh, a)) for d, a in zip(shape, axes)) * size
+        total += (
+            math.prod(-(-d // axis_size(placement.mesh, a)) for d, a in zip(shape, axes)) * size
+        )
     return total
 
 
@@ -155,7 +153,7 @@ def layout_problems(cfg: ModelConfig, head: str, placement: CallPlacement) -> tu
         for dim, (size, axes) in enumerate(
             zip(shape, _dim_axes(logical, placement.mesh, placement.rules))
         ):
-            k = _ways(placement.mesh, axes)
+            k = axis_size(placement.mesh, axes)
             if k > 1 and size % k:
                 out.append(
                     f"parameter {path} dim {dim} (size {size}) not divisible by {axes} ({k})"
@@ -202,7 +200,7 @@ def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
     spec = p.mesh
 
     def ways(name: str) -> int:
-        return _ways(spec, _dim_axes((name,), spec, p.rules)[0])
+        return axis_size(spec, _dim_axes((name,), spec, p.rules)[0])
 
     devices = p.devices
     nodes = len({d // profile.devices_per_node for d in devices})
@@ -496,7 +494,7 @@ def batch_problem(w: Workload, call: str, p: CallPlacement) -> str | None:
     """A training micro-batch or a scoring chunk whose rows do not split over the call's batch
     shards (the trainer would refuse it; decode slots are rounded up instead)."""
     role, phase = CALLS[call]
-    shards = _ways(p.mesh, _dim_axes(("batch",), p.mesh, p.rules)[0])
+    shards = axis_size(p.mesh, _dim_axes(("batch",), p.mesh, p.rules)[0])
     if phase == "train":
         rows, what = w.microbatch_rows(role), "micro-batch"
     elif phase == "infer":

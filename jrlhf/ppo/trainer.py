@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from jrlhf.config import Config
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams, round_slots
+from jrlhf.metrics import PhaseTimer
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.scoring import Scorer
@@ -289,39 +289,35 @@ class RLTrainer:
     # -- one iteration -------------------------------------------------------------------------
     def run_iteration(self, prompts: list[list[int]]) -> dict[str, float]:
         it = self.iteration
-        times = {}
-        t0 = time.perf_counter()
-        rep_prompts, result = self.generate(prompts, self.sampling(it))
-        responses = result.completion_ids
-        times["generate"] = time.perf_counter() - t0
+        timer = PhaseTimer()
+        with timer.phase("generate"):
+            rep_prompts, result = self.generate(prompts, self.sampling(it))
+            responses = result.completion_ids
 
-        t0 = time.perf_counter()
-        arrays = self.scorer(rep_prompts, responses, result.raw_logprobs)
-        mask = arrays["mask"]
-        kl_coef = np.float32(self.kl_ctl.value)
-        adv, returns = self.advantages(
-            arrays["scores"],
-            arrays["old_logprobs"],
-            arrays["ref_logprobs"],
-            arrays["old_values"],
-            mask,
-            kl_coef,
-        )
-        arrays["advantages"] = np.asarray(adv)
-        arrays["returns"] = np.asarray(returns)
-        times["score"] = time.perf_counter() - t0
+        with timer.phase("score"):
+            arrays = self.scorer(rep_prompts, responses, result.raw_logprobs)
+            mask = arrays["mask"]
+            kl_coef = np.float32(self.kl_ctl.value)
+            adv, returns = self.advantages(
+                arrays["scores"],
+                arrays["old_logprobs"],
+                arrays["ref_logprobs"],
+                arrays["old_values"],
+                mask,
+                kl_coef,
+            )
+            arrays["advantages"] = np.asarray(adv)
+            arrays["returns"] = np.asarray(returns)
 
         if os.environ.get(_EXIT_AT_ENV) == str(it):
             os._exit(137)
 
-        t0 = time.perf_counter()
-        train_metrics = self.update(arrays, kl_coef)
-        times["train"] = time.perf_counter() - t0
+        with timer.phase("train"):
+            train_metrics = self.update(arrays, kl_coef)  # fetches its metrics: synchronous
 
-        t0 = time.perf_counter()
-        self.sync_weights()
-        jax.block_until_ready((self.gen_params, self.critic_infer_params))
-        times["reshard"] = time.perf_counter() - t0
+        with timer.phase("reshard") as ph:
+            self.sync_weights()
+            ph.block_on((self.gen_params, self.critic_infer_params))
 
         summary = self.scorer.summarize(arrays, rep_prompts, responses)
         self.kl_ctl = self.kl_ctl.update(summary["kl_to_ref"], len(responses))
@@ -331,8 +327,8 @@ class RLTrainer:
             "kl": summary["kl_to_ref"],
             "kl_coef": float(kl_coef),
             "response_len": summary["response_len"],
-            "tokens_per_sec": float(lengths.sum() / max(times["generate"], 1e-9)),
-            **{f"time/{k}": v for k, v in times.items()},
+            "tokens_per_sec": float(lengths.sum() / max(timer.totals["generate"], 1e-9)),
+            **timer.summary(),
             **train_metrics,
         }
         if "gt_score" in summary:
