@@ -3,7 +3,7 @@
 A model checkpoint directory holds ``model.json`` (the ModelConfig and head) and ``params/`` (an
 Orbax tree). Restoring builds the abstract parameter tree with the *target* mesh's shardings and
 hands it to Orbax as the restore target, so each device reads only its own shard, whatever mesh
-the checkpoint was written from. Trainer checkpoints (jrlhf.train, an Orbax CheckpointManager)
+the checkpoint was written from. Trainer checkpoints (the RL trainer, an Orbax CheckpointManager)
 hold ``{role}_params`` items and a ``meta`` item describing each role's model, so ``load_model``
 also accepts a run's checkpoint root or one of its step directories.
 """

@@ -22,6 +22,7 @@ from jrlhf.models.config import DTYPES, REMAT_POLICIES
 
 ROLES = ("actor", "critic", "reference", "reward")
 STAGES = ("sft", "rm", "ppo", "grpo")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 PLACEMENTS = ("flatten", "interleave", "separate", "colocated", "separated", "search", "custom")
 
 
@@ -50,8 +51,8 @@ class RunConfig:
     run_dir: str = ""  # "" means runs/run-<timestamp>
     seed: int = 0
     stages: tuple[str, ...] = ("sft", "rm", "ppo")
-    # An execution plan (jrlhf.plan): flatten/colocated, interleave, separate/separated, search,
-    # or custom (meshes from RoleConfig, e.g. a gin file written by `python -m jrlhf.plan`).
+    # An execution plan (jrlhf.placement): flatten, interleave, separate, search or custom
+    # (custom: meshes from RoleConfig, e.g. a gin file written by `python -m jrlhf.plan`).
     placement: str = "flatten"
     host_devices: int = 8  # virtual CPU devices when running without an accelerator
     progress_bar: bool = True

@@ -3,7 +3,8 @@
 import numpy as np
 from hf_fixtures import VOCAB, hf_checkpoint, torch_logits
 
-from jrlhf import checkpoint, convert
+from jrlhf import checkpoint
+from jrlhf.cli import convert
 from jrlhf.meshes import make_mesh
 
 

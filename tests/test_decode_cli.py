@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from jrlhf import generate
+from jrlhf.cli import generate
 from tests.hf_fixtures import VOCAB, hf_checkpoint
 
 
@@ -117,7 +117,7 @@ def test_generate_cli_missing_file(tmp_path, capsys):
 
 
 def test_bench_decode_prints_json(capsys):
-    from jrlhf.decode import bench
+    from benchmarks import decode as bench
 
     rc = bench.main(
         [

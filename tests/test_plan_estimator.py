@@ -7,11 +7,11 @@ import pytest
 from jrlhf.meshes.mesh import make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
-from jrlhf.plan import estimator as est
-from jrlhf.plan import workload as wl
-from jrlhf.plan.plan import CALLS, CallPlacement, ExecutionPlan, flatten, interleave, separate
-from jrlhf.plan.profile import DeviceProfile
-from jrlhf.plan.workload import Workload
+from jrlhf.placement import estimator as est
+from jrlhf.placement import workload as wl
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, flatten, interleave, separate
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import Workload
 from jrlhf.reshard import layout
 
 

@@ -15,9 +15,9 @@ import pytest
 
 from jrlhf.models.config import tiny_config
 from jrlhf.models.presets import PRESETS, get_preset
-from jrlhf.plan import plan as plans
-from jrlhf.plan import search as search_mod
-from jrlhf.plan.candidates import (
+from jrlhf.placement import plan as plans
+from jrlhf.placement import search as search_mod
+from jrlhf.placement.candidates import (
     Slot,
     build_plan,
     call_candidates,
@@ -26,7 +26,7 @@ from jrlhf.plan.candidates import (
     slots_of,
     tensor_problem,
 )
-from jrlhf.plan.search import SearchSpace, search
+from jrlhf.placement.search import SearchSpace, search
 
 
 @dataclasses.dataclass
@@ -258,7 +258,7 @@ def fake_cost(monkeypatch):
 
 
 def _run_cli(args, capsys):
-    from jrlhf.plan.__main__ import main
+    from jrlhf.cli.plan import main
 
     rc = main(args)
     out = capsys.readouterr()
@@ -267,7 +267,7 @@ def _run_cli(args, capsys):
 
 def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profile, fake_cost):
     from jrlhf.config import load_config
-    from jrlhf.roles import role_meshes
+    from jrlhf.runtime.roles import role_meshes
 
     out = tmp_path / "plan.gin"
     args = ["--config", "configs/ppo_tiny.gin", "--devices", "8", "--device-kind", fake_profile]
@@ -336,7 +336,7 @@ def test_cli_plans_big_models_for_other_hardware(tmp_path, capsys, fake_profile,
 
 
 def test_cli_with_the_real_estimator(tmp_path, capsys):
-    """End to end with jrlhf.plan.estimator and the built-in H100 profile (numbers unchecked)."""
+    """End to end with the estimator and the built-in H100 profile (numbers unchecked)."""
     out = tmp_path / "plan.gin"
     args = ["--config", "configs/llama3_8b_ppo.gin", "--devices", "16", "--device-kind", "h100"]
     args += ["--actor", "llama3_8b", "--critic", "llama3_8b", "--reference", "llama3_8b"]

@@ -276,7 +276,7 @@ def test_memory_plan_reports_peak_and_enforces_budget():
 
 def test_benchmark_prints_json():
     buf = io.StringIO()
-    from jrlhf.reshard import bench
+    from benchmarks import reshard as bench
 
     argv = ["--vocab", "256", "--hidden", "64", "--intermediate", "128", "--layers", "2"]
     with contextlib.redirect_stdout(buf):

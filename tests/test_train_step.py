@@ -8,7 +8,7 @@ import pytest
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo.core_algos import sft_loss
-from jrlhf.train_step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 
 def sft_loss_fn(module, batch):

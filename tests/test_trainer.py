@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jrlhf import checkpoint, config, train
+from jrlhf import checkpoint, config
+from jrlhf.cli import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -156,7 +157,7 @@ def test_grpo_with_verifiable_reward_improves(base_run, tmp_path):
 
 
 def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
-    from jrlhf import convert, evaluate
+    from jrlhf.cli import convert, evaluate
 
     rc = evaluate.main(
         ["--checkpoint", str(colocated_run / "checkpoints"), "--mesh", "data=2,tensor=2@4:8",

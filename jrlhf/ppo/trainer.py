@@ -35,8 +35,8 @@ from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.reshard import Resharder
-from jrlhf.roles import RoleSetup, frozen_infer, load_weights, make_infer
-from jrlhf.train_step import (
+from jrlhf.runtime.roles import RoleSetup, frozen_infer, load_weights, make_infer
+from jrlhf.runtime.steps import (
     OptimizerConfig,
     TrainState,
     init_train_state,

@@ -41,9 +41,9 @@ import numpy as np
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec
 from jrlhf.models.config import ModelConfig
-from jrlhf.plan.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
-from jrlhf.plan.profile import DeviceProfile
-from jrlhf.plan.workload import (
+from jrlhf.placement.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import (
     Workload,
     activation_bytes_per_token,
     decode_step_flops,

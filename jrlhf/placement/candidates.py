@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.models.config import ModelConfig
-from jrlhf.plan.plan import CALLS, CallPlacement, ExecutionPlan
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
 
 # Which model each call runs (the role), and the call a model-less call follows (see below).
 GENERATE_CALL = "actor_generate"

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from jrlhf.devices import ensure_host_devices
+from jrlhf.runtime.devices import ensure_host_devices
 
 
 def _timeline(calls, repeats: int) -> dict:
@@ -70,9 +70,9 @@ def measure(plan_name: str, hidden: int, layers: int, batch: int, seq: int, repe
 
     from jrlhf.meshes import get_rules, make_mesh
     from jrlhf.models import ModelDef, tiny_config
-    from jrlhf.plan import INFERENCE_CALLS, strategy
+    from jrlhf.placement import INFERENCE_CALLS, strategy
     from jrlhf.ppo import batch as rl_batch
-    from jrlhf.roles import make_infer
+    from jrlhf.runtime.roles import make_infer
 
     plan = strategy(plan_name, jax.device_count())
     cfg = tiny_config(

@@ -9,7 +9,7 @@ the literature (flatten, interleave, separate), each over a few tensor sizes, ar
 evaluated: they are the baselines the result is compared against and the MCMC's starting points.
 
 The search never looks inside the cost: it calls ``cost_fn(plan) -> PlanEstimate``, by default
-``jrlhf.plan.estimator.estimate`` with the workload and device profile, so tests can inject a
+``jrlhf.placement.estimator.estimate`` with the workload and device profile, so tests can inject a
 cost function with a known optimum. A plan that does not fit in memory costs infinity in the
 ranking but keeps its estimate (and so its reasons); inside the MCMC it gets a large finite energy
 that grows with its memory overflow, so a chain that starts outside the feasible region walks
@@ -25,8 +25,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jrlhf.plan import plan as plans
-from jrlhf.plan.candidates import (
+from jrlhf.placement import plan as plans
+from jrlhf.placement.candidates import (
     DEVICES_PER_NODE,
     Slot,
     build_plan,
@@ -36,7 +36,7 @@ from jrlhf.plan.candidates import (
     slot_problem,
     slots_of,
 )
-from jrlhf.plan.plan import CALLS, ExecutionPlan
+from jrlhf.placement.plan import CALLS, ExecutionPlan
 
 CostFn = Callable[[ExecutionPlan], Any]  # returns a PlanEstimate (duck-typed: see _energy)
 
@@ -308,7 +308,7 @@ def _energy(estimate: Any, capacity: int | None) -> float:
 
 def default_cost_fn(workload: Any, profile: Any) -> CostFn:
     """``estimator.estimate`` bound to a workload and profile (tests replace this hook)."""
-    from jrlhf.plan.estimator import estimate
+    from jrlhf.placement.estimator import estimate
 
     return lambda plan: estimate(plan, workload, profile)
 
@@ -461,7 +461,7 @@ def _bound(role: str, field: str) -> bool:
 
 
 def _task_overrides(cfg: Any) -> dict[str, Any]:
-    """Model fields the task imposes on ``tiny`` models (as jrlhf.train.build_task_data does)."""
+    """Model fields the task imposes on ``tiny`` models (as build_task_data does)."""
     if cfg.task.name == "synthetic":
         from jrlhf.tasks import SyntheticTask
 
@@ -490,7 +490,7 @@ def config_models(cfg: Any, presets: Mapping[str, str] | None = None) -> dict[st
     its own (bfloat16) dtypes unless the config binds the role's dtype fields explicitly. Other
     roles resolve as the trainer does: ``tiny`` sized for the task, ``hf:DIR`` from its
     config.json, ``ckpt:DIR`` from its model.json, ``stage:NAME`` as the model that stage starts
-    from; RoleConfig's model_overrides and dtypes apply as in ``jrlhf.roles``.
+    from; RoleConfig's model_overrides and dtypes apply as in ``jrlhf.runtime.roles``.
     """
     from jrlhf.models.config import tiny_config
     from jrlhf.models.presets import get_preset
@@ -498,7 +498,7 @@ def config_models(cfg: Any, presets: Mapping[str, str] | None = None) -> dict[st
     presets = dict(presets or {})
     out = {}
     overrides_for_tiny = None
-    from jrlhf.roles import model_overrides
+    from jrlhf.runtime.roles import model_overrides
 
     for role, rc in cfg.roles.items():
         fields = model_overrides(rc)
@@ -562,8 +562,8 @@ def search_for_config(
     **kwargs: Any,
 ) -> ExecutionPlan:
     """The best plan for ``cfg`` on ``num_devices`` local devices (``placement='search'``)."""
-    from jrlhf.plan.profile import DeviceProfile
-    from jrlhf.plan.workload import Workload
+    from jrlhf.placement.profile import DeviceProfile
+    from jrlhf.placement.workload import Workload
 
     profile = DeviceProfile.load(device_kind or local_device_kind())
     check_device_count(num_devices, profile)

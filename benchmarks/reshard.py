@@ -12,7 +12,7 @@ import json
 import statistics
 import time
 
-from jrlhf.devices import ensure_host_devices
+from jrlhf.runtime.devices import ensure_host_devices
 
 CHOOSER_CASES = (
     ("fsdp=4,tensor=2", 2),

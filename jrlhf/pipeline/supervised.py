@@ -1,6 +1,6 @@
 """Supervised stages of the pipeline: SFT of the actor and Bradley-Terry reward-model training.
 
-Both use the shared functional train step (jrlhf.train_step) on the role's training mesh and the
+Both use the shared functional train step (jrlhf.runtime.steps) on the role's training mesh and the
 batch layout of jrlhf.ppo.batch; each writes its result as a model checkpoint into the run
 directory (``sft/``, ``rm/``), which later stages reference as ``stage:sft`` / ``stage:rm``.
 A stage whose output already exists is skipped, so a resumed pipeline does not redo it.
@@ -20,8 +20,8 @@ import numpy as np
 from jrlhf import checkpoint
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
-from jrlhf.roles import RoleSetup, load_weights
-from jrlhf.train_step import (
+from jrlhf.runtime.roles import RoleSetup, load_weights
+from jrlhf.runtime.steps import (
     OptimizerConfig,
     init_train_state,
     make_optimizer,

@@ -1,12 +1,12 @@
 """The placement study of docs/plans.md: estimated PPO iteration time on 8 to 128 H100s.
 
-    python -m jrlhf.plan.study                         # print the tables (markdown)
-    python -m jrlhf.plan.study --update docs/plans.md  # rewrite the generated part of the doc
+    python -m benchmarks.plan_study                         # print the tables (markdown)
+    python -m benchmarks.plan_study --update docs/plans.md  # rewrite the generated part of the doc
 
 For a 7B and a 70B actor + critic PPO setup (reference and reward the same size as the actor), on
 8, 16, 32, 64 and 128 devices of a profile (H100 by default), it reports the best variant of each
 named strategy (flatten, interleave, separate, each tuned over tensor sizes) and the searched
-plan. Every number is the cost estimator's (jrlhf.plan.estimator) from the profile's datasheet
+plan. Every number is the cost estimator's (jrlhf.placement.estimator) from the profile's datasheet
 rates: an estimate, not a measurement. The search is seeded, so the tables are reproducible.
 """
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from jrlhf.models.presets import get_preset
-from jrlhf.plan.search import SearchResult, peak_memory_bytes, search
+from jrlhf.placement.search import SearchResult, peak_memory_bytes, search
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 DEVICES = (8, 16, 32, 64, 128)
@@ -58,7 +58,7 @@ STRATEGY_NAMES = ("flatten", "interleave", "separate")
 
 
 def workload_for(size: str, devices: int = 8):
-    from jrlhf.plan.workload import Workload
+    from jrlhf.placement.workload import Workload
 
     model = get_preset(MODELS[size], remat_policy=REMAT)
     microbatches = WORKLOAD["minibatch_size"] // microbatch_rows(devices)
@@ -212,9 +212,9 @@ def update(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jrlhf.plan.profile import DeviceProfile
+    from jrlhf.placement.profile import DeviceProfile
 
-    p = argparse.ArgumentParser(prog="python -m jrlhf.plan.study", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_study", description=__doc__)
     p.add_argument("--device-kind", default="h100")
     p.add_argument("--devices", type=int, nargs="*", default=list(DEVICES))
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))

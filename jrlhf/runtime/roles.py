@@ -1,6 +1,6 @@
 """Roles (actor, critic, reference, reward): their models, meshes per phase, and placement.
 
-``RunConfig.placement`` names an execution plan (jrlhf.plan) that places every model call:
+``RunConfig.placement`` names an execution plan (jrlhf.placement) that places every model call:
 
 - ``flatten`` (alias ``colocated``): every call on all devices (training ``fsdp x tensor``,
   generation ``data x tensor``), the actor switching layouts in place;
@@ -31,20 +31,20 @@ from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.config import ModelConfig, tiny_config
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.train_step import check_batch_divides, shard_batch
+from jrlhf.runtime.steps import check_batch_divides, shard_batch
 
 PHASES = ("train", "infer", "generate")
 
 
 def resolve_plan(cfg: Config, num_devices: int):
     """The execution plan named by ``RunConfig.placement`` for ``num_devices`` devices."""
-    from jrlhf.plan import strategy
+    from jrlhf.placement import strategy
 
     placement = cfg.run.placement
     if placement == "custom":
         placement = "flatten"  # RoleConfig meshes fill in; flatten covers what they leave out
     if placement == "search":
-        from jrlhf.plan.search import search_for_config
+        from jrlhf.placement.search import search_for_config
 
         return search_for_config(cfg, num_devices)
     return strategy(placement, num_devices)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jrlhf.models.config import ModelConfig
 
-# Which head each role carries (jrlhf.train.run_rl): value-head models have no lm_head.
+# Which head each role carries (jrlhf.cli.train.run_rl): value-head models have no lm_head.
 ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 
 

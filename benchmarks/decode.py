@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
 
-    from jrlhf.devices import ensure_host_devices
+    from jrlhf.runtime.devices import ensure_host_devices
 
     if args.mesh:
         ensure_host_devices()

@@ -1,6 +1,6 @@
 """Device profiles: the handful of rates and overheads the cost estimator prices work with.
 
-A profile is a JSON file per device kind. ``jrlhf/plan/profiles/cpu.json`` was measured on the
+A profile is a JSON file per device kind. ``jrlhf/placement/profiles/cpu.json`` was measured on the
 development machine by ``python -m jrlhf.plan.calibrate``; ``h100.json`` and ``h200.json`` are
 datasheet numbers scaled by typical published efficiencies (their ``notes`` say so). Calibrate on
 the real machine (``--device-kind``) before trusting a GPU plan's absolute times.

@@ -8,7 +8,7 @@ under a calibrated device profile. Prints one JSON object: per plan and phase th
 estimated seconds and the relative error, and the median / max absolute relative error.
 
 Held-out check: by default the profile is calibrated first in this process (microbenchmarks plus
-two small models, ``jrlhf.plan.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
+two small models, ``jrlhf.pipeline.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
 different size (``--hidden``/``--layers``), so the error is not fitted to the test.
 """
 
@@ -56,10 +56,10 @@ def _bindings(args, plan) -> list[str]:
 
 
 def _workload(bindings: list[str]):
+    from jrlhf.cli.train import DEFAULT_CONFIG, build_task_data
     from jrlhf.config import load_config
-    from jrlhf.plan.workload import ROLE_HEADS, Workload
-    from jrlhf.roles import resolve_model
-    from jrlhf.train import DEFAULT_CONFIG, build_task_data
+    from jrlhf.placement.workload import ROLE_HEADS, Workload
+    from jrlhf.runtime.roles import resolve_model
 
     cfg = load_config([str(DEFAULT_CONFIG)], bindings)
     data = build_task_data(cfg)
@@ -71,7 +71,7 @@ def _workload(bindings: list[str]):
 
 
 def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
-    from jrlhf import train
+    from jrlhf.cli import train
 
     # The trainer prints its result line on stdout; keep stdout for this benchmark's JSON.
     with contextlib.redirect_stdout(sys.stderr):
@@ -104,21 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
 
-    from jrlhf.devices import ensure_host_devices
+    from jrlhf.runtime.devices import ensure_host_devices
 
     ensure_host_devices(args.devices)
     import jax
 
-    from jrlhf.plan.estimator import estimate
-    from jrlhf.plan.plan import strategy
-    from jrlhf.plan.profile import DeviceProfile
+    from jrlhf.placement.estimator import estimate
+    from jrlhf.placement.plan import strategy
+    from jrlhf.placement.profile import DeviceProfile
 
     t_start = time.perf_counter()
     if args.profile:
         profile = DeviceProfile.load(args.profile)
         calibrated_here = False
     else:
-        from jrlhf.plan.calibrate import calibrate
+        from jrlhf.pipeline.calibrate import calibrate
 
         profile = calibrate("cpu" if jax.devices()[0].platform == "cpu" else None, quick=True)
         calibrated_here = True

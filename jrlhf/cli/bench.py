@@ -1,0 +1,35 @@
+"""``python -m jrlhf.bench {decode,reshard,interleave,plan} [options]``: one JSON object on stdout.
+
+The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
+checkout (beside the ``jrlhf`` package) and run from there, e.g. after ``pip install -e .``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+SUITES = ("decode", "reshard", "interleave", "plan")
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUITES:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown benchmark {argv[0]!r} (known: {', '.join(SUITES)})", file=sys.stderr)
+            return 2
+        print(f"usage: python -m jrlhf.bench {{{','.join(SUITES)}}} [options]")
+        return 0
+    if not (CHECKOUT / "benchmarks" / f"{argv[0]}.py").is_file():
+        print(f"error: no benchmarks/ beside {CHECKOUT / 'jrlhf'}: run from a source checkout")
+        return 2
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    module = importlib.import_module(f"benchmarks.{argv[0]}")
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

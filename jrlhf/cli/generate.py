@@ -1,0 +1,220 @@
+"""``python -m jrlhf.generate``: sample completions for a JSONL file of prompts.
+
+    python -m jrlhf.generate (--hf DIR | --checkpoint DIR) --prompts FILE.jsonl
+        --max-new-tokens N [--greedy | --temperature T --top-p P --top-k K]
+        [--num-samples S] [--seed SEED] [--mesh "data=2,tensor=4"] --output OUT.jsonl
+
+Input lines are ``{"prompt": "text"}`` (needs the checkpoint's tokenizer.json) or
+``{"prompt_ids": [1, 2, 3]}``. Each output line carries ``prompt_index``, ``sample_index``,
+``completion_ids``, ``logprobs`` (raw policy log-probs), ``sampling_logprobs`` and ``text`` when a
+tokenizer exists, in input order (samples of a prompt together). Input problems are reported as
+one line, with the line number, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """A problem with the command line or the prompts file (reported as one line)."""
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Parse and validate the prompts file; errors name the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: prompts file not found")
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_ids" in row):
+                raise InputError(
+                    f"{path}:{lineno}: expected an object with exactly one of 'prompt' or "
+                    f"'prompt_ids'"
+                )
+            if "prompt" in row and not isinstance(row["prompt"], str):
+                raise InputError(f"{path}:{lineno}: 'prompt' must be a string")
+            if "prompt_ids" in row:
+                ids = row["prompt_ids"]
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and t >= 0 for t in ids)
+                ):
+                    raise InputError(
+                        f"{path}:{lineno}: 'prompt_ids' must be a non-empty list of token ids"
+                    )
+            rows.append({"line": lineno, **row})
+    if not rows:
+        raise InputError(f"{path}: no prompts")
+    return rows
+
+
+def _tokenizer(directory: Path):
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jrlhf.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="HF checkpoint directory (config.json + safetensors)")
+    src.add_argument("--checkpoint", help="jrlhf Orbax model checkpoint directory")
+    p.add_argument("--prompts", required=True, help="input JSONL")
+    p.add_argument("--output", required=True, help="output JSONL")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", default=None, help="comma-separated; default: the model's EOS")
+    p.add_argument(
+        "--mesh", default="data=1,tensor=1", help='generation mesh, e.g. "data=2,tensor=4"'
+    )
+    p.add_argument("--rules", default="dp_tp")
+    p.add_argument("--num-slots", type=int, default=0, help="default: min(prompts x samples, 64)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=0)
+    p.add_argument("--chunk-steps", type=int, default=16)
+    p.add_argument("--kernel", default="auto")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate for parsed arguments; raises InputError for user errors."""
+    from jrlhf.decode.sampling import SamplingParams
+
+    rows = read_prompts(args.prompts)
+    model_dir = Path(args.hf or args.checkpoint)
+    if not model_dir.is_dir():
+        raise InputError(f"{model_dir}: checkpoint directory not found")
+    try:
+        stop_ids = (
+            None
+            if args.stop_ids is None
+            else tuple(int(t) for t in args.stop_ids.split(",") if t.strip())
+        )
+        sampling = SamplingParams(
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            num_samples=args.num_samples,
+            seed=args.seed,
+            stop_ids=stop_ids,
+            max_new_tokens=args.max_new_tokens,
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    tokenizer = _tokenizer(model_dir)
+    prompts = []
+    for row in rows:
+        if "prompt" in row:
+            if tokenizer is None:
+                raise InputError(
+                    f"{args.prompts}:{row['line']}: text prompt but {model_dir} has no "
+                    f"tokenizer.json (use prompt_ids)"
+                )
+            prompts.append(tokenizer.encode(row["prompt"]).ids)
+        else:
+            prompts.append(row["prompt_ids"])
+
+    from jrlhf.meshes import MeshSpec, make_mesh
+
+    try:
+        mesh = make_mesh(MeshSpec.parse(args.mesh))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if args.hf:
+        from jrlhf.models.hf import load_hf
+
+        model_def, params = load_hf(args.hf, mesh, args.rules)
+    else:
+        from jrlhf.checkpoint import load_model
+
+        model_def, params = load_model(args.checkpoint, mesh, args.rules)
+
+    from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
+
+    want = args.num_slots or min(len(prompts) * args.num_samples, 64)
+    num_slots = round_slots(want, mesh, args.rules)
+    longest = max(len(p) for p in prompts)
+    engine = DecodeEngine(
+        model_def,
+        mesh,
+        args.rules,
+        EngineConfig(
+            num_slots=num_slots,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            max_prompt_len=longest,
+            max_new_tokens=args.max_new_tokens,
+            chunk_steps=args.chunk_steps,
+            max_prefill_rows=min(num_slots, 16),
+            kernel=args.kernel,
+        ),
+    )
+    result = engine.generate(params, prompts, sampling)
+    out_path = Path(args.output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("w") as f:
+        for i, ids in enumerate(result.completion_ids):
+            p = int(result.prompt_index[i])
+            line = {
+                "prompt_index": p,
+                "sample_index": i % args.num_samples,
+                "completion_ids": ids,
+                "logprobs": [float(x) for x in result.raw_logprobs[i]],
+                "sampling_logprobs": [float(x) for x in result.sampling_logprobs[i]],
+            }
+            if tokenizer is not None:
+                line["text"] = tokenizer.decode(ids)
+            f.write(json.dumps(line) + "\n")
+    s = result.stats
+    print(
+        f"wrote {len(result.completion_ids)} completions to {out_path} "
+        f"({s['generated_tokens']} tokens in {s['seconds']:.2f}s, kernel {engine.kernel_name})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for input errors)."""
+    args = _parser().parse_args(argv)
+    from jrlhf.runtime.devices import ensure_host_devices
+
+    ensure_host_devices()
+    try:
+        return run(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        # Checkpoint and shape problems (CheckpointError is a ValueError) stay one line too.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
