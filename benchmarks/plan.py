@@ -23,6 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from jrlhf.config import DEFAULT_CONFIG, ROLES, load_config
+from jrlhf.pipeline.task_data import task_model_overrides
+from jrlhf.placement.workload import Workload
+from jrlhf.runtime.model_source import resolve_model
+
 PHASE_KEYS = ("generate", "score", "train", "reshard")
 
 
@@ -56,17 +61,9 @@ def _bindings(args, plan) -> list[str]:
 
 
 def _workload(bindings: list[str]):
-    from jrlhf.cli.train import DEFAULT_CONFIG, build_task_data
-    from jrlhf.config import load_config
-    from jrlhf.placement.workload import ROLE_HEADS, Workload
-    from jrlhf.runtime.roles import resolve_model
-
     cfg = load_config([str(DEFAULT_CONFIG)], bindings)
-    data = build_task_data(cfg)
-    models = {}
-    for role, head in ROLE_HEADS.items():
-        model, _ = resolve_model("tiny", cfg.roles[role], head, data.model_overrides, Path("."))
-        models[role] = model.config
+    overrides = task_model_overrides(cfg)
+    models = {role: resolve_model(cfg, role, overrides, init="tiny").model.config for role in ROLES}
     return Workload.from_config(cfg, models)
 
 

@@ -1,19 +1,36 @@
-"""Orbax model checkpoints that restore onto any mesh.
+"""Both checkpoint layouts, defined once: model checkpoints and trainer checkpoints.
 
-A model checkpoint directory holds ``model.json`` (the ModelConfig and head) and ``params/`` (an
-Orbax tree). Restoring builds the abstract parameter tree with the *target* mesh's shardings and
-hands it to Orbax as the restore target, so each device reads only its own shard, whatever mesh
-the checkpoint was written from. Trainer checkpoints (the RL trainer, an Orbax CheckpointManager)
-hold ``{role}_params`` items and a ``meta`` item describing each role's model, so ``load_model``
-also accepts a run's checkpoint root or one of its step directories.
+**Model checkpoint** (SFT/RM stage outputs, ``python -m jrlhf.convert``)::
+
+    DIR/model.json   {"head": ..., "config": ModelConfig}
+    DIR/params/      an Orbax tree of the parameters
+
+**Trainer checkpoint** (the RL trainer's, resumable): an Orbax ``CheckpointManager`` root, by
+default ``run_dir/checkpoints``, whose steps hold the items
+
+    meta               JSON: the trainer's resume state (iteration, loader position, KL
+                       coefficient, ...) plus ``models``: {role: model description}
+    {role}_params      each trained role's parameters
+    {role}_opt_state   {"step", "opt_state"}: the rest of the role's train state
+
+Parameters are an item apart from the optimizer state so that :func:`load_model` (evaluate,
+convert) restores a role without knowing its optimizer. Orbax writes a step under a temporary
+name and renames it once every item is committed, so an interrupted save is never listed.
+
+Restoring builds abstract arrays carrying the *target* mesh's shardings and hands them to Orbax
+as the restore target (:func:`restore_target`), so each device reads only its own shard, whatever
+mesh the checkpoint was written from. Everything about a trainer checkpoint is read through
+Orbax's API (``CheckpointManager.latest_step``, ``metadata``, ``restore``), never its file names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,20 +40,59 @@ from jrlhf.meshes.rules import Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
 
+# -- model checkpoint layout -------------------------------------------------------------------
 MODEL_JSON = "model.json"
 PARAMS_DIR = "params"
 
+# -- trainer checkpoint layout -----------------------------------------------------------------
+CHECKPOINTS_DIR = "checkpoints"  # the trainer's checkpoint root inside a run directory
+META_ITEM = "meta"
+MODELS_KEY = "models"  # the key of META_ITEM describing each trained role's model
+# Steps are plain integers ("4"); one name format for the writer and every reader.
+STEP_NAMES = ocp.path.step.standard_name_format()
 
+
+def params_item(role: str) -> str:
+    """The trainer-checkpoint item holding ``role``'s parameters."""
+    return f"{role}_params"
+
+
+def opt_state_item(role: str) -> str:
+    """The trainer-checkpoint item holding ``role``'s optimizer state and step counter."""
+    return f"{role}_opt_state"
+
+
+# -- model descriptions (model.json and the trainer meta's "models" entries) --------------------
+def model_entry(model: ModelDef) -> dict[str, Any]:
+    """The JSON description of ``model``: its head and ModelConfig."""
+    return {"head": model.head, "config": json.loads(model.config.to_json())}
+
+
+def model_from_entry(entry: Mapping[str, Any]) -> ModelDef:
+    """The ModelDef a :func:`model_entry` describes."""
+    return ModelDef(ModelConfig.from_json(json.dumps(entry["config"])), entry.get("head", "lm"))
+
+
+def restore_target(tree: Any, shardings: Any) -> Any:
+    """Abstract arrays with ``tree``'s shapes and dtypes and the given ``shardings``: an Orbax
+    restore target that reads every device's shard straight into the new layout."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
+# -- model checkpoints -------------------------------------------------------------------------
 def write_model_json(directory: str | os.PathLike, model: ModelDef) -> None:
-    data = {"head": model.head, "config": json.loads(model.config.to_json())}
-    Path(directory, MODEL_JSON).write_text(json.dumps(data, indent=2, sort_keys=True))
+    """Write ``directory/model.json`` describing ``model``."""
+    text = json.dumps(model_entry(model), indent=2, sort_keys=True)
+    Path(directory, MODEL_JSON).write_text(text)
 
 
 def read_model_json(directory: str | os.PathLike) -> ModelDef:
+    """The model a model checkpoint directory describes; errors name the file."""
     path = Path(directory, MODEL_JSON)
     try:
-        data = json.loads(path.read_text())
-        return ModelDef(ModelConfig.from_json(json.dumps(data["config"])), data.get("head", "lm"))
+        return model_from_entry(json.loads(path.read_text()))
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: not found (not a jrlhf model checkpoint)") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -61,69 +117,176 @@ def save_model(directory: str | os.PathLike, model: ModelDef, params: Params) ->
 def restore_params(
     params_dir: str | os.PathLike, model: ModelDef, mesh: Mesh, rules: Rules | str
 ) -> Params:
-    shardings = model.shardings(mesh, rules)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model.abstract_params,
-        shardings,
-    )
+    """Restore an Orbax parameter tree of ``model`` onto ``mesh`` laid out by ``rules``."""
+    target = restore_target(model.abstract_params, model.shardings(mesh, rules))
     return ocp.StandardCheckpointer().restore(Path(params_dir).absolute(), target)
 
 
-META_ITEM = "meta"
+def restore_model_params(
+    directory: str | os.PathLike, model: ModelDef, mesh: Mesh, rules: Rules | str
+) -> Params:
+    """The parameters of a model checkpoint directory, restored onto ``mesh``."""
+    return restore_params(Path(directory) / PARAMS_DIR, model, mesh, rules)
 
 
-def _read_json_item(step_dir: Path, item: str) -> dict:
-    path = step_dir / item / "metadata"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable checkpoint metadata ({e})") from None
+# -- trainer checkpoints -----------------------------------------------------------------------
+def trainer_checkpoint_manager(
+    run_dir: str | os.PathLike, *, max_to_keep: int | None, async_save: bool
+) -> ocp.CheckpointManager:
+    """The RL trainer's checkpoint manager, rooted at ``run_dir/checkpoints``."""
+    return ocp.CheckpointManager(
+        (Path(run_dir) / CHECKPOINTS_DIR).absolute(),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            step_name_format=STEP_NAMES,
+        ),
+    )
 
 
-def _is_step_dir(path: Path) -> bool:
-    return path.is_dir() and (path / META_ITEM).is_dir() and (path / "commit_success.txt").exists()
+def save_trainer_state(
+    manager: ocp.CheckpointManager,
+    step: int,
+    meta: Mapping[str, Any],
+    states: Mapping[str, Any],
+    models: Mapping[str, ModelDef],
+) -> None:
+    """Save step ``step``: ``meta`` (JSON-serialisable resume state) plus, for every role of
+    ``states`` (train states with ``step``, ``params`` and ``opt_state``), its parameters,
+    optimizer state and model description. Asynchronous if the manager is."""
+    meta = {**meta, MODELS_KEY: {role: model_entry(models[role]) for role in states}}
+    args = {META_ITEM: ocp.args.JsonSave(meta)}
+    for role, state in states.items():
+        args[params_item(role)] = ocp.args.StandardSave(state.params)
+        args[opt_state_item(role)] = ocp.args.StandardSave(
+            {"step": state.step, "opt_state": state.opt_state}
+        )
+    manager.save(step, args=ocp.args.Composite(**args))
 
 
-def latest_step_dir(root: str | os.PathLike) -> Path | None:
-    """The highest-numbered complete step of a trainer checkpoint root (or ``root/checkpoints``).
+def restore_trainer_state(
+    manager: ocp.CheckpointManager, targets: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Restore the latest complete step: ``(meta, states)``, or None when there is none.
 
-    Orbax writes a step under a temporary name and renames it when every item is committed, so
-    an interrupted save never shows up here.
+    ``targets``: per role, an abstract train state (dataclass with ``step``, ``params`` and
+    ``opt_state``, leaves from :func:`restore_target`); each restored state is the target with
+    its fields replaced, so it lands on the target's shardings.
     """
-    for base in (Path(root), Path(root) / "checkpoints"):
+    step = manager.latest_step()
+    if step is None:
+        return None
+    args = {META_ITEM: ocp.args.JsonRestore()}
+    for role, target in targets.items():
+        args[params_item(role)] = ocp.args.StandardRestore(target.params)
+        args[opt_state_item(role)] = ocp.args.StandardRestore(
+            {"step": target.step, "opt_state": target.opt_state}
+        )
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    states = {}
+    for role, target in targets.items():
+        opt = restored[opt_state_item(role)]
+        states[role] = dataclasses.replace(
+            target, step=opt["step"], params=restored[params_item(role)], opt_state=opt["opt_state"]
+        )
+    return dict(restored[META_ITEM]), states
+
+
+def _reader(root: Path) -> ocp.CheckpointManager:
+    """A manager that only reads the trainer checkpoint at ``root`` (creates nothing)."""
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, step_name_format=STEP_NAMES
+    )
+    return ocp.CheckpointManager(root.absolute(), options=options)
+
+
+def _is_trainer_step(manager: ocp.CheckpointManager, step: int) -> bool:
+    # A step of some other Orbax manager has no meta item (Orbax records each step's items).
+    return META_ITEM in (manager.metadata(step).item_handlers or {})
+
+
+def _latest_trainer_step(root: str | os.PathLike) -> tuple[Path, int] | None:
+    """(checkpoint root, step) of the latest complete step under ``root`` or
+    ``root/checkpoints``."""
+    for base in (Path(root), Path(root) / CHECKPOINTS_DIR):
         if not base.is_dir():
             continue
-        steps = [p for p in base.iterdir() if re.fullmatch(r"\d+", p.name) and _is_step_dir(p)]
-        if steps:
-            return max(steps, key=lambda p: int(p.name))
+        with _reader(base) as manager:
+            step = manager.latest_step()
+            if step is not None and _is_trainer_step(manager, step):
+                return base, step
     return None
 
 
-def model_in_step(step_dir: Path, role: str) -> ModelDef:
-    models = _read_json_item(step_dir, META_ITEM).get("models", {})
-    if role not in models:
-        raise ValueError(f"{step_dir}: no {role!r} model in this checkpoint (has {sorted(models)})")
-    entry = models[role]
-    return ModelDef(ModelConfig.from_json(json.dumps(entry["config"])), entry.get("head", "lm"))
+def _step_of_dir(path: Path) -> int | None:
+    """The step number when ``path`` is a complete step directory of a trainer checkpoint."""
+    if not path.is_dir():
+        return None
+    try:
+        step = ocp.path.step.step_metadata_of_checkpoint_path(path, STEP_NAMES).step
+    except ValueError:
+        return None
+    with _reader(path.parent) as manager:
+        return step if _is_trainer_step(manager, step) else None
+
+
+def latest_step_dir(root: str | os.PathLike) -> Path | None:
+    """The directory of the latest complete step of a trainer checkpoint root (or of a run
+    directory's ``checkpoints/``); None when there is none. A save cut off mid-write is never
+    returned."""
+    found = _latest_trainer_step(root)
+    if found is None:
+        return None
+    base, step = found
+    return Path(STEP_NAMES.find_step(base, step).path)
+
+
+def _trainer_step(path: Path) -> tuple[Path, int] | None:
+    step = _step_of_dir(path)
+    return (path.parent, step) if step is not None else _latest_trainer_step(path)
+
+
+def _restore_meta(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    args = ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+    return dict(manager.restore(step, args=args)[META_ITEM])
+
+
+def read_trainer_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta`` item of a trainer checkpoint (a step directory, its root or a run
+    directory: then the latest complete step)."""
+    found = _trainer_step(Path(path))
+    if found is None:
+        raise FileNotFoundError(f"{path}: no trainer checkpoint with a complete step")
+    base, step = found
+    with _reader(base) as manager:
+        return _restore_meta(manager, step)
 
 
 def load_model(
     directory: str | os.PathLike, mesh: Mesh, rules: Rules | str, role: str = "actor"
 ) -> tuple[ModelDef, Params]:
-    """Restore a model checkpoint, or ``role`` from a trainer run's latest complete step, onto
-    ``mesh`` (any mesh: the restore target carries the new shardings)."""
+    """Restore a model checkpoint, or ``role`` from a trainer checkpoint (a step directory, its
+    root or a run directory: then the latest complete step), onto ``mesh`` (any mesh: the
+    restore target carries the new shardings)."""
     directory = Path(directory)
     if (directory / MODEL_JSON).exists():
         model = read_model_json(directory)
-        return model, restore_params(directory / PARAMS_DIR, model, mesh, rules)
-    step_dir = directory if _is_step_dir(directory) else latest_step_dir(directory)
-    if step_dir is None:
+        return model, restore_model_params(directory, model, mesh, rules)
+    found = _trainer_step(directory)
+    if found is None:
         if not directory.exists():
             raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
         raise FileNotFoundError(
             f"{directory}: neither a model checkpoint ({MODEL_JSON}) nor a trainer checkpoint "
             "with a complete step"
         )
-    model = model_in_step(step_dir, role)
-    return model, restore_params(step_dir / f"{role}_params", model, mesh, rules)
+    base, step = found
+    with _reader(base) as manager:
+        models = _restore_meta(manager, step).get(MODELS_KEY, {})
+        if role not in models:
+            raise ValueError(f"{base}: step {step} has no {role!r} model (it has {sorted(models)})")
+        model = model_from_entry(models[role])
+        target = restore_target(model.abstract_params, model.shardings(mesh, rules))
+        item = params_item(role)
+        args = ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
+        return model, manager.restore(step, args=args)[item]

@@ -17,13 +17,24 @@ from typing import Any
 import gin
 
 from jrlhf.meshes.mesh import MeshSpec
-from jrlhf.meshes.rules import RULE_SETS
+from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
 from jrlhf.models.config import DTYPES, REMAT_POLICIES
 
 ROLES = ("actor", "critic", "reference", "reward")
+# The head each role's model carries: value-head models score and have no lm_head.
+ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 STAGES = ("sft", "rm", "ppo", "grpo")
+PHASES = ("train", "infer", "generate")
+# The phases each role has: the actor trains and generates, the critic trains and scores, the
+# reference scores, the reward model scores (RL) and trains (its supervised stage).
+ROLE_PHASES = {
+    "actor": ("train", "generate"),
+    "critic": ("train", "infer"),
+    "reference": ("infer",),
+    "reward": ("infer", "train"),
+}
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
-PLACEMENTS = ("flatten", "interleave", "separate", "colocated", "separated", "search", "custom")
+PLACEMENTS = ("flatten", "interleave", "separate", "search", "custom")
 
 
 class ConfigError(ValueError):
@@ -104,7 +115,9 @@ class RoleConfig:
 
     ``init``: ``tiny`` (a small random Llama), ``hf:DIR``, ``ckpt:DIR``, ``stage:sft`` (the SFT
     stage's output) or ``stage:rm`` (the reward-model stage's output). Meshes left empty come
-    from ``RunConfig.placement``.
+    from ``RunConfig.placement``; a mesh given here replaces the plan's for that role and phase,
+    laid out by the phase's ``*_rules`` (default: jrlhf.meshes.PHASE_RULES). A ``*_rules`` without
+    its ``*_mesh`` is an error: rules alone would silently not apply.
     """
 
     init: str = "tiny"
@@ -112,9 +125,9 @@ class RoleConfig:
     train_mesh: str = ""
     infer_mesh: str = ""
     generate_mesh: str = ""
-    train_rules: str = "fsdp_tp"
-    infer_rules: str = "fsdp_tp"
-    generate_rules: str = "dp_tp"
+    train_rules: str = ""
+    infer_rules: str = ""
+    generate_rules: str = ""
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat_policy: str = "none"
@@ -132,16 +145,34 @@ class RoleConfig:
             _check(
                 self.init[6:] in ("sft", "rm"), f"{f}.init", "stage must be stage:sft or stage:rm"
             )
-        for name in ("train_mesh", "infer_mesh", "generate_mesh"):
-            _check_mesh(f"{f}.{name}", getattr(self, name))
-        for name in ("train_rules", "infer_rules", "generate_rules"):
-            value = getattr(self, name)
-            _check(value in RULE_SETS, f"{f}.{name}", f"unknown rule set {value!r}")
+        for phase in PHASES:
+            mesh, rules = getattr(self, f"{phase}_mesh"), getattr(self, f"{phase}_rules")
+            _check_mesh(f"{f}.{phase}_mesh", mesh)
+            if mesh or rules:
+                _check(
+                    phase in ROLE_PHASES[role],
+                    f"{f}.{phase}_{'mesh' if mesh else 'rules'}",
+                    f"the {role} has no {phase} phase (its phases: {', '.join(ROLE_PHASES[role])})",
+                )
+            if rules:
+                _check(rules in RULE_SETS, f"{f}.{phase}_rules", f"unknown rule set {rules!r}")
+                _check(
+                    bool(mesh),
+                    f"{f}.{phase}_rules",
+                    f"needs {f}.{phase}_mesh too (rules apply to a mesh given here; the plan's "
+                    "meshes carry their own rules)",
+                )
+
         _check(self.param_dtype in DTYPES, f"{f}.param_dtype", f"use one of {DTYPES}")
         _check(self.dtype in DTYPES, f"{f}.dtype", f"use one of {DTYPES}")
         _check(self.remat_policy in REMAT_POLICIES, f"{f}.remat_policy", f"{REMAT_POLICIES}")
         _check(self.learning_rate > 0, f"{f}.learning_rate", "must be > 0")
         _check(self.microbatches >= 1, f"{f}.microbatches", "must be >= 1")
+
+    def placement(self, phase: str) -> tuple[str, str] | None:
+        """(mesh, rules) this role's config fixes for ``phase``, or None to follow the plan."""
+        mesh = getattr(self, f"{phase}_mesh")
+        return (mesh, getattr(self, f"{phase}_rules") or PHASE_RULES[phase]) if mesh else None
 
 
 @gin.configurable
@@ -176,6 +207,10 @@ class RLConfig:
     epochs: int = 2
     minibatch_size: int = 16
     infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
+    # registered in jrlhf.ppo.core_algos: POLICY_LOSSES and ADVANTAGE_ESTIMATORS ("" picks the
+    # stage's own: gae for ppo, grpo for grpo)
+    policy_loss: str = "ppo"
+    advantage_estimator: str = ""
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0  # 0 means symmetric clipping
     dual_clip_c: float = 0.0  # 0 disables dual clip

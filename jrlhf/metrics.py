@@ -6,9 +6,10 @@ Layout of a run directory::
     run_dir/metrics.jsonl   one JSON object per log call: {"step": int, "time": float, key: value}
     run_dir/tb/             TensorBoard event files (one scalar per key)
 
-Each JSONL line is flushed as it is written, so a killed run keeps everything it logged. A resumed
-run passes ``resume_step``: lines with a larger step (logged after the checkpoint it resumes from)
-are dropped before appending, so the resumed metrics are not duplicated.
+Each JSONL line is flushed as it is written, so a killed run keeps everything it logged. One rule
+for resuming: a run resumed at iteration ``i`` calls ``truncate_after(i)``, which drops every
+record with a step > i (logged after the checkpoint it resumes from, about to be redone) from
+metrics.jsonl *and* from the TensorBoard event files, so neither shows a step twice.
 """
 
 from __future__ import annotations
@@ -18,12 +19,22 @@ import json
 import logging
 import math
 import os
+import struct
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import jax
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.record_writer import masked_crc32c
+from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +74,55 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+def _event_records(path: Path) -> Iterator[tuple[bytes, Event]]:
+    """The framed records of a TensorBoard event file (TFRecord: length, its CRC, data, its
+    CRC) with their parsed events; stops at a torn or corrupt tail (a run killed mid-write)."""
+    buf = path.read_bytes()
+    pos = 0
+    while pos + 12 <= len(buf):
+        header = buf[pos : pos + 8]
+        (n,) = struct.unpack("<Q", header)
+        end = pos + 12 + n + 4
+        if end > len(buf) or struct.unpack("<I", buf[pos + 8 : pos + 12])[0] != masked_crc32c(
+            header
+        ):
+            return
+        data = buf[pos + 12 : pos + 12 + n]
+        if struct.unpack("<I", buf[end - 4 : end])[0] != masked_crc32c(data):
+            return
+        yield buf[pos:end], Event.FromString(data)
+        pos = end
+
+
+def truncate_events(tb_dir: str | Path, step: int) -> int:
+    """Drop the events with a step > ``step`` from every TensorBoard event file in ``tb_dir``
+    (each file rewritten atomically, keeping its other records byte for byte); returns how
+    many were dropped. Readers other than TensorBoard (which alone honours ``purge_step``) see
+    the cut too."""
+    dropped = 0
+    tb_dir = Path(tb_dir)
+    if not tb_dir.is_dir():
+        return 0
+    for path in sorted(p for p in tb_dir.glob("*tfevents*") if not p.name.endswith(".tmp")):
+        keep, before = [], 0
+        for record, event in _event_records(path):
+            before += 1
+            # The file_version header is written at step 0; keep it whatever the cut.
+            if event.step <= step or event.HasField("file_version"):
+                keep.append(record)
+        if len(keep) == before and sum(map(len, keep)) == path.stat().st_size:
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(keep))
+        os.replace(tmp, path)
+        dropped += before - len(keep)
+    return dropped
+
+
 class MetricsLogger:
     """Append metrics to ``run_dir/metrics.jsonl`` and TensorBoard; keep the history in memory.
 
-    ``resume_step``: drop logged records with ``step > resume_step`` (the steps the resumed run
-    will redo) before appending, and purge the same steps from TensorBoard. ``enabled=False``
+    A resumed run calls :meth:`truncate_after` with the iteration it resumes at. ``enabled=False``
     keeps the in-memory history only (e.g. on non-zero processes of a multi-host run).
     """
 
@@ -76,34 +131,44 @@ class MetricsLogger:
         run_dir: str | Path,
         use_tensorboard: bool = True,
         *,
-        resume_step: int | None = None,
         enabled: bool = True,
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
+        self.tb_dir = self.run_dir / TB_DIR
         self.enabled = enabled
+        self.use_tensorboard = use_tensorboard and enabled
         self.history: list[dict[str, Any]] = []
         self._file = None
         self._tb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            self.truncate_after(resume_step)
         if self.path.exists():
             self.history = read_metrics(self.path)
         # Held open for the logger's lifetime (closed in close()); one open per line would cost
         # a syscall pair per log call for nothing.
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        if use_tensorboard:
-            from tensorboardX import SummaryWriter
 
-            # purge_step hides events at steps >= purge_step that an earlier run already wrote.
-            purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=purge)
+    def _writer(self) -> SummaryWriter:
+        # Opened on first use, so a resume's truncate_after (called before anything is logged)
+        # rewrites the earlier files without an open writer of its own among them. The suffix
+        # keeps two writers opened in the same second from sharing (and clobbering) one file.
+        if self._tb is None:
+            self._tb = SummaryWriter(str(self.tb_dir), filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        return self._tb
 
     def truncate_after(self, step: int) -> int:
-        """Drop records with ``step > step`` from metrics.jsonl (atomically); returns how many."""
+        """Drop records with ``step > step`` from metrics.jsonl (atomically) and from the
+        TensorBoard event files; returns how many metrics.jsonl records were dropped."""
+        if not self.enabled:
+            self.history = [r for r in self.history if r.get("step", -1) <= step]
+            return 0
+        if self._tb is not None:
+            # Its file is rewritten below; later scalars go to a fresh file.
+            self._tb.close()
+            self._tb = None
+        truncate_events(self.tb_dir, step)
         if not self.path.exists():
             return 0
         records = read_metrics(self.path)
@@ -133,10 +198,11 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        if self._tb is not None:
+        if self.use_tensorboard:
+            writer = self._writer()
             for k, v in values.items():
-                self._tb.add_scalar(k, v, int(step))
-            self._tb.flush()
+                writer.add_scalar(k, v, int(step))
+            writer.flush()
         return record
 
     def latest(self, key: str, default: float | None = None) -> float | None:
@@ -177,8 +243,6 @@ class _Phase:
 
     def _wait(self, block: bool) -> None:
         if self._pending and block:
-            import jax
-
             # JAX dispatch is asynchronous: without this the clock would stop when the work is
             # queued, not when it is done, and the time would land in whichever phase syncs next.
             jax.block_until_ready(self._pending)
@@ -253,8 +317,6 @@ class ProgressBar:
         self._last_time = time.perf_counter()
         self._bar = None
         if not disable:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
     @classmethod
@@ -318,9 +380,6 @@ def plot_run(metrics_jsonl: str | Path, out_png: str | Path | None = None) -> Pa
     """
     # The object API with an explicit Agg canvas draws off-screen without touching the global
     # matplotlib backend of the caller (a notebook keeps its own).
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     metrics_jsonl = Path(metrics_jsonl)
     records = read_metrics(metrics_jsonl)
     if out_png is None:

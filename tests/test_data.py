@@ -1,12 +1,15 @@
-"""jrlhf.data: loading and validation, truncation, the resumable loader, padding layouts."""
+"""jrlhf.data: loading and validation, truncation, the resumable loader, the batch layout."""
 
 import json
 import logging
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from jrlhf import data
+from jrlhf.data.batch import pack
 from jrlhf.tasks import SyntheticTask
 
 
@@ -64,9 +67,6 @@ def test_loads_ids_and_text(tmp_path, tok):
 
 
 def test_parquet(tmp_path, tok):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt_ids": [[1, 6, 4], [1, 7, 4]]}), path)
     assert [r.prompt_ids for r in data.load_prompts(path, vocab_size=32)] == [[1, 6, 4], [1, 7, 4]]
@@ -83,17 +83,19 @@ GOOD = json.dumps({"prompt_ids": [1, 6, 4]})
     [
         ("", "empty line"),
         ("   ", "empty line"),
-        ("{not json", "invalid JSON"),
+        ("{not json", "malformed JSON"),
         ("[1, 2]", "expected a JSON object"),
-        (json.dumps({"text": "a0"}), "missing field 'prompt' or 'prompt_ids'"),
+        (json.dumps({"text": "a0"}), "expected an object with 'prompt' or 'prompt_ids'"),
         (json.dumps({"prompt_ids": "1 2"}), "'prompt_ids' must be a list of ints"),
         (json.dumps({"prompt_ids": [1, 2.5]}), r"'prompt_ids'\[1\] must be an int"),
         (json.dumps({"prompt_ids": [1, True]}), r"'prompt_ids'\[1\] must be an int"),
         (json.dumps({"prompt": 3}), "'prompt' must be a string"),
-        (json.dumps({"prompt_ids": []}), "'prompt_ids' is empty"),
-        (json.dumps({"prompt": "  "}), "'prompt' is empty"),
+        (json.dumps({"prompt_ids": []}), "'prompt_ids' must be a non-empty list"),
+        (json.dumps({"prompt": "  "}), "'prompt' must be non-empty text"),
         (json.dumps({"prompt_ids": [1, 32]}), r"\[1\] = 32 is outside the vocabulary \[0, 32\)"),
         (json.dumps({"prompt_ids": [-1]}), "-1 is outside the vocabulary"),
+        (json.dumps({**json.loads(GOOD), "answer_ids": [1, 40]}), r"'answer_ids'\[1\] = 40"),
+        (json.dumps({**json.loads(GOOD), "answer": ""}), "'answer' must be non-empty text"),
     ],
 )
 def test_prompt_validation_names_file_and_line(tmp_path, tok, bad, message):
@@ -105,18 +107,22 @@ def test_prompt_validation_names_file_and_line(tmp_path, tok, bad, message):
 
 def test_text_without_tokenizer_and_missing_response(tmp_path):
     path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a0"})])
-    with pytest.raises(ValueError, match=r"p\.jsonl:1: field 'prompt' is text but no tokenizer"):
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: text prompt but no tokenizer"):
         data.load_prompts(path)
     path = _write(tmp_path / "s.jsonl", [json.dumps({"prompt_ids": [1], "response": None})])
-    with pytest.raises(ValueError, match=r"s\.jsonl:1: missing field 'response' or 'completion'"):
+    with pytest.raises(
+        ValueError, match=r"s\.jsonl:1: expected an object with 'response' or 'completion'"
+    ):
         data.load_sft(path)
     full = json.dumps({"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]})
     path = _write(tmp_path / "pr.jsonl", [full, json.dumps({"prompt_ids": [1], "chosen_ids": [2]})])
-    with pytest.raises(ValueError, match=r"pr\.jsonl:2: missing field 'rejected'"):
+    with pytest.raises(ValueError, match=r"pr\.jsonl:2: expected an object with 'rejected'"):
         data.load_preferences(path)
     path = _write(tmp_path / "s2.jsonl", [json.dumps({"prompt_ids": [1], "response_ids": [40]})])
-    with pytest.raises(ValueError, match=r"s2\.jsonl:1: field 'response_ids'\[0\] = 40"):
+    with pytest.raises(ValueError, match=r"s2\.jsonl:1: 'response_ids'\[0\] = 40"):
         data.load_sft(path, vocab_size=32)
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: prompts file not found"):
+        data.load_prompts(tmp_path / "nope.jsonl")
 
 
 def test_truncation_is_counted_and_warned_once(tmp_path, caplog):
@@ -139,6 +145,32 @@ def test_truncation_is_counted_and_warned_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="jrlhf.data"):
         ds = data.load_sft(path)
     assert ds.num_truncated == 0 and not caplog.records
+
+
+def test_prompt_meta_and_reference_answers(tmp_path, tok):
+    rows = [
+        {"prompt": "a0 a1 =", "answer": "b0 b1", "id": "q1"},  # text: tokenized like a response
+        {"prompt_ids": [1, 6, 4], "answer_ids": [12, 13], "source": {"k": [1]}},  # ids as given
+        {"prompt_ids": [1, 6, 4]},  # no answer
+    ]
+    ds = data.load_prompts(data.write_jsonl(tmp_path / "p.jsonl", rows), tok, max_prompt_len=2)
+    assert ds[0].meta == {"answer": "b0 b1", "id": "q1", data.ANSWER_IDS: [12, 13, 2]}
+    assert ds[1].meta == {"answer_ids": [12, 13], "source": {"k": [1]}}
+    assert ds[2].meta == {}
+    assert ds[0].prompt_ids == [7, 4]  # prompts are truncated, answers never
+    no_eos = data.load_prompts(tmp_path / "p.jsonl", tok, append_eos=False)
+    assert no_eos[0].meta[data.ANSWER_IDS] == [12, 13]
+
+
+def test_blank_lines_skipped_only_when_asked(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [GOOD, "", json.dumps({"prompt_ids": [5]})])
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: empty line"):
+        data.load_prompts(path)
+    ds = data.load_prompts(path, skip_blank_lines=True)
+    assert [r.prompt_ids for r in ds] == [[1, 6, 4], [5]]
+    bad = _write(tmp_path / "b.jsonl", [GOOD, "", "{oops"])
+    with pytest.raises(ValueError, match=r"b\.jsonl:3: malformed JSON"):  # line numbers kept
+        data.load_prompts(bad, skip_blank_lines=True)
 
 
 # ------------------------------------------------------------------------------- loader
@@ -180,22 +212,22 @@ def test_loader_exact_resume_from_state():
         data.PromptLoader(items[:3], 4)
 
 
-# ------------------------------------------------------------------------------- padding
-def test_left_pad_prompts():
-    b = data.left_pad_prompts([[5, 6], [7, 8, 9]], length=4, pad_id=0)
-    np.testing.assert_array_equal(b.tokens_bt, [[0, 0, 5, 6], [0, 7, 8, 9]])
-    np.testing.assert_array_equal(b.positions_bt, [[0, 0, 0, 1], [0, 0, 1, 2]])
-    np.testing.assert_array_equal(b.segment_ids_bt, [[0, 0, 1, 1], [0, 1, 1, 1]])
-    np.testing.assert_array_equal(b.lengths_b, [2, 3])
-    assert b.tokens_bt.dtype == np.int32
-    with pytest.raises(ValueError, match="more than the length 2"):
-        data.left_pad_prompts([[5, 6, 7]], length=2)
+def test_loader_batches_carry_prompt_meta():
+    records = [data.PromptRecord([i + 1], {"answer_ids": [i]}) for i in range(6)]
+    loader = data.PromptLoader(records, 3, seed=2)
+    ids = data.PromptLoader(list(range(6)), 3, seed=2)
+    for _ in range(4):  # the order depends on the number of items only
+        batch, idx = loader.next_batch(), ids.next_batch()
+        assert [r.meta["answer_ids"] for r in batch] == [[i] for i in idx]
+        assert [r.prompt_ids for r in batch] == [[i + 1] for i in idx]
 
 
-def _reference_row(p, r, prompt_len, response_len, pad, layout):
-    """Token by token, the documented layout of one row."""
-    left = prompt_len - len(p) if layout == "aligned" else 0
-    right = prompt_len + response_len - left - len(p) - len(r)
+# ------------------------------------------------------------------------------- batch layout
+def _reference_row(p, r, prompt_len, response_len, pad):
+    """Token by token, the documented layout of one row: the prompt ends at column
+    prompt_len - 1 and the response starts at column prompt_len."""
+    left = prompt_len - len(p)
+    right = response_len - len(r)
     tokens = [pad] * left + list(p) + list(r) + [pad] * right
     kind = ["pad"] * left + ["prompt"] * len(p) + ["response"] * len(r) + ["pad"] * right
     positions, n = [], 0
@@ -203,49 +235,73 @@ def _reference_row(p, r, prompt_len, response_len, pad, layout):
         positions.append(0 if k == "pad" else n)
         n += k != "pad"
     segments = [int(k != "pad") for k in kind]
-    targets = [*tokens[1:], pad]
-    loss = [*(int(k == "response") for k in kind[1:]), 0]
     last = max(i for i, k in enumerate(kind) if k != "pad")
-    return tokens, positions, segments, targets, loss, [int(k == "response") for k in kind], last
+    return tokens, positions, segments, [float(k == "response") for k in kind[prompt_len:]], last
 
 
-@pytest.mark.parametrize("layout", ["aligned", "right"])
-def test_sequence_batch_matches_reference(layout):
+def test_pack_matches_reference():
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 30, size=n).tolist() for n in (1, 4, 6, 3, 6)]
-    responses = [rng.integers(3, 30, size=n).tolist() for n in (5, 0, 2, 7, 1)]
-    b = data.make_sequence_batch(prompts, responses, 7, 8, pad_id=0, layout=layout)
-    assert b.tokens_bt.shape == (5, 15)
+    prompts = [rng.integers(3, 30, size=n).tolist() for n in (1, 4, 7, 3, 6)]
+    responses = [rng.integers(3, 30, size=n).tolist() for n in (5, 0, 2, 8, 1)]
+    b = pack(prompts, responses, 7, 8, pad_id=0)
+    assert b["tokens"].shape == (5, 15) and b["mask"].shape == b["response_tokens"].shape == (5, 8)
+    assert b["tokens"].dtype == b["positions"].dtype == b["last_index"].dtype == np.int32
+    assert b["mask"].dtype == np.float32
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        tok, pos, seg, tgt, loss, resp, last = _reference_row(p, r, 7, 8, 0, layout)
-        assert b.tokens_bt[i].tolist() == tok
-        assert b.positions_bt[i].tolist() == pos
-        assert b.segment_ids_bt[i].tolist() == seg
-        assert b.targets_bt[i].tolist() == tgt
-        assert b.loss_mask_bt[i].tolist() == loss
-        assert b.response_mask_bt[i].tolist() == resp
-        assert b.last_index_b[i] == last
-    if layout == "aligned":
-        # Every response starts at column prompt_len.
-        assert (b.response_mask_bt[:, :7] == 0).all()
-    # The loss covers exactly the response tokens.
-    assert b.loss_mask_bt.sum() == sum(map(len, responses))
-    with pytest.raises(ValueError, match="more than response_len 1"):
-        data.make_sequence_batch(prompts, responses, 7, 1)
+        tok, pos, seg, resp, last = _reference_row(p, r, 7, 8, 0)
+        assert b["tokens"][i].tolist() == tok
+        assert b["positions"][i].tolist() == pos
+        assert b["segment_ids"][i].tolist() == seg
+        assert b["mask"][i].tolist() == resp
+        assert b["last_index"][i] == last
+    # Every response starts at column P: the response tokens are the columns from P on, and
+    # the hidden state at column P-1+j predicts response token j (next-token targets).
+    np.testing.assert_array_equal(b["response_tokens"], b["tokens"][:, 7:])
+    targets = b["response_tokens"][b["mask"] == 1]
+    assert targets.tolist() == [t for r in responses for t in r]
+    assert b["mask"].sum() == sum(map(len, responses))
+    with pytest.raises(ValueError, match="response 3 has 8 tokens, more than max_response_len 7"):
+        pack(prompts, responses, 7, 7)
+    with pytest.raises(ValueError, match="prompt 2 has 7 tokens, more than max_prompt_len 6"):
+        pack(prompts, responses, 6, 8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        pack([[1], []], [[2], [3]], 4, 4)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        pack([[1], [2]], [[3]], 4, 4)
 
 
-def test_sft_and_preference_batches():
+def test_pack_left_pads_prompts():
+    """Without responses the prompt columns are the left-padded prompts generation starts from."""
+    b = pack([[5, 6], [7, 8, 9]], [[], []], 4, 0, pad_id=0)
+    np.testing.assert_array_equal(b["tokens"], [[0, 0, 5, 6], [0, 7, 8, 9]])
+    np.testing.assert_array_equal(b["positions"], [[0, 0, 0, 1], [0, 0, 1, 2]])
+    np.testing.assert_array_equal(b["segment_ids"], [[0, 0, 1, 1], [0, 1, 1, 1]])
+    np.testing.assert_array_equal(b["last_index"], [3, 3])
+    assert b["mask"].shape == (2, 0)
+    b = pack([[5, 6]], [[4]], 3, 2, pad_id=9)
+    assert b["tokens"].tolist() == [[9, 5, 6, 4, 9]]
+    with pytest.raises(ValueError, match="more than max_prompt_len 2"):
+        pack([[5, 6, 7]], [[]], 2, 0)
+
+
+def test_sft_and_preference_rows():
+    """SFT rows and reward-model pairs (chosen rows, then rejected rows) in the one layout."""
     recs = [data.SFTRecord([1, 6, 4], [7, 7, 2]), data.SFTRecord([1, 4], [8, 2])]
-    b = data.make_sft_batch(recs)
-    np.testing.assert_array_equal(b.tokens_bt, [[1, 6, 4, 7, 7, 2], [1, 4, 8, 2, 0, 0]])
-    np.testing.assert_array_equal(b.loss_mask_bt, [[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
-    np.testing.assert_array_equal(b.targets_bt[b.loss_mask_bt == 1], [7, 7, 2, 8, 2])
+    b = pack([r.prompt_ids for r in recs], [r.response_ids for r in recs], 3, 3)
+    np.testing.assert_array_equal(b["tokens"], [[1, 6, 4, 7, 7, 2], [0, 1, 4, 8, 2, 0]])
+    np.testing.assert_array_equal(b["mask"], [[1, 1, 1], [1, 1, 0]])
+    np.testing.assert_array_equal(b["response_tokens"][b["mask"] == 1], [7, 7, 2, 8, 2])
     pairs = [
         data.PreferenceRecord([1, 6, 4], [7, 2], [8, 9, 10, 2]),
         data.PreferenceRecord([1, 4], [7, 7, 7, 7, 7, 2], [2]),
     ]
-    chosen, rejected = data.make_preference_batch(pairs)
-    assert chosen.tokens_bt.shape == rejected.tokens_bt.shape == (2, 9)
-    np.testing.assert_array_equal(chosen.tokens_bt[:, :2], rejected.tokens_bt[:, :2])
-    np.testing.assert_array_equal(chosen.last_index_b, [4, 7])
-    np.testing.assert_array_equal(rejected.last_index_b, [6, 2])
+    b = pack(
+        [p.prompt_ids for p in pairs] * 2,
+        [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs],
+        3,
+        6,
+    )
+    chosen, rejected = b["tokens"][:2], b["tokens"][2:]
+    assert chosen.shape == rejected.shape == (2, 9)
+    np.testing.assert_array_equal(chosen[:, :3], rejected[:, :3])  # same prompt columns
+    np.testing.assert_array_equal(b["last_index"], [4, 8, 6, 3])

@@ -13,8 +13,8 @@ from jrlhf.decode import DecodeEngine, EngineConfig, PageAllocator, SamplingPara
 from jrlhf.meshes import make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.hf import load_hf
+from jrlhf.models.logprobs import token_logprobs
 from jrlhf.models.model_def import ModelDef
-from jrlhf.ppo.core_algos import token_logprobs
 from tests.hf_fixtures import hf_checkpoint
 
 ENGINE = EngineConfig(

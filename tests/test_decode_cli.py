@@ -6,15 +6,15 @@ import json
 import shutil
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
+from benchmarks import decode as bench
 from jrlhf.cli import generate
 from tests.hf_fixtures import VOCAB, hf_checkpoint
 
 
 def _with_tokenizer(tmp_path):
     """A copy of the random llama3 checkpoint plus a word-level tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     model_dir = tmp_path / "model"
     shutil.copytree(hf_checkpoint("llama3"), model_dir)
     vocab = {f"w{i}": i for i in range(VOCAB)}
@@ -79,6 +79,8 @@ def test_generate_cli_text_and_ids(tmp_path, capsys):
         ('{"prompt_ids": []}\n', "prompts.jsonl:1: 'prompt_ids' must be"),
         ('{"text": "x"}\n', "prompts.jsonl:1: expected an object"),
         ('{"prompt": "w1 w2"}\n', "prompts.jsonl:1: text prompt but"),  # no tokenizer.json
+        ("\n\n", "prompts.jsonl: no records"),
+        ('{"prompt_ids": [1, -2]}\n', "prompts.jsonl:1: 'prompt_ids'[1] = -2 is outside"),
     ],
 )
 def test_generate_cli_reports_bad_input_with_line_number(tmp_path, capsys, content, message):
@@ -117,8 +119,6 @@ def test_generate_cli_missing_file(tmp_path, capsys):
 
 
 def test_bench_decode_prints_json(capsys):
-    from benchmarks import decode as bench
-
     rc = bench.main(
         [
             "--cmp-hidden",

@@ -6,8 +6,14 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 from jrlhf import metrics
+
+try:  # tensorboard's own reader when installed (it is optional); else the raw records
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError:
+    EventAccumulator = None
 
 
 def test_jsonl_lines_are_flushed_and_typed(tmp_path):
@@ -35,14 +41,15 @@ def test_resume_truncates_later_steps_and_appends(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 8, "rew')
     # Resume from the checkpoint at step 4: steps 5..8 will be redone.
-    with metrics.MetricsLogger(tmp_path, use_tensorboard=False, resume_step=4) as log:
+    with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        assert log.truncate_after(4) == 3  # 5, 6, 7 (the torn 8 was never a record)
         assert [r["step"] for r in log.history] == [1, 2, 3, 4]
         for step in range(5, 7):
             log.log(step, {"reward": 1.0})
     recs = metrics.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert [r["reward"] for r in recs[3:]] == [0.4, 1.0, 1.0]
-    # Without resume_step the logger just appends.
+    # Without truncate_after the logger just appends.
     with metrics.MetricsLogger(tmp_path, use_tensorboard=False) as log:
         log.log(7, {"reward": 2.0})
     assert len(metrics.read_metrics(tmp_path)) == 7
@@ -56,17 +63,11 @@ def _tb_scalars(tb_dir):
     """(tag, step, value) triples from the event files, via tensorboard's reader if present."""
     files = sorted(p for p in tb_dir.iterdir() if "tfevents" in p.name)
     assert files and all(p.stat().st_size > 0 for p in files)
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        EventAccumulator = None
     if EventAccumulator is not None:
         acc = EventAccumulator(str(tb_dir))
         acc.Reload()
         return [(t, e.step, e.value) for t in acc.Tags()["scalars"] for e in acc.Scalars(t)]
     # tensorboardX ships the protobufs; the file is TFRecord framed: len, crc, data, crc.
-    from tensorboardX.proto import event_pb2
-
     out = []
     for path in files:
         buf = path.read_bytes()
@@ -88,6 +89,42 @@ def test_tensorboard_events_contain_tags(tmp_path):
     assert ("reward/mean", 3, 0.75) in scalars
     assert ("reward/mean", 4, 0.5) in scalars
     assert ("time/train", 3, 1.5) in scalars
+
+
+def test_resume_truncates_tensorboard_too(tmp_path):
+    with metrics.MetricsLogger(tmp_path) as log:
+        for step in range(1, 7):
+            log.log(step, {"reward": step / 10, "kl": 0.5})
+    # A run killed mid-write leaves a torn record at the end of its event file.
+    (events,) = (tmp_path / "tb").iterdir()
+    with open(events, "ab") as f:
+        f.write(b"\x10\x00\x00")
+    with metrics.MetricsLogger(tmp_path) as log:  # resumed from the checkpoint at step 3
+        log.truncate_after(3)
+        for step in (4, 5):
+            log.log(step, {"reward": step, "kl": 0.25})
+        # Cutting back while a writer is open (its file is rewritten, a fresh one follows).
+        log.truncate_after(4)
+        log.log(5, {"reward": 50.0, "kl": 0.125})
+    scalars = _tb_scalars(tmp_path / "tb")
+    rewards = sorted((s, v) for tag, s, v in scalars if tag == "reward")
+    assert [s for s, _ in rewards] == [1, 2, 3, 4, 5]
+    assert [v for _, v in rewards] == pytest.approx([0.1, 0.2, 0.3, 4.0, 50.0])
+    assert sorted(s for tag, s, _ in scalars if tag == "kl") == [1, 2, 3, 4, 5]
+    rows = metrics.read_metrics(tmp_path)
+    assert [(r["step"], r["reward"]) for r in rows] == [
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.3),
+        (4, 4.0),
+        (5, 50.0),
+    ]
+    # Every file is still a well-formed event file (the reader stops at nothing torn).
+    for path in (tmp_path / "tb").iterdir():
+        size = sum(len(rec) for rec, _ in metrics._event_records(path))
+        assert size == path.stat().st_size
+    assert metrics.truncate_events(tmp_path / "tb", 5) == 0
+    assert metrics.truncate_events(tmp_path / "missing", 0) == 0
 
 
 def test_phase_timer_accumulates_and_blocks(tmp_path):

@@ -267,7 +267,8 @@ def _run_cli(args, capsys):
 
 def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profile, fake_cost):
     from jrlhf.config import load_config
-    from jrlhf.runtime.roles import role_meshes
+    from jrlhf.meshes import make_mesh
+    from jrlhf.placement import effective_plan
 
     out = tmp_path / "plan.gin"
     args = ["--config", "configs/ppo_tiny.gin", "--devices", "8", "--device-kind", fake_profile]
@@ -290,10 +291,8 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
     gen, train = best["placements"]["actor_generate"][0], best["placements"]["actor_train"][0]
     assert set(gen.split("@")[1].split(",")).isdisjoint(train.split("@")[1].split(","))
     # the trainer builds exactly these meshes on the 8 test devices
-    meshes, _ = role_meshes(cfg, "actor")
-    assert [d.id for d in meshes["generate"].devices.flat] == [
-        int(i) for i in gen.split("@")[1].split(",")
-    ]
+    generate = make_mesh(effective_plan(cfg, 8).for_role("actor", "generate").mesh)
+    assert [d.id for d in generate.devices.flat] == [int(i) for i in gen.split("@")[1].split(",")]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -450,10 +451,10 @@ def test_entropy_from_logits_and_bonus():
     logits = rand(23, B, T, 9, scale=2.0)
     logp = np_log_softmax(logits)
     expected = -(np.exp(logp) * logp).sum(-1)
-    ent = ca.entropy_from_logits(jnp.asarray(logits, jnp.bfloat16))
+    ent = logprobs.entropy_from_logits(jnp.asarray(logits, jnp.bfloat16))
     assert ent.dtype == jnp.float32
-    close(ca.entropy_from_logits(logits), expected)
-    close(ca.entropy_from_logits(np.zeros((1, 2, 9), np.float32)), np.full((1, 2), np.log(9)))
+    close(logprobs.entropy_from_logits(logits), expected)
+    close(logprobs.entropy_from_logits(np.zeros((1, 2, 9), np.float32)), np.full((1, 2), np.log(9)))
     m = ragged_mask()
     for agg in AGGS:
         close(ca.entropy_bonus(expected.astype(np.float32), m, agg), np_agg(expected, m, agg))
@@ -463,10 +464,10 @@ def test_token_logprobs_fp32_and_stable():
     logits = rand(24, B, T, 11, scale=3.0) + 500.0  # large offset: needs the max-shift
     targets = np.random.default_rng(25).integers(0, 11, size=(B, T))
     expected = np.take_along_axis(np_log_softmax(logits), targets[..., None], -1)[..., 0]
-    out = ca.token_logprobs(logits, targets)
+    out = logprobs.token_logprobs(logits, targets)
     assert out.dtype == jnp.float32
     close(out, expected, rtol=1e-5, atol=2e-5)
-    out_bf16 = ca.token_logprobs(jnp.asarray(logits - 500.0, jnp.bfloat16), targets)
+    out_bf16 = logprobs.token_logprobs(jnp.asarray(logits - 500.0, jnp.bfloat16), targets)
     assert out_bf16.dtype == jnp.float32
 
 

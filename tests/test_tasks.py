@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 
 from jrlhf import data
-from jrlhf.tasks import REWARD_FNS, SyntheticTask, get_reward_fn
+from jrlhf.tasks import (
+    REWARD_FNS,
+    SyntheticTask,
+    get_reward_fn,
+    register_reward_fn,
+    required_meta,
+    with_meta,
+)
 
 
 @pytest.fixture(scope="module")
@@ -134,5 +141,39 @@ def test_reward_registry(task):
     assert fn is REWARD_FNS["synthetic_ground_truth"]
     p = task.prompts(1)[0]
     assert fn(p, task.ideal_response(p)) == 1.0
-    with pytest.raises(ValueError, match=r"unknown reward function 'nope' \(known: synthetic_"):
+    assert fn(p, task.ideal_response(p), {"anything": 1}) == 1.0  # meta is accepted, unused
+    with pytest.raises(
+        ValueError, match=r"unknown reward function 'nope' \(known: answer_match, synthetic_"
+    ):
         get_reward_fn("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward_fn("answer_match", lambda p, r: 0.0)
+
+
+def test_reward_functions_get_meta():
+    def old(prompt_ids, response_ids):
+        return float(len(response_ids))
+
+    adapted = with_meta(old)
+    assert adapted([1], [2, 3], {"x": 1}) == 2.0 and adapted.__name__ == "old"
+    assert with_meta(adapted) is adapted  # idempotent
+    new = lambda p, r, meta: float(meta["k"])  # noqa: E731
+    assert with_meta(new) is new
+    register_reward_fn("test_two_args", old)
+    try:
+        assert get_reward_fn("test_two_args")([1], [2], {}) == 1.0
+    finally:
+        REWARD_FNS.pop("test_two_args")
+
+
+def test_answer_match():
+    fn = get_reward_fn("answer_match")
+    assert required_meta(fn) == ("answer_ids",)
+    assert required_meta(get_reward_fn("synthetic_ground_truth")) == ()
+    meta = {"answer_ids": [12, 13, 2]}
+    assert fn([1, 4], [12, 13, 2], meta) == 1.0
+    assert fn([1, 4], np.array([12, 13, 2]), meta) == 1.0
+    assert fn([1, 4], [12, 13], meta) == 0.0  # did not stop where the answer does
+    assert fn([1, 4], [12, 13, 2, 2], meta) == 0.0
+    with pytest.raises(ValueError, match="needs a reference answer"):
+        fn([1, 4], [12], {})

@@ -263,3 +263,20 @@ def test_training_from_jsonl_files_with_a_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and f"{bad}:2" in err
     assert not (tmp_path / "bad_run" / "sft").exists()
+
+
+def test_evaluate_cli_reports_the_in_run_held_out_score(colocated_run, tmp_path):
+    """One rollout path: `python -m jrlhf.evaluate` on the final checkpoint, on the actor's
+    generation mesh, reports the numbers the run itself reported after training."""
+    from jrlhf.cli import evaluate
+
+    plan = (colocated_run / "plan.gin").read_text()
+    gen_mesh = plan.split("actor/RoleConfig.generate_mesh = '")[1].split("'")[0]
+    out = tmp_path / "eval.json"
+    args = ["--checkpoint", str(colocated_run), "--mesh", gen_mesh, "--output", str(out)]
+    assert evaluate.main(args) == 0
+    report = json.loads(out.read_text())
+    after = json.loads((colocated_run / "summary.json").read_text())["after"]
+    assert report["num_samples"] == after["num_samples"]
+    for key in ("gt_score", "reward", "kl_to_ref", "response_len"):
+        np.testing.assert_allclose(report[key], after[key], rtol=1e-4, atol=1e-5, err_msg=key)

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ensure_host_devices(8)
     # After the device flag: XLA reads it when JAX's backends start.
-    from jrlhf.pipeline.calibrate import calibrate
+    from jrlhf.pipeline.calibrate import calibrate  # noqa: PLC0415
 
     profile = calibrate(args.device_kind, quick=args.quick)
     profile.save(args.out)

@@ -13,6 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax
+
+from jrlhf import checkpoint
+from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.models import ModelDef, hf
 from jrlhf.runtime.devices import ensure_host_devices
 
 
@@ -40,10 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --from needs --to-hf HF_DIR", file=sys.stderr)
         return 2
     ensure_host_devices()
-    from jrlhf import checkpoint
-    from jrlhf.meshes import MeshSpec, make_mesh
-    from jrlhf.models import ModelDef, hf
-
     try:
         mesh = make_mesh(MeshSpec.parse(args.mesh))
         if args.from_hf:
@@ -56,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model, params = checkpoint.load_model(args.from_ckpt, mesh, "fsdp_tp", role=args.role)
             if args.param_dtype:
-                import jax
-
                 params = jax.tree.map(lambda x: x.astype(args.param_dtype), params)
                 model = ModelDef(model.config.replace(param_dtype=args.param_dtype), model.head)
             tokenizer = args.tokenizer

@@ -5,10 +5,11 @@
         [--num-samples S] [--seed SEED] [--mesh "data=2,tensor=4"] --output OUT.jsonl
 
 Input lines are ``{"prompt": "text"}`` (needs the checkpoint's tokenizer.json) or
-``{"prompt_ids": [1, 2, 3]}``. Each output line carries ``prompt_index``, ``sample_index``,
-``completion_ids``, ``logprobs`` (raw policy log-probs), ``sampling_logprobs`` and ``text`` when a
-tokenizer exists, in input order (samples of a prompt together). Input problems are reported as
-one line, with the line number, before any model is loaded.
+``{"prompt_ids": [1, 2, 3]}``, read and validated by :func:`jrlhf.data.load_prompts` like the
+trainer's prompt files (blank lines are skipped). Each output line carries ``prompt_index``,
+``sample_index``, ``completion_ids``, ``logprobs`` (raw policy log-probs), ``sampling_logprobs``
+and ``text`` when a tokenizer exists, in input order (samples of a prompt together). Input
+problems are reported as one line, with the line number, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -18,55 +19,30 @@ import json
 import sys
 from pathlib import Path
 
+from jrlhf import data
+from jrlhf.checkpoint import load_model
+from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
+from jrlhf.decode.sampling import SamplingParams
+from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.models.hf import load_hf
+from jrlhf.runtime.devices import ensure_host_devices
+
 
 class InputError(ValueError):
     """A problem with the command line or the prompts file (reported as one line)."""
 
 
-def read_prompts(path: str | Path) -> list[dict]:
-    """Parse and validate the prompts file; errors name the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: prompts file not found")
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_ids" in row):
-                raise InputError(
-                    f"{path}:{lineno}: expected an object with exactly one of 'prompt' or "
-                    f"'prompt_ids'"
-                )
-            if "prompt" in row and not isinstance(row["prompt"], str):
-                raise InputError(f"{path}:{lineno}: 'prompt' must be a string")
-            if "prompt_ids" in row:
-                ids = row["prompt_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(isinstance(t, int) and t >= 0 for t in ids)
-                ):
-                    raise InputError(
-                        f"{path}:{lineno}: 'prompt_ids' must be a non-empty list of token ids"
-                    )
-            rows.append({"line": lineno, **row})
-    if not rows:
-        raise InputError(f"{path}: no prompts")
-    return rows
+def read_prompts(path: str | Path, tokenizer: data.Tokenizer | None) -> list[list[int]]:
+    """The prompts file's token ids, parsed and validated by jrlhf.data (errors name the line).
 
-
-def _tokenizer(directory: Path):
-    file = directory / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file))
+    Blank lines are skipped (the file is often written by hand); a text prompt needs
+    ``tokenizer``.
+    """
+    try:
+        records = data.load_prompts(path, tokenizer, skip_blank_lines=True)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    return [r.prompt_ids for r in records]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,10 +78,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Generate for parsed arguments; raises InputError for user errors."""
-    from jrlhf.decode.sampling import SamplingParams
-
-    rows = read_prompts(args.prompts)
     model_dir = Path(args.hf or args.checkpoint)
+    # Text prompts are encoded with the checkpoint's tokenizer; the prompts are read before the
+    # checkpoint is checked so that a bad input file is reported first.
+    tokenizer = data.Tokenizer.from_dir_if_present(model_dir) if model_dir.is_dir() else None
+    prompts = read_prompts(args.prompts, tokenizer)
     if not model_dir.is_dir():
         raise InputError(f"{model_dir}: checkpoint directory not found")
     try:
@@ -126,35 +103,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise InputError(str(e)) from None
-    tokenizer = _tokenizer(model_dir)
-    prompts = []
-    for row in rows:
-        if "prompt" in row:
-            if tokenizer is None:
-                raise InputError(
-                    f"{args.prompts}:{row['line']}: text prompt but {model_dir} has no "
-                    f"tokenizer.json (use prompt_ids)"
-                )
-            prompts.append(tokenizer.encode(row["prompt"]).ids)
-        else:
-            prompts.append(row["prompt_ids"])
-
-    from jrlhf.meshes import MeshSpec, make_mesh
 
     try:
         mesh = make_mesh(MeshSpec.parse(args.mesh))
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.hf:
-        from jrlhf.models.hf import load_hf
-
         model_def, params = load_hf(args.hf, mesh, args.rules)
     else:
-        from jrlhf.checkpoint import load_model
-
         model_def, params = load_model(args.checkpoint, mesh, args.rules)
-
-    from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
 
     want = args.num_slots or min(len(prompts) * args.num_samples, 64)
     num_slots = round_slots(want, mesh, args.rules)
@@ -202,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for input errors)."""
     args = _parser().parse_args(argv)
-    from jrlhf.runtime.devices import ensure_host_devices
-
     ensure_host_devices()
     try:
         return run(args)

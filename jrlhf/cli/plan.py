@@ -19,7 +19,21 @@ import math
 import sys
 from pathlib import Path
 
-ROLES = ("actor", "critic", "reference", "reward")
+import jax
+
+from jrlhf.config import ROLES, load_config
+from jrlhf.models.presets import get_preset
+from jrlhf.pipeline.task_data import task_model_overrides
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.search import (
+    check_device_count,
+    local_device_kind,
+    peak_memory_bytes,
+    search,
+)
+from jrlhf.placement.workload import Workload
+from jrlhf.runtime.model_source import role_models
+
 PHASES = ("generate", "score", "train", "reshard")
 
 
@@ -57,7 +71,6 @@ def _fmt_s(x: float) -> str:
 
 
 def _row(rank: str, r) -> dict:
-    from jrlhf.placement.search import peak_memory_bytes
 
     est = r.estimate
     return {
@@ -168,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Everything that can be checked without work is checked first, in one line each.
-    from jrlhf.models.presets import get_preset
-
     presets = {role: getattr(args, role) for role in ROLES if getattr(args, role)}
     try:
         for name in presets.values():
@@ -183,9 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.top < 1:
         return fail(f"--top must be >= 1, got {args.top}")
 
-    from jrlhf.placement.profile import DeviceProfile
-    from jrlhf.placement.search import check_device_count, config_models, local_device_kind, search
-
     try:
         kind = args.device_kind or local_device_kind()
         profile = DeviceProfile.load(kind)
@@ -193,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e).splitlines()[0])
     num_devices = args.devices
     try:
-        from jrlhf.config import load_config
-
         cfg = load_config(args.config, args.bindings)
         if num_devices is None:
             num_devices = _local_devices(cfg, kind)
@@ -202,10 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return fail(str(e).splitlines()[0])
 
-    from jrlhf.placement.workload import Workload
-
     try:
-        models = config_models(cfg, presets)
+        models = role_models(cfg, lambda: task_model_overrides(cfg), presets)
         workload = Workload.from_config(cfg, models)
         result = search(
             workload,
@@ -273,8 +277,6 @@ def _local_devices(cfg, kind: str) -> int:
     """This machine's device count: the fake CPU devices the trainer would make, else jax's."""
     if kind == "cpu":
         return cfg.run.host_devices
-    import jax
-
     return jax.device_count()
 
 

@@ -17,7 +17,10 @@ import logging
 import sys
 from pathlib import Path
 
+import jax
+
 from jrlhf.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime.devices import ensure_host_devices
 
 log = logging.getLogger("jrlhf")
@@ -70,20 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     bindings = list(args.bindings)
     try:
         cfg = load_config(files, bindings)
+        for stage in cfg.run.stages:
+            if stage in ("ppo", "grpo"):
+                check_algorithm_config(cfg.rl, stage)
         if args.distributed:
-            import jax
-
             jax.distributed.initialize()
         else:
             ensure_host_devices(cfg.run.host_devices)
         run_dir = prepare_run_dir(cfg, args.run_dir, args.resume or cfg.run.resume)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging()
     # Imported here, not at the top: XLA reads the virtual-device flag set above when JAX's
     # backends start, and the pipeline starts them.
-    from jrlhf.pipeline.run import run
+    from jrlhf.pipeline.run import run  # noqa: PLC0415
 
     try:
         return run(cfg, run_dir, quiet=args.quiet)

@@ -6,7 +6,6 @@ from jrlhf.decode.engine import (
     EngineConfig,
     GenerationResult,
     data_shards,
-    decode_rules,
     round_slots,
 )
 from jrlhf.decode.kernels import paged_attention_reference, select_kernel
@@ -21,7 +20,6 @@ __all__ = [
     "PageAllocator",
     "SamplingParams",
     "data_shards",
-    "decode_rules",
     "filter_logits",
     "paged_attention_reference",
     "pages_for",

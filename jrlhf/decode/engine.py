@@ -167,19 +167,9 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
 
 
-def decode_rules(rules: Rules | str) -> Rules:
-    """The rule set plus ``kv_pages``, split like ``slots`` so each shard owns its slots' pages."""
-    base = get_rules(rules)
-    table = dict(base)
-    extra = (("kv_pages", table.get("slots", ("data",))),)
-    if "slots" not in table:
-        extra += (("slots", ("data",)),)
-    return tuple(r for r in base if r[0] != "kv_pages") + extra
-
-
 def data_shards(mesh: Mesh, rules: Rules | str) -> int:
     """How many ways slots (and pages) are split on ``mesh``: num_slots must be a multiple."""
-    return axis_size(mesh, logical_to_spec(("slots",), mesh, decode_rules(rules))[0])
+    return axis_size(mesh, logical_to_spec(("slots",), mesh, get_rules(rules))[0])
 
 
 def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
@@ -211,7 +201,7 @@ class DecodeEngine:
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self.mesh = mesh
-        self.rules = decode_rules(rules)
+        self.rules = get_rules(rules)
         self.kernel_name, self._kernel = select_kernel(self.config.kernel)
         ec = self.config
 

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jrlhf.ppo.core_algos import token_logprobs
+from jrlhf.models.logprobs import token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)

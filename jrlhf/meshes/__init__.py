@@ -3,9 +3,9 @@
 from jrlhf.meshes.context import activation_sharding, constrain, current_mesh
 from jrlhf.meshes.mesh import MeshSpec, make_mesh, mesh_devices
 from jrlhf.meshes.rules import (
-    DEFAULT_ROLE_RULES,
     DP_TP,
     FSDP_TP,
+    PHASE_RULES,
     REPLICATED,
     RULE_SETS,
     Rules,
@@ -13,14 +13,13 @@ from jrlhf.meshes.rules import (
     logical_to_spec,
     named_sharding,
     path_str,
-    rules_for,
     tree_shardings,
 )
 
 __all__ = [
-    "DEFAULT_ROLE_RULES",
     "DP_TP",
     "FSDP_TP",
+    "PHASE_RULES",
     "REPLICATED",
     "RULE_SETS",
     "MeshSpec",
@@ -34,6 +33,5 @@ __all__ = [
     "mesh_devices",
     "named_sharding",
     "path_str",
-    "rules_for",
     "tree_shardings",
 ]

@@ -36,9 +36,10 @@ FSDP_TP: Rules = (
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
-    # decode state
-    ("pages", None),
+    # decode state: slots (sequences in flight) split like the batch; each shard owns its slots'
+    # KV pages, so a page pool is split the same way
     ("slots", ("data", "fsdp")),
+    ("kv_pages", ("data", "fsdp")),
 )
 
 # Sampling drops FSDP: weights are replicated over data and split only over tensor, so each decode
@@ -53,16 +54,9 @@ RULE_SETS: dict[str, Rules] = {
     "replicated": REPLICATED,
 }
 
-# Which rule set each role uses in each phase unless the config says otherwise.
-DEFAULT_ROLE_RULES: dict[tuple[str, str], str] = {
-    ("actor", "train"): "fsdp_tp",
-    ("actor", "generate"): "dp_tp",
-    ("critic", "train"): "fsdp_tp",
-    ("critic", "infer"): "fsdp_tp",
-    ("reference", "infer"): "fsdp_tp",
-    ("reward", "infer"): "fsdp_tp",
-    ("reward", "train"): "fsdp_tp",
-}
+# The rule set a phase uses unless a plan or a RoleConfig names another: training and inference
+# shard weights with FSDP; generation drops it (every decode step reads all weights).
+PHASE_RULES: dict[str, str] = {"train": "fsdp_tp", "infer": "fsdp_tp", "generate": "dp_tp"}
 
 
 def get_rules(rules: str | Rules | Mapping[str, MeshAxes]) -> Rules:
@@ -74,14 +68,6 @@ def get_rules(rules: str | Rules | Mapping[str, MeshAxes]) -> Rules:
     if isinstance(rules, Mapping):
         return tuple(rules.items())
     return tuple((name, axes) for name, axes in rules)
-
-
-def rules_for(role: str, phase: str) -> Rules:
-    key = (role, phase)
-    if key not in DEFAULT_ROLE_RULES:
-        known = ", ".join(f"{r}/{p}" for r, p in DEFAULT_ROLE_RULES)
-        raise ValueError(f"no default rule set for {role}/{phase} (known: {known})")
-    return RULE_SETS[DEFAULT_ROLE_RULES[key]]
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

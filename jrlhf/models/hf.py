@@ -20,7 +20,9 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from safetensors.numpy import save_file
 
 from jrlhf.meshes.rules import Rules, path_str
 from jrlhf.models.config import ModelConfig, RopeScaling
@@ -365,7 +367,6 @@ def load_hf(
 def _to_host(x: jax.Array) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -384,7 +385,6 @@ def save_hf(
     The directory is assembled next to ``out_dir`` and moved into place at the end, so an
     interrupted export never leaves a half-written checkpoint where a good one was.
     """
-    from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:

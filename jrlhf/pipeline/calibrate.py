@@ -26,8 +26,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jrlhf.config import RLConfig
+from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
+from jrlhf.meshes.mesh import make_mesh
+from jrlhf.models.config import tiny_config
+from jrlhf.models.model_def import ModelDef
+from jrlhf.placement import estimator as est
+from jrlhf.placement.plan import flatten
 from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import Workload
+from jrlhf.ppo import batch as rl_batch
+from jrlhf.ppo.trainer import actor_loss
+from jrlhf.reshard import Resharder
+from jrlhf.runtime.roles import make_infer
+from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 # calibration models: deliberately not the size the plan bench evaluates (held-out check)
 CALIBRATION_MODELS = (
@@ -73,8 +87,6 @@ def matmul_flops(sizes=(256, 512, 1024), dtype=jnp.float32) -> dict[str, float]:
 
 def matmul_flops_all_devices(size: int = 512, dtype=jnp.float32) -> float:
     """Total FLOP/s when every device runs its own (s x s) matmul at the same time."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("d",))
     sh = NamedSharding(mesh, PartitionSpec("d"))
@@ -110,8 +122,6 @@ def copy_bandwidth(mbytes: int = 32) -> float:
 
 def call_overhead() -> float:
     """Seconds of one trivial jitted call over all devices, including the host sync."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("d",))
     x = jax.device_put(jnp.ones((n * 8,), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
@@ -121,9 +131,6 @@ def call_overhead() -> float:
 
 # ------------------------------------------------------------------------------ model profiles
 def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
-    from jrlhf.models.config import tiny_config
-    from jrlhf.placement.plan import flatten
-    from jrlhf.placement.workload import Workload
 
     cfg = tiny_config(vocab_size=64, max_position_embeddings=256, **overrides).replace(
         param_dtype="float32", dtype=dtype
@@ -148,21 +155,6 @@ def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
 def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str, float]:
     """Measured seconds of one forward, one train step, one generation and one reshard (train
     to generation layout) for a small model on the first ``devices`` devices."""
-    from jrlhf.config import RLConfig
-    from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
-    from jrlhf.meshes.mesh import make_mesh
-    from jrlhf.models.model_def import ModelDef
-    from jrlhf.ppo import batch as rl_batch
-    from jrlhf.ppo.trainer import _actor_loss
-    from jrlhf.reshard import Resharder
-    from jrlhf.runtime.roles import make_infer
-    from jrlhf.runtime.steps import (
-        OptimizerConfig,
-        init_train_state,
-        make_optimizer,
-        make_train_step,
-    )
-
     cfg, plan, w = _calibration_setup(overrides, dtype, devices)
     P, R = w.prompt_len, w.gen_len
     rng = np.random.default_rng(0)
@@ -187,7 +179,7 @@ def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[s
 
     opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
     state = init_train_state(model, opt, mesh, train_p.rules, params=params)
-    step = make_train_step(model, opt, _actor_loss(P, RLConfig(), False), mesh, train_p.rules)
+    step = make_train_step(model, opt, actor_loss(P, RLConfig(), False), mesh, train_p.rules)
     mb = w.minibatch_size
     tb = {k: arrays[k][:mb] for k in (*fields, "mask")}
     tb.update(
@@ -257,8 +249,6 @@ def fit_profile(
     The estimator is linear in ``1/efficiency`` and in the layer overhead of each kind, so each
     coefficient is read off by evaluating it at two settings.
     """
-    from jrlhf.placement import estimator as est
-
     kinds = (
         ("forward", "forward_efficiency", "forward_layer_overhead_s"),
         ("train", "train_efficiency", "train_layer_overhead_s"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ from jrlhf import metrics as metrics_lib
 from jrlhf.config import Config, operative_config
 from jrlhf.data import PromptLoader
 from jrlhf.pipeline.supervised import run_reward_model, run_sft
-from jrlhf.pipeline.task_data import build_task_data
+from jrlhf.pipeline.task_data import TaskData, build_task_data
+from jrlhf.placement import ExecutionPlan, effective_plan
 from jrlhf.ppo.trainer import RLTrainer
-from jrlhf.runtime.roles import RoleSetup, resolve_model, resolve_plan, role_meshes
+from jrlhf.runtime.model_source import resolve_model, role_models, stage_start
+from jrlhf.runtime.roles import RoleSetup, setup_role
 from jrlhf.tasks import get_reward_fn
 
 log = logging.getLogger("jrlhf")
@@ -36,21 +39,17 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     log.info(
         "devices: %d x %s; run directory %s", jax.device_count(), jax.devices()[0].platform, run_dir
     )
-    plan = resolve_plan(cfg, jax.device_count())
-    plan.validate(jax.device_count())
+    # The one placement of this run: roles, reshard edges, this log line and plan.gin read it.
+    models = role_models(cfg, data.model_overrides) if cfg.run.placement == "search" else None
+    plan = effective_plan(cfg, jax.device_count(), models)
     (run_dir / "plan.gin").write_text(plan.to_gin(f"plan used by this run ({cfg.run.placement})"))
-    rows = "; ".join(f"{call} {mesh} [{rules}]" for call, mesh, rules in plan.rows())
-    log.info("execution plan %r: %s", plan.name, rows)
+    log.info("%s", plan.describe())
 
-    def setup(role: str, init: str, head: str) -> tuple[RoleSetup, str | None]:
-        rc = cfg.roles[role]
-        model, source = resolve_model(init, rc, head, data.model_overrides, run_dir)
-        meshes, rules = role_meshes(cfg, role, plan)
-        s = RoleSetup(role, rc, model, meshes, rules)
-        for phase in meshes:
-            s.shardings(phase)  # fails now, naming the parameter, if a layout cannot divide
-        log.info("%s: %s params; %s", role, f"{model.num_params():,}", s.describe())
-        return s, source
+    def setup(role: str, init: str | None = None) -> RoleSetup:
+        source = resolve_model(cfg, role, data.model_overrides, run_dir, init=init)
+        s = setup_role(cfg, role, plan, source)
+        log.info("%s: %s params; %s", role, f"{s.model.num_params():,}", s.describe())
+        return s
 
     def logger_for(stage: str):
         # One metrics.jsonl + TensorBoard directory per stage, so a resumed RL stage can drop
@@ -64,13 +63,13 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
         logger = logger_for(stage)
         try:
             if stage == "sft":
-                actor, source = setup("actor", _stage_init(cfg, "actor", "sft"), "lm")
-                run_sft(actor, source, data, cfg, run_dir, logger, cfg.run.seed)
+                actor = setup("actor", init=stage_start(cfg, "sft"))
+                run_sft(actor, data, cfg, run_dir, logger, cfg.run.seed)
             elif stage == "rm":
-                reward, source = setup("reward", _stage_init(cfg, "reward", "rm"), "value")
-                run_reward_model(reward, source, data, cfg, run_dir, logger, cfg.run.seed)
+                reward = setup("reward", init=stage_start(cfg, "rm"))
+                run_reward_model(reward, data, cfg, run_dir, logger, cfg.run.seed)
             else:
-                summary = run_rl(cfg, stage, run_dir, data, logger, setup, RLTrainer, quiet)
+                summary = run_rl(cfg, stage, run_dir, data, logger, setup, plan, quiet)
         finally:
             logger.close()
     if summary:
@@ -87,23 +86,26 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     return 0
 
 
-def _stage_init(cfg: Config, role: str, stage: str) -> str:
-    """The model a supervised stage starts from: the role's init unless it names this stage."""
-    init = cfg.roles[role].init
-    return "tiny" if init == f"stage:{stage}" else init
-
-
-def run_rl(cfg, stage, run_dir, data, logger, setup, trainer_cls, quiet) -> dict[str, Any]:
-    roles, sources = {}, {}
+def run_rl(
+    cfg: Config,
+    stage: str,
+    run_dir: Path,
+    data: TaskData,
+    logger: metrics_lib.MetricsLogger,
+    setup: Callable[[str], RoleSetup],
+    plan: ExecutionPlan,
+    quiet: bool,
+) -> dict[str, Any]:
+    """The PPO or GRPO stage: build the trainer, resume if a checkpoint exists, iterate,
+    evaluate before and after; returns the run summary."""
     needed = ["actor", "reference"] + (["critic"] if stage == "ppo" else [])
     reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
     if reward_fn is None:
         needed.append("reward")
-    heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
-    for role in needed:
-        roles[role], sources[role] = setup(role, cfg.roles[role].init, heads[role])
-    trainer = trainer_cls(cfg, stage, roles, sources, data, run_dir, reward_fn=reward_fn)
-    loader = PromptLoader(data.train_prompts, cfg.rl.prompts_per_iteration, seed=cfg.run.seed)
+    roles = {role: setup(role) for role in needed}
+    trainer = RLTrainer(cfg, stage, roles, plan, data, run_dir, reward_fn=reward_fn)
+    # Batches of PromptRecords: each prompt's meta travels with it to the reward function.
+    loader = PromptLoader(data.train_records(), cfg.rl.prompts_per_iteration, seed=cfg.run.seed)
     resumed = trainer.restore()
     if resumed is not None:
         loader.load_state_dict(resumed)
@@ -113,7 +115,7 @@ def run_rl(cfg, stage, run_dir, data, logger, setup, trainer_cls, quiet) -> dict
     if summary_path.exists():
         before = json.loads(summary_path.read_text())
     else:
-        before = trainer.evaluate(data.heldout_prompts, samples=4)
+        before = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
         summary_path.write_text(json.dumps(before))
     bar = metrics_lib.ProgressBar(
         cfg.rl.iterations,
@@ -122,7 +124,8 @@ def run_rl(cfg, stage, run_dir, data, logger, setup, trainer_cls, quiet) -> dict
         desc=stage,
     )
     while trainer.iteration < cfg.rl.iterations:
-        metrics = trainer.run_iteration(loader.next_batch())
+        batch = loader.next_batch()
+        metrics = trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
         logger.log(trainer.iteration, metrics)
         bar.update(trainer.iteration, metrics)
         every = cfg.rl.checkpoint_every
@@ -130,6 +133,6 @@ def run_rl(cfg, stage, run_dir, data, logger, setup, trainer_cls, quiet) -> dict
             trainer.save(loader.state_dict())
     bar.close()
     trainer.wait_for_checkpoints()
-    after = trainer.evaluate(data.heldout_prompts, samples=4)
+    after = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
     logger.log(trainer.iteration, {f"eval/{k}": v for k, v in after.items()})
     return {"stage": stage, "before": before, "after": after, "iterations": trainer.iteration}

@@ -9,6 +9,7 @@ A stage whose output already exists is skipped, so a resumed pipeline does not r
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ import numpy as np
 from jrlhf import checkpoint
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
-from jrlhf.runtime.roles import RoleSetup, load_weights
+from jrlhf.runtime.model_source import load_weights
+from jrlhf.runtime.roles import RoleSetup
 from jrlhf.runtime.steps import (
     OptimizerConfig,
     init_train_state,
@@ -78,7 +80,6 @@ def _train_loop(
 def _supervised_stage(
     name: str,
     setup: RoleSetup,
-    source,
     records,
     make_batch,
     loss_fn,
@@ -102,7 +103,7 @@ def _supervised_stage(
             idx = rng.choice(len(records), stage_cfg.batch_size, replace=False)
             yield make_batch([records[i] for i in idx])
 
-    params = load_weights(setup.model, source, setup.meshes["train"], setup.rules["train"], seed)
+    params = load_weights(setup.source, setup.meshes["train"], setup.rules["train"], seed)
     opt = OptimizerConfig(
         learning_rate=stage_cfg.learning_rate,
         warmup_steps=stage_cfg.warmup_steps,
@@ -117,7 +118,7 @@ def _supervised_stage(
     return out
 
 
-def run_sft(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: int) -> Path:
+def run_sft(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: int) -> Path:
     """Supervised fine-tuning of the actor on prompt/response demonstrations."""
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
 
@@ -126,12 +127,12 @@ def run_sft(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: in
         return rl_batch.pack(prompts, responses, P, R, data.pad_id)
 
     return _supervised_stage(
-        "sft", setup, source, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, run_dir,
+        "sft", setup, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, run_dir,
         logger, seed,
     )  # fmt: skip
 
 
-def run_reward_model(setup: RoleSetup, source, data, cfg, run_dir: Path, logger, seed: int):
+def run_reward_model(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: int) -> Path:
     """Bradley-Terry training of the reward model on preference pairs."""
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
 
@@ -142,15 +143,13 @@ def run_reward_model(setup: RoleSetup, source, data, cfg, run_dir: Path, logger,
         return rl_batch.pack(prompts, responses, P, R, data.pad_id)
 
     return _supervised_stage(
-        "rm", setup, source, data.preference_records, make_batch, reward_loss_fn, cfg.rm,
+        "rm", setup, data.preference_records, make_batch, reward_loss_fn, cfg.rm,
         run_dir, logger, seed,
     )  # fmt: skip
 
 
 def _fresh(path: Path) -> Path:
     """Clear a stage directory left incomplete by an interrupted save (it lacks model.json)."""
-    import shutil
-
     if path.exists() and not (path / checkpoint.MODEL_JSON).exists():
         shutil.rmtree(path)
     return path

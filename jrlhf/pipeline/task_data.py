@@ -1,7 +1,7 @@
 """Task data: the token ids every stage reads, loaded or synthesized once per run.
 
-Every data problem (a missing file, a malformed line, a tokenizer the model cannot hold) surfaces
-here, before any model is built.
+Every data problem (a missing file, a malformed line, a tokenizer the model cannot hold, a
+prompt without the meta its reward function reads) surfaces here, before any model is built.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
-from jrlhf.tasks import SyntheticTask
+from jrlhf.tasks import SyntheticTask, get_reward_fn, required_meta
 
 
 @dataclasses.dataclass
 class TaskData:
-    """Everything the stages read: token ids plus how to judge a response, if known."""
+    """Everything the stages read: token ids plus how to judge a response, if known.
+
+    ``train_meta[i]`` / ``heldout_meta[i]`` are the extra fields of prompt i's record (what a
+    reward function reads, e.g. a reference answer); ``{}`` for every prompt when not given.
+    """
 
     train_prompts: list[list[int]]
     heldout_prompts: list[list[int]]
@@ -30,6 +34,41 @@ class TaskData:
     model_overrides: dict[str, Any]
     ground_truth: Callable[[Sequence[int], Sequence[int]], float] | None = None
     save_tokenizer: Callable[[Path], Any] | None = None
+    train_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        # Every prompt gets a meta entry, so prompts and meta always index alike.
+        for split in ("train", "heldout"):
+            prompts, meta = getattr(self, f"{split}_prompts"), getattr(self, f"{split}_meta")
+            if not meta:
+                setattr(self, f"{split}_meta", [{} for _ in prompts])
+            elif len(meta) != len(prompts):
+                raise ValueError(f"{len(meta)} {split}_meta entries for {len(prompts)} prompts")
+
+    def train_records(self) -> list[data_lib.PromptRecord]:
+        """The training prompts with their meta: what the PromptLoader batches."""
+        return [data_lib.PromptRecord(p, m) for p, m in zip(self.train_prompts, self.train_meta)]
+
+
+def tokenizer_model_overrides(tokenizer: data_lib.Tokenizer | None) -> dict[str, Any]:
+    """Model fields a tokenizer imposes on ``tiny`` models: its vocabulary and EOS id."""
+    if tokenizer is None:
+        return {}
+    overrides: dict[str, Any] = {"vocab_size": tokenizer.vocab_size}
+    if tokenizer.eos_id is not None:
+        overrides["eos_token_id"] = tokenizer.eos_id
+    return overrides
+
+
+def task_model_overrides(cfg: Config) -> dict[str, Any]:
+    """The model fields the task imposes (``TaskData.model_overrides``) without loading its data:
+    what the planner needs to size ``tiny`` roles."""
+    if cfg.task.name == "synthetic":
+        return SyntheticTask(seed=cfg.run.seed).model_overrides()
+    if cfg.task.tokenizer:
+        return tokenizer_model_overrides(data_lib.Tokenizer.from_file(cfg.task.tokenizer))
+    return {}
 
 
 def build_task_data(cfg: Config) -> TaskData:
@@ -42,7 +81,7 @@ def build_task_data(cfg: Config) -> TaskData:
                 f"TaskConfig: the synthetic task needs max_prompt_len >= {task.max_prompt_len} "
                 f"and max_response_len >= {task.max_response_len}"
             )
-        return TaskData(
+        synthetic = TaskData(
             train_prompts=task.prompts(4096, "train"),
             heldout_prompts=task.prompts(t.num_heldout, "heldout"),
             sft_records=task.sft_examples(t.num_sft_examples),
@@ -53,6 +92,8 @@ def build_task_data(cfg: Config) -> TaskData:
             ground_truth=task.score,
             save_tokenizer=task.save_tokenizer,
         )
+        _check_reward_meta(cfg, {"the synthetic task's prompts": synthetic.train_meta})
+        return synthetic
     tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
     vocab = tokenizer.vocab_size if tokenizer else None
     lens = dict(max_prompt_len=t.max_prompt_len, vocab_size=vocab)
@@ -60,6 +101,11 @@ def build_task_data(cfg: Config) -> TaskData:
     heldout = (
         data_lib.load_prompts(t.heldout_prompts, tokenizer, **lens) if t.heldout_prompts else []
     )
+    _check_reward_meta(cfg, {train.source: [r.meta for r in train]})
+    if heldout:
+        _check_reward_meta(cfg, {heldout.source: [r.meta for r in heldout]})
+    else:
+        heldout = train.records[:64]  # without held-out prompts, evaluate on the first ones
     full = dict(lens, max_response_len=t.max_response_len)
     sft = data_lib.load_sft(t.sft_data, tokenizer, **full) if t.sft_data else []
     prefs = (
@@ -69,11 +115,9 @@ def build_task_data(cfg: Config) -> TaskData:
         raise ConfigError("TaskConfig.sft_data: the sft stage needs demonstrations")
     if "rm" in cfg.run.stages and not prefs:
         raise ConfigError("TaskConfig.preference_data: the rm stage needs preference pairs")
-    overrides = {"vocab_size": vocab} if vocab else {}
+    overrides = tokenizer_model_overrides(tokenizer)
     pad = tokenizer.pad_id if tokenizer and tokenizer.pad_id is not None else 0
     eos = tokenizer.eos_id if tokenizer else None
-    if eos is not None:
-        overrides["eos_token_id"] = eos
     save = None
     if tokenizer is not None:
 
@@ -85,11 +129,28 @@ def build_task_data(cfg: Config) -> TaskData:
 
     return TaskData(
         train_prompts=[r.prompt_ids for r in train],
-        heldout_prompts=[r.prompt_ids for r in heldout] or [r.prompt_ids for r in train][:64],
+        heldout_prompts=[r.prompt_ids for r in heldout],
         sft_records=list(sft),
         preference_records=list(prefs),
         pad_id=pad,
         eos_id=eos,
         model_overrides=overrides,
         save_tokenizer=save,
+        train_meta=[r.meta for r in train],
+        heldout_meta=[r.meta for r in heldout],
     )
+
+
+def _check_reward_meta(cfg: Config, meta_by_source: dict[str, list[dict[str, Any]]]) -> None:
+    """Fail now, naming the record, if a prompt lacks meta the reward function reads."""
+    if not cfg.task.reward_fn:
+        return
+    needs = required_meta(get_reward_fn(cfg.task.reward_fn))
+    for source, metas in meta_by_source.items():
+        for i, meta in enumerate(metas):
+            missing = [k for k in needs if k not in meta]
+            if missing:
+                raise ConfigError(
+                    f"TaskConfig.reward_fn: {cfg.task.reward_fn!r} reads {missing} from each "
+                    f"prompt's meta, which record {i + 1} of {source} lacks"
+                )

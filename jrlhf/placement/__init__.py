@@ -1,12 +1,16 @@
-"""Execution plans: per-call placements, strategies, cost estimation and plan search.
+"""Where every model call runs: execution plans, their cost model, the plan search, and the
+effective plan a run executes.
 
 plan.py (plans and strategies) -> workload.py + profile.py + estimator.py (cost model) ->
-candidates.py + search.py (exhaustive / MCMC search) -> __main__.py (``python -m jrlhf.plan``).
+candidates.py + search.py (exhaustive / MCMC search) -> effective.py (the config's plan, with
+RoleConfig meshes merged in). ``python -m jrlhf.plan`` (jrlhf.cli.plan) searches from the shell.
 """
 
+from jrlhf.placement.effective import effective_plan
 from jrlhf.placement.plan import (
     CALLS,
     INFERENCE_CALLS,
+    STAGE_CALLS,
     STRATEGIES,
     CallPlacement,
     ExecutionPlan,
@@ -17,32 +21,15 @@ from jrlhf.placement.plan import (
     strategy,
 )
 
-
-def __getattr__(name):
-    # The cost model and search import more (estimator, presets); load them on first use.
-    lazy = {
-        "estimate": "jrlhf.placement.estimator",
-        "PlanEstimate": "jrlhf.placement.estimator",
-        "Workload": "jrlhf.placement.workload",
-        "DeviceProfile": "jrlhf.placement.profile",
-        "search": "jrlhf.placement.search",
-        "SearchResult": "jrlhf.placement.search",
-        "search_for_config": "jrlhf.placement.search",
-    }
-    if name in lazy:
-        import importlib
-
-        return getattr(importlib.import_module(lazy[name]), name)
-    raise AttributeError(name)
-
-
 __all__ = [
     "CALLS",
     "INFERENCE_CALLS",
+    "STAGE_CALLS",
     "STRATEGIES",
     "CallPlacement",
     "ExecutionPlan",
     "ReshardEdge",
+    "effective_plan",
     "flatten",
     "interleave",
     "separate",

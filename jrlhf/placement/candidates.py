@@ -19,8 +19,10 @@ import dataclasses
 from collections.abc import Mapping
 
 from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.meshes.rules import PHASE_RULES
 from jrlhf.models.config import ModelConfig
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
+from jrlhf.reshard.layout import choose_generation_mesh
 
 # Which model each call runs (the role), and the call a model-less call follows (see below).
 GENERATE_CALL = "actor_generate"
@@ -137,13 +139,12 @@ def placement(call: str, slot: Slot, actor_train: CallPlacement | None = None) -
     ``plan.flatten`` does."""
     if call == GENERATE_CALL:
         if actor_train is not None and set(actor_train.mesh.device_ids()) == set(slot.devices):
-            from jrlhf.reshard import choose_generation_mesh
-
-            return CallPlacement(choose_generation_mesh(actor_train.mesh, slot.tensor), "dp_tp")
+            mesh = choose_generation_mesh(actor_train.mesh, slot.tensor)
+            return CallPlacement(mesh, PHASE_RULES["generate"])
         axes = (("data", slot.size // slot.tensor), ("tensor", slot.tensor))
-        return CallPlacement(MeshSpec(axes, tuple(slot.devices)), "dp_tp")
+        return CallPlacement(MeshSpec(axes, tuple(slot.devices)), PHASE_RULES["generate"])
     axes = (("fsdp", slot.size // slot.tensor), ("tensor", slot.tensor))
-    return CallPlacement(MeshSpec(axes, tuple(slot.devices)), "fsdp_tp")
+    return CallPlacement(MeshSpec(axes, tuple(slot.devices)), PHASE_RULES[CALLS[call][1]])
 
 
 def build_plan(name: str, slots: Mapping[str, Slot]) -> ExecutionPlan:

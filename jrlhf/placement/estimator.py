@@ -36,11 +36,13 @@ import math
 import types
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from jrlhf.meshes.mesh import MeshSpec
-from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec
+from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
 from jrlhf.models.config import ModelConfig
+from jrlhf.models.model_def import ModelDef
 from jrlhf.placement.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import (
@@ -84,11 +86,6 @@ def _param_table(
     cfg: ModelConfig, head: str
 ) -> tuple[tuple[str, tuple, tuple[int, ...], int], ...]:
     """(path, logical axes, shape, itemsize) per parameter, from the model's abstract state."""
-    import jax
-
-    from jrlhf.meshes.rules import path_str
-    from jrlhf.models.model_def import ModelDef
-
     model = ModelDef(cfg, head)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
     axes, treedef = jax.tree_util.tree_flatten_with_path(model.logical_axes, is_leaf=is_axes)

@@ -24,7 +24,8 @@ import dataclasses
 from collections.abc import Iterable
 
 from jrlhf.meshes.mesh import MeshSpec
-from jrlhf.meshes.rules import RULE_SETS
+from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
+from jrlhf.reshard.layout import choose_generation_mesh
 
 # call name -> (role, phase) in RoleConfig terms
 CALLS: dict[str, tuple[str, str]] = {
@@ -36,6 +37,10 @@ CALLS: dict[str, tuple[str, str]] = {
     "critic_train": ("critic", "train"),
 }
 INFERENCE_CALLS = ("reference_infer", "reward_infer", "critic_infer")
+# A model call outside the RL iteration: the reward model's supervised stage. Unless placed
+# explicitly (a RoleConfig mesh) it runs where the reward model scores.
+STAGE_CALLS: dict[str, tuple[str, str]] = {"reward_train": ("reward", "train")}
+STAGE_DEFAULTS = {"reward_train": "reward_infer"}
 STRATEGIES = ("flatten", "interleave", "separate")
 
 
@@ -75,8 +80,13 @@ class ExecutionPlan:
 
     name: str
     placements: tuple[tuple[str, CallPlacement], ...]
+    # placements of STAGE_CALLS that differ from their default (reward_train on reward_infer)
+    stage_placements: tuple[tuple[str, CallPlacement], ...] = ()
 
     def __post_init__(self):
+        unknown = sorted({c for c, _ in self.stage_placements} - set(STAGE_CALLS))
+        if unknown:
+            raise ValueError(f"plan {self.name!r}: unknown stage call(s) {unknown}")
         names = [c for c, _ in self.placements]
         unknown = sorted(set(names) - set(CALLS))
         if unknown:
@@ -96,19 +106,24 @@ class ExecutionPlan:
         return cls(name, placements)
 
     def __getitem__(self, call: str) -> CallPlacement:
-        for name, placement in self.placements:
+        for name, placement in self.placements + self.stage_placements:
             if name == call:
                 return placement
+        if call in STAGE_DEFAULTS:
+            return self[STAGE_DEFAULTS[call]]
         raise KeyError(f"plan {self.name!r} has no call {call!r}")
 
-    def for_role(self, role: str, phase: str) -> CallPlacement | None:
-        """The placement of ``role`` in ``phase``, or None when no call runs it."""
-        for call, (r, p) in CALLS.items():
-            if r == role and p == phase:
+    def for_role(self, role: str, phase: str) -> CallPlacement:
+        """The placement of ``role`` in ``phase`` (an RL call or a supervised stage's)."""
+        for call, rp in (*CALLS.items(), *STAGE_CALLS.items()):
+            if rp == (role, phase):
                 return self[call]
-        return None
+        raise KeyError(f"no model call runs the {role} in phase {phase!r}")
 
     def reshard_edges(self) -> list[ReshardEdge]:
+        """Where trained parameters move after each update: the actor to its generation layout
+        (always; an identity when the layouts agree), the critic to its inference layout when
+        that differs from its training layout."""
         edges = [ReshardEdge("actor", "actor_train", "actor_generate")]
         if self["critic_infer"] != self["critic_train"]:
             edges.append(ReshardEdge("critic", "critic_train", "critic_infer"))
@@ -119,7 +134,7 @@ class ExecutionPlan:
 
     def validate(self, num_devices: int) -> None:
         """One-line errors for slices that do not exist on ``num_devices`` devices."""
-        for call, placement in self.placements:
+        for call, placement in self.placements + self.stage_placements:
             ids = placement.mesh.device_ids()
             if max(ids) >= num_devices:
                 raise ValueError(
@@ -138,14 +153,21 @@ class ExecutionPlan:
         lines = [f"# {line}" for line in header.splitlines()] if header else []
         lines.append(f"# execution plan {self.name!r}")
         lines.append("RunConfig.placement = 'custom'")
-        for call, (role, phase) in CALLS.items():
+        for call, (role, phase) in (*CALLS.items(), *STAGE_CALLS.items()):
             p = self[call]
             lines.append(f"{role}/RoleConfig.{phase}_mesh = '{p.mesh}'")
             lines.append(f"{role}/RoleConfig.{phase}_rules = '{p.rules}'")
         return "\n".join(lines) + "\n"
 
     def rows(self) -> list[tuple[str, str, str]]:
-        return [(call, str(p.mesh), p.rules) for call, p in self.placements]
+        """(call, mesh, rules) for every call, the supervised stage's included."""
+        calls = (*CALLS, *STAGE_CALLS)
+        return [(call, str(self[call].mesh), self[call].rules) for call in calls]
+
+    def describe(self) -> str:
+        """One line naming every call's mesh and rules (the run log's)."""
+        rows = "; ".join(f"{call} {mesh} [{rules}]" for call, mesh, rules in self.rows())
+        return f"execution plan {self.name!r}: {rows}"
 
 
 def _axes(n: int, tensor: int, first: str) -> dict[str, int]:
@@ -156,12 +178,6 @@ def _axes(n: int, tensor: int, first: str) -> dict[str, int]:
 
 def _spec(first: str, n: int, tensor: int, devices: Iterable[int]) -> MeshSpec:
     return MeshSpec(tuple(_axes(n, tensor, first).items()), tuple(devices))
-
-
-def _generation(train: MeshSpec, gen_tensor: int) -> MeshSpec:
-    from jrlhf.reshard import choose_generation_mesh
-
-    return choose_generation_mesh(train, gen_tensor)
 
 
 def default_tensor(n: int, limit: int = 2) -> int:
@@ -178,11 +194,11 @@ def flatten(num_devices: int, tensor: int | None = None, gen_tensor: int | None 
     gen_tensor = gen_tensor or tensor
     devices = range(num_devices)
     train = _spec("fsdp", num_devices, tensor, devices)
-    gen = _generation(train, gen_tensor)
-    p = CallPlacement(train, "fsdp_tp")
+    gen = choose_generation_mesh(train, gen_tensor)
+    p = CallPlacement(train, PHASE_RULES["train"])
     return ExecutionPlan.of(
         "flatten",
-        actor_generate=CallPlacement(gen, "dp_tp"),
+        actor_generate=CallPlacement(gen, PHASE_RULES["generate"]),
         reference_infer=p,
         reward_infer=p,
         critic_infer=p,
@@ -221,7 +237,9 @@ def interleave(num_devices: int, tensor: int | None = None, gen_tensor: int | No
     placements = dict(base.placements)
     for call, devices in zip(INFERENCE_CALLS, _slices(num_devices, 3)):
         t = default_tensor(len(devices), tensor or 2)
-        placements[call] = CallPlacement(_spec("fsdp", len(devices), t, devices), "fsdp_tp")
+        placements[call] = CallPlacement(
+            _spec("fsdp", len(devices), t, devices), PHASE_RULES["infer"]
+        )
     return ExecutionPlan("interleave", tuple(placements.items()))
 
 
@@ -239,10 +257,11 @@ def separate(
     tensor = tensor or default_tensor(rest)
     gen_tensor = gen_tensor or default_tensor(gen_devices, tensor)
     gen = _spec("data", gen_devices, gen_tensor, range(gen_devices))
-    train = CallPlacement(_spec("fsdp", rest, tensor, range(gen_devices, num_devices)), "fsdp_tp")
+    train_mesh = _spec("fsdp", rest, tensor, range(gen_devices, num_devices))
+    train = CallPlacement(train_mesh, PHASE_RULES["train"])
     return ExecutionPlan.of(
         "separate",
-        actor_generate=CallPlacement(gen, "dp_tp"),
+        actor_generate=CallPlacement(gen, PHASE_RULES["generate"]),
         reference_infer=train,
         reward_infer=train,
         critic_infer=train,
@@ -254,8 +273,6 @@ def separate(
 def strategy(name: str, num_devices: int, **kwargs) -> ExecutionPlan:
     """A named strategy's plan for ``num_devices`` devices."""
     builders = {"flatten": flatten, "interleave": interleave, "separate": separate}
-    aliases = {"colocated": "flatten", "separated": "separate"}
-    name = aliases.get(name, name)
     if name not in builders:
         raise ValueError(f"unknown plan strategy {name!r} (known: {', '.join(builders)})")
     return builders[name](num_devices, **kwargs)

@@ -25,6 +25,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
+from jrlhf.models.config import ModelConfig
 from jrlhf.placement import plan as plans
 from jrlhf.placement.candidates import (
     DEVICES_PER_NODE,
@@ -36,7 +39,10 @@ from jrlhf.placement.candidates import (
     slot_problem,
     slots_of,
 )
+from jrlhf.placement.estimator import estimate
 from jrlhf.placement.plan import CALLS, ExecutionPlan
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import Workload
 
 CostFn = Callable[[ExecutionPlan], Any]  # returns a PlanEstimate (duck-typed: see _energy)
 
@@ -308,8 +314,6 @@ def _energy(estimate: Any, capacity: int | None) -> float:
 
 def default_cost_fn(workload: Any, profile: Any) -> CostFn:
     """``estimator.estimate`` bound to a workload and profile (tests replace this hook)."""
-    from jrlhf.placement.estimator import estimate
-
     return lambda plan: estimate(plan, workload, profile)
 
 
@@ -444,90 +448,8 @@ def _rank(entries: Any, baselines: Mapping[str, Ranked], top: int) -> list[Ranke
 
 
 # ------------------------------------------------------------------------- from a run's config
-_ROLE_DTYPE_FIELDS = ("param_dtype", "dtype", "remat_policy")
-
-
-def _bound(role: str, field: str) -> bool:
-    """Whether the loaded gin config binds ``RoleConfig.<field>`` for ``role`` (scoped or not)."""
-    import gin
-
-    for name in (f"{role}/RoleConfig.{field}", f"RoleConfig.{field}"):
-        try:
-            gin.query_parameter(name)
-            return True
-        except ValueError:
-            continue
-    return False
-
-
-def _task_overrides(cfg: Any) -> dict[str, Any]:
-    """Model fields the task imposes on ``tiny`` models (as build_task_data does)."""
-    if cfg.task.name == "synthetic":
-        from jrlhf.tasks import SyntheticTask
-
-        return SyntheticTask(seed=cfg.run.seed).model_overrides()
-    if cfg.task.tokenizer:
-        from jrlhf.data import Tokenizer
-
-        return {"vocab_size": Tokenizer.from_file(cfg.task.tokenizer).vocab_size}
-    return {}
-
-
-def _stage_source(cfg: Any, init: str) -> str:
-    """What a ``stage:NAME`` init resolves to before the stage has run: the model the stage
-    starts from (its role's init, or ``tiny`` when that init names the stage itself)."""
-    if not init.startswith("stage:"):
-        return init
-    role = {"sft": "actor", "rm": "reward"}[init[6:]]
-    start = cfg.roles[role].init
-    return "tiny" if start.startswith("stage:") else start
-
-
-def config_models(cfg: Any, presets: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ModelConfig each role of ``cfg`` runs, resolved without loading weights.
-
-    ``presets`` (role -> preset name, jrlhf.models.presets) replace a role's init; a preset keeps
-    its own (bfloat16) dtypes unless the config binds the role's dtype fields explicitly. Other
-    roles resolve as the trainer does: ``tiny`` sized for the task, ``hf:DIR`` from its
-    config.json, ``ckpt:DIR`` from its model.json, ``stage:NAME`` as the model that stage starts
-    from; RoleConfig's model_overrides and dtypes apply as in ``jrlhf.runtime.roles``.
-    """
-    from jrlhf.models.config import tiny_config
-    from jrlhf.models.presets import get_preset
-
-    presets = dict(presets or {})
-    out = {}
-    overrides_for_tiny = None
-    from jrlhf.runtime.roles import model_overrides
-
-    for role, rc in cfg.roles.items():
-        fields = model_overrides(rc)
-        if role in presets:
-            model = get_preset(presets[role])
-            fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS if _bound(role, f)})
-        else:
-            kind, _, where = _stage_source(cfg, rc.init).partition(":")
-            if kind == "tiny":
-                if overrides_for_tiny is None:
-                    overrides_for_tiny = _task_overrides(cfg)
-                model = tiny_config(**overrides_for_tiny)
-            elif kind == "hf":
-                from jrlhf.models.hf import read_hf_config
-
-                model = read_hf_config(where)[0]
-            else:
-                from jrlhf.checkpoint import read_model_json
-
-                model = read_model_json(where).config
-            fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS})
-        out[role] = model.replace(**fields)
-    return out
-
-
 def local_device_kind() -> str:
     """The built-in profile name of this machine's devices ('cpu', 'h100', 'h200')."""
-    import jax
-
     device = jax.devices()[0]
     if device.platform == "cpu":
         return "cpu"
@@ -556,18 +478,15 @@ def check_device_count(num_devices: int, profile: Any) -> None:
 def search_for_config(
     cfg: Any,
     num_devices: int,
+    models: Mapping[str, ModelConfig],
     device_kind: str | None = None,
-    *,
-    presets: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> ExecutionPlan:
-    """The best plan for ``cfg`` on ``num_devices`` local devices (``placement='search'``)."""
-    from jrlhf.placement.profile import DeviceProfile
-    from jrlhf.placement.workload import Workload
-
+    """The best plan for ``cfg`` running ``models`` (role -> ModelConfig) on ``num_devices``
+    local devices (``placement='search'``)."""
     profile = DeviceProfile.load(device_kind or local_device_kind())
     check_device_count(num_devices, profile)
-    workload = Workload.from_config(cfg, config_models(cfg, presets))
+    workload = Workload.from_config(cfg, models)
     # A shorter anneal than the CLI's: this runs at every trainer start-up.
     kwargs.setdefault("steps", 600)
     kwargs.setdefault("restarts", 3)

@@ -22,9 +22,6 @@ import numpy as np
 
 from jrlhf.models.config import ModelConfig
 
-# Which head each role carries (jrlhf.cli.train.run_rl): value-head models have no lm_head.
-ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Workload:

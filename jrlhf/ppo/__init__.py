@@ -1,4 +1,5 @@
-"""RL maths (GAE, KL, PPO/GRPO losses) as pure functions; see ``jrlhf.ppo.core_algos``."""
+"""The PPO family of RL algorithms: the maths as pure functions in registries chosen by config
+(core_algos), the batch layout, scoring, the rollout and the trainer."""
 
 from jrlhf.ppo.core_algos import (
     ADVANTAGE_ESTIMATORS,
@@ -11,7 +12,6 @@ from jrlhf.ppo.core_algos import (
     broadcast_to_tokens,
     compute_gae,
     entropy_bonus,
-    entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
     grpo_advantages,
@@ -23,7 +23,6 @@ from jrlhf.ppo.core_algos import (
     masked_whiten,
     policy_loss_ppo,
     sft_loss,
-    token_logprobs,
     update_kl_controller,
     value_loss_clipped,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "broadcast_to_tokens",
     "compute_gae",
     "entropy_bonus",
-    "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
     "grpo_advantages",
@@ -51,7 +49,6 @@ __all__ = [
     "masked_whiten",
     "policy_loss_ppo",
     "sft_loss",
-    "token_logprobs",
     "update_kl_controller",
     "value_loss_clipped",
 ]

@@ -1,50 +1,20 @@
-"""The prompt+response batch layout shared by SFT, reward-model training, scoring and PPO/GRPO.
+"""Reading the model on the prompt+response batch layout (defined once, in jrlhf.data.batch).
 
-Every row is ``[left pad][prompt][response][right pad]`` with the prompt ending at column P-1
-(P = max prompt length) and the response starting at column P, for a total of P + R columns.
-Pads have segment id 0 and position 0; real tokens have segment id 1 and positions counting from
-0 at the first prompt token. Per-token RL quantities (log-probs, values, advantages) are
-*response-aligned*: arrays of shape (B, R) whose column j belongs to response token j, computed
-from the hidden state at column P-1+j (the state in which that token was chosen).
+Rows are ``[left pad][prompt][response][right pad]`` with the prompt ending at column P-1 and the
+response starting at column P; response-aligned arrays (B, R) take column j from the hidden state
+at column P-1+j. ``pack`` is re-exported here because every RL caller packs and then reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jrlhf.data import make_sequence_batch
+from jrlhf.data.batch import pack
+from jrlhf.models.logprobs import entropy_from_logits, token_logprobs
 from jrlhf.models.transformer import Transformer
-from jrlhf.ppo.core_algos import entropy_from_logits, token_logprobs
 
-
-def pack(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    max_prompt_len: int,
-    max_response_len: int,
-    pad_id: int = 0,
-) -> dict[str, np.ndarray]:
-    """Pack prompt/response pairs into the layout above (NumPy, host side).
-
-    Returns tokens/positions/segment_ids (B, P+R) int32, ``response_tokens`` and ``mask`` (B, R)
-    and ``last_index`` (B,), the column of each row's final real token.
-    """
-    rows = make_sequence_batch(
-        prompts, responses, max_prompt_len, max_response_len, pad_id, layout="aligned"
-    )
-    P = max_prompt_len
-    return {
-        "tokens": rows.tokens_bt,
-        "positions": rows.positions_bt,
-        "segment_ids": rows.segment_ids_bt,
-        "response_tokens": rows.tokens_bt[:, P:].copy(),
-        "mask": rows.response_mask_bt[:, P:].astype(np.float32),
-        "last_index": rows.last_index_b.astype(np.int32),
-    }
+__all__ = ["pack", "response_hidden", "response_logprobs", "response_values", "sequence_scores"]
 
 
 def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jrlhf.models.logprobs import token_logprobs
+
 Array = jax.Array
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -416,27 +418,6 @@ def value_loss_clipped(
     return loss, jax.lax.stop_gradient(metrics)
 
 
-def token_logprobs(logits_btv: Array, targets_bt: Array) -> Array:
-    """``log softmax(logits)[target]`` per token, in float32.
-
-    ``logits_btv[:, t]`` must already be the prediction for ``targets_bt[:, t]``. Computed as the
-    gathered logit minus the logsumexp, which avoids materialising a second ``(b, t, v)`` array.
-    Out-of-range targets (e.g. an ignore index) are clamped into range; mask them out.
-    """
-    logits_btv = _f32(logits_btv)
-    v = logits_btv.shape[-1]
-    targets_bt = jnp.clip(jnp.asarray(targets_bt), 0, v - 1)
-    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
-    return target_logit_bt - jax.nn.logsumexp(logits_btv, axis=-1)
-
-
-def entropy_from_logits(logits_btv: Array) -> Array:
-    """Entropy of the categorical distribution at each position, in float32: ``(b, t)``."""
-    logits_btv = _f32(logits_btv)
-    logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
-    return -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
-
-
 def entropy_bonus(entropy_bt: Array, mask_bt: Array, agg: str = "token-mean") -> Array:
     """Aggregated entropy; trainers subtract ``entropy_coef * entropy_bonus(...)`` from the loss."""
     return aggregate_loss(entropy_bt, mask_bt, agg)
@@ -511,3 +492,20 @@ def get_policy_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
 def get_advantage_estimator(name: str) -> Callable[..., tuple[Array, Array]]:
     """Looks up an advantage estimator by name; raises ValueError listing the valid names."""
     return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def check_algorithm_config(rl: Any, algorithm: str) -> None:
+    """One-line ValueError naming the RLConfig field whose loss or estimator no registry knows."""
+    try:
+        get_policy_loss(rl.policy_loss)
+    except ValueError as e:
+        raise ValueError(f"RLConfig.policy_loss: {e}") from None
+    try:
+        get_advantage_estimator(advantage_estimator_name(rl, algorithm))
+    except ValueError as e:
+        raise ValueError(f"RLConfig.advantage_estimator: {e}") from None
+
+
+def advantage_estimator_name(rl: Any, algorithm: str) -> str:
+    """RLConfig.advantage_estimator, or the stage's own (GAE for PPO, group baselines for GRPO)."""
+    return rl.advantage_estimator or ("gae" if algorithm == "ppo" else "grpo")

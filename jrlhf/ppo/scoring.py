@@ -7,23 +7,34 @@ dispatched back to back and only then fetched, so calls on disjoint devices can 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from jrlhf.ppo import batch as rl_batch
+from jrlhf.tasks.rewards import RewardFn, with_meta
 
 # arrays (the packed layout of jrlhf.ppo.batch) -> per-row or per-token device values
 InferFn = Callable[[dict[str, np.ndarray]], Any]
-RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+# A task's true score of (prompt_ids, response_ids), when it knows one (the synthetic task).
+GroundTruthFn = Callable[[Sequence[int], Sequence[int]], float]
+
+
+def sample_meta(
+    meta: Sequence[Mapping[str, Any]] | None, prompt_index: Sequence[int]
+) -> list[Mapping[str, Any]] | None:
+    """Per-prompt meta repeated for each sample (``prompt_index[i]``: sample i's prompt), the
+    form :meth:`Scorer.__call__` takes; None stays None."""
+    return None if meta is None else [meta[int(i)] for i in prompt_index]
 
 
 class Scorer:
     """Packs prompt/response pairs and scores them with the frozen and critic models.
 
     ``reward_model`` (a learned reward, scored at each row's last token) and ``reward_fn`` (a
-    verifiable Python reward of the decoded ids) are alternatives; ``critic`` is optional (GRPO).
+    verifiable Python reward ``(prompt_ids, response_ids, meta)`` of the decoded ids and the
+    prompt record's meta, see jrlhf.tasks.rewards) are alternatives; ``critic`` is optional (GRPO).
     """
 
     def __init__(
@@ -37,12 +48,14 @@ class Scorer:
         reward_fn: RewardFn | None = None,
         critic: InferFn | None = None,
         reward_scale: float = 1.0,
-        ground_truth: RewardFn | None = None,
+        ground_truth: GroundTruthFn | None = None,
     ):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of reward_model and reward_fn")
         self.P, self.R, self.pad_id = max_prompt_len, max_response_len, pad_id
-        self.reference, self.reward_model, self.reward_fn = reference, reward_model, reward_fn
+        self.reference, self.reward_model = reference, reward_model
+        # Two-argument rewards (prompt_ids, response_ids) keep working: they ignore meta.
+        self.reward_fn = with_meta(reward_fn) if reward_fn is not None else None
         self.critic, self.reward_scale, self.ground_truth = critic, reward_scale, ground_truth
 
     def __call__(
@@ -50,9 +63,16 @@ class Scorer:
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
         rollout_logprobs: Sequence[np.ndarray],
+        meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, np.ndarray]:
         """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs``,
-        ``old_values`` (zeros without a critic) and ``scores`` (B,)."""
+        ``old_values`` (zeros without a critic) and ``scores`` (B,).
+
+        ``meta``: one prompt-record meta per row (row i is sample i, so a prompt's meta repeats
+        for each of its samples), handed to ``reward_fn``; None means ``{}`` for every row.
+        """
+        if meta is not None and len(meta) != len(prompts):
+            raise ValueError(f"{len(meta)} meta entries for {len(prompts)} rows")
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
         # Dispatch every device call before fetching any result.
         ref_lp = self.reference(arrays)
@@ -60,7 +80,8 @@ class Scorer:
         if self.reward_model is not None:
             scores = self.reward_model(arrays)
         else:
-            scores = [self.reward_fn(p, r) for p, r in zip(prompts, responses)]
+            metas = meta if meta is not None else [{}] * len(prompts)
+            scores = [self.reward_fn(p, r, m) for p, r, m in zip(prompts, responses, metas)]
         old_lp = np.zeros((len(responses), self.R), np.float32)
         for i, lp in enumerate(rollout_logprobs):
             old_lp[i, : len(lp)] = lp

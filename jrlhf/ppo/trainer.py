@@ -16,48 +16,52 @@ position and the KL controller, so a resumed run repeats the uninterrupted one e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
+from jrlhf import checkpoint
 from jrlhf.config import Config
-from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams, round_slots
 from jrlhf.metrics import PhaseTimer
+from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
-from jrlhf.ppo.scoring import Scorer
+from jrlhf.ppo.rollout import Rollout
+from jrlhf.ppo.scoring import Scorer, sample_meta
 from jrlhf.reshard import Resharder
-from jrlhf.runtime.roles import RoleSetup, frozen_infer, load_weights, make_infer
+from jrlhf.runtime.model_source import load_weights
+from jrlhf.runtime.roles import RoleSetup, frozen_infer, make_infer
 from jrlhf.runtime.steps import (
     OptimizerConfig,
-    TrainState,
     init_train_state,
     make_optimizer,
     make_train_step,
     state_shardings,
 )
+from jrlhf.tasks.rewards import RewardFn
 
 log = logging.getLogger("jrlhf")
 
 # Test hook: exit abruptly (no cleanup, like a preempted job) while this iteration is training.
 _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
 
-RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 
+def actor_loss(P: int, rl, kl_in_loss: bool):
+    """The actor's training loss on a minibatch: the configured policy loss
+    (``RLConfig.policy_loss``, core_algos' registry), minus the entropy bonus, plus the KL term
+    when the KL is a loss term (GRPO)."""
+    policy_loss = algos.get_policy_loss(rl.policy_loss)
 
-def _actor_loss(P: int, rl, kl_in_loss: bool):
     def loss_fn(module, batch):
         logp, entropy = rl_batch.response_logprobs(module, batch, P, with_entropy=True)
         mask = batch["mask"]
-        loss, metrics = algos.policy_loss_ppo(
+        loss, metrics = policy_loss(
             logp,
             batch["old_logprobs"],
             batch["advantages"],
@@ -81,7 +85,9 @@ def _actor_loss(P: int, rl, kl_in_loss: bool):
     return loss_fn
 
 
-def _critic_loss(P: int, rl):
+def critic_loss(P: int, rl):
+    """The critic's clipped value loss on a minibatch."""
+
     def loss_fn(module, batch):
         values = rl_batch.response_values(module, batch, P)
         loss, metrics = algos.value_loss_clipped(
@@ -103,7 +109,7 @@ def make_advantage_fn(rl, algorithm: str, group_size: int):
     The estimator comes from core_algos' registry: GAE over KL-shaped token rewards for PPO
     (the score lands on the last response token), group-normalized scores for GRPO.
     """
-    estimator = algos.get_advantage_estimator("gae" if algorithm == "ppo" else "grpo")
+    estimator = algos.get_advantage_estimator(algos.advantage_estimator_name(rl, algorithm))
 
     def advantages(scores_b, logp_bt, ref_logp_bt, values_bt, mask_bt, kl_coef):
         if rl.kl_in_loss or algorithm == "grpo":
@@ -136,7 +142,7 @@ class RLTrainer:
         cfg: Config,
         algorithm: str,
         roles: dict[str, RoleSetup],
-        sources: dict[str, str | None],
+        plan: ExecutionPlan,
         data: Any,
         run_dir: Path,
         reward_fn: RewardFn | None = None,
@@ -154,15 +160,15 @@ class RLTrainer:
         # Trained roles: optimizer, sharded state and jitted step on their training mesh.
         self.trained = ["actor", "critic"] if self.use_critic else ["actor"]
         losses = {
-            "actor": _actor_loss(self.P, self.rl, self.kl_in_loss),
-            "critic": _critic_loss(self.P, self.rl),
+            "actor": actor_loss(self.P, self.rl, self.kl_in_loss),
+            "critic": critic_loss(self.P, self.rl),
         }
         self.opts, self.states, self.steps = {}, {}, {}
         for i, role in enumerate(self.trained):
             setup = roles[role]
             mesh, rules = setup.meshes["train"], setup.rules["train"]
             self.opts[role] = make_optimizer(self._opt_config(setup))
-            params = load_weights(setup.model, sources[role], mesh, rules, seed + i)
+            params = load_weights(setup.source, mesh, rules, seed + i)
             self.states[role] = init_train_state(
                 setup.model, self.opts[role], mesh, rules, params=params
             )
@@ -174,9 +180,8 @@ class RLTrainer:
         def frozen(role: str, fn):
             setup = roles[role]
             return frozen_infer(
-                setup.model, sources[role], setup.meshes["infer"], setup.rules["infer"], fn,
-                seed, batch_size,
-            )  # fmt: skip
+                setup.source, setup.meshes["infer"], setup.rules["infer"], fn, seed, batch_size
+            )
 
         critic_fn = None
         if self.use_critic:
@@ -189,12 +194,6 @@ class RLTrainer:
                 batch_size,
             )
             critic_fn = lambda arrays: critic_values(self.critic_infer_params, arrays)  # noqa: E731
-            # The critic scores on its inference layout; when that differs from its training
-            # layout (e.g. an interleaved plan), its weights follow each update there.
-            self.critic_infer_shardings = critic.shardings("infer")
-            self.critic_moves = jax.tree.leaves(critic.shardings("train")) != jax.tree.leaves(
-                self.critic_infer_shardings
-            )
         self.scorer = Scorer(
             self.P,
             self.R,
@@ -207,29 +206,17 @@ class RLTrainer:
             ground_truth=data.ground_truth,
         )
 
-        # Generation: the engine lives on the actor's generation mesh; the actor's weights are
-        # moved there by the (cached) resharder after every update.
+        # Generation: the engine lives on the actor's generation mesh; trained weights follow
+        # the plan's reshard edges (the actor to its generation layout after every update, the
+        # critic to its inference layout when that differs) through the cached resharder.
         actor = roles["actor"]
-        gen_mesh = actor.meshes["generate"]
-        rows = cfg.rl.prompts_per_iteration * self.group
-        slots = round_slots(cfg.decode.num_slots or rows, gen_mesh, actor.rules["generate"])
-        self.engine = DecodeEngine(
-            actor.model,
-            gen_mesh,
-            actor.rules["generate"],
-            EngineConfig(
-                num_slots=slots,
-                page_size=cfg.decode.page_size,
-                num_pages=cfg.decode.num_pages,
-                max_prompt_len=self.P,
-                max_new_tokens=self.R,
-                chunk_steps=cfg.decode.chunk_steps,
-                max_prefill_rows=min(slots, 64),
-                min_prefill_len=min(16, self.P),
-            ),
-        )
-        self.gen_shardings = actor.shardings("generate")
+        self.rollout = Rollout.build(
+            actor.model, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
+            data.eos_id,
+        )  # fmt: skip
+        self.edges = [e for e in plan.reshard_edges() if e.role in self.trained]
         self.resharder = Resharder()
+        self.moved: dict[str, Any] = {}
         self.sync_weights()
 
         self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
@@ -240,23 +227,34 @@ class RLTrainer:
             horizon=self.rl.adaptive_kl_horizon,
         )
         self.iteration = 0
-        self.ckpt = ocp.CheckpointManager(
-            (self.run_dir / "checkpoints").absolute(),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=self.rl.keep_checkpoints,
-                enable_async_checkpointing=self.rl.async_checkpoint,
-            ),
+        self.ckpt = checkpoint.trainer_checkpoint_manager(
+            self.run_dir,
+            max_to_keep=self.rl.keep_checkpoints,
+            async_save=self.rl.async_checkpoint,
         )
 
     def sync_weights(self) -> None:
-        """Follow the plan's reshard edges: actor train -> generate, critic train -> infer."""
-        self.gen_params = self.resharder(self.states["actor"].params, self.gen_shardings)
-        self.critic_infer_params = None
-        if self.use_critic:
-            critic = self.states["critic"].params
-            self.critic_infer_params = (
-                self.resharder(critic, self.critic_infer_shardings) if self.critic_moves else critic
+        """Follow the plan's reshard edges: each trained role's parameters move from its
+        training layout to the layout of the call that reads them next."""
+        for edge in self.edges:
+            setup = self.roles[edge.role]
+            phase = "generate" if edge.dst.endswith("_generate") else "infer"
+            self.moved[edge.role] = self.resharder(
+                self.states[edge.role].params, setup.shardings(phase)
             )
+
+    @property
+    def gen_params(self):
+        """The actor's parameters in its generation layout."""
+        return self.moved["actor"]
+
+    @property
+    def critic_infer_params(self):
+        """The critic's parameters in its inference layout (its training copy when the plan
+        scores where it trains); None without a critic."""
+        if not self.use_critic:
+            return None
+        return self.moved.get("critic", self.states["critic"].params)
 
     def _opt_config(self, setup: RoleSetup) -> OptimizerConfig:
         rc = setup.config
@@ -267,35 +265,23 @@ class RLTrainer:
             grad_clip=rc.grad_clip,
         )
 
-    # -- rollout and scoring -----------------------------------------------------------------
-    def sampling(self, iteration: int, *, greedy: bool = False, seed_salt: int = 0):
-        rl = self.rl
-        return SamplingParams(
-            greedy=greedy,
-            temperature=rl.temperature,
-            top_k=rl.top_k,
-            top_p=rl.top_p,
-            num_samples=self.group,
-            seed=int(np.random.default_rng([self.seed, iteration, seed_salt]).integers(2**31)),
-            stop_ids=(self.data.eos_id,) if self.data.eos_id is not None else None,
-            max_new_tokens=self.R,
-        )
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams):
-        result = self.engine.generate(self.gen_params, prompts, sampling)
-        rep_prompts = [prompts[int(i)] for i in result.prompt_index]
-        return rep_prompts, result
-
     # -- one iteration -------------------------------------------------------------------------
-    def run_iteration(self, prompts: list[list[int]]) -> dict[str, float]:
+    def run_iteration(
+        self, prompts: list[list[int]], meta: Sequence[Mapping[str, Any]] | None = None
+    ) -> dict[str, float]:
+        """One iteration on ``prompts``; ``meta`` (one per prompt: the prompt records' extra
+        fields) reaches the reward function with each of the prompt's samples."""
         it = self.iteration
         timer = PhaseTimer()
         with timer.phase("generate"):
-            rep_prompts, result = self.generate(prompts, self.sampling(it))
+            rep_prompts, result = self.rollout.generate(
+                self.gen_params, prompts, self.rollout.sampling(it)
+            )
             responses = result.completion_ids
 
         with timer.phase("score"):
-            arrays = self.scorer(rep_prompts, responses, result.raw_logprobs)
+            rep_meta = sample_meta(meta, result.prompt_index)
+            arrays = self.scorer(rep_prompts, responses, result.raw_logprobs, meta=rep_meta)
             mask = arrays["mask"]
             kl_coef = np.float32(self.kl_ctl.value)
             adv, returns = self.advantages(
@@ -371,69 +357,51 @@ class RLTrainer:
         return {f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip}
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, prompts: list[list[int]], samples: int = 1) -> dict[str, float]:
-        """Sampled completions on held-out prompts: ground truth, reward model and KL to ref."""
-        sp = dataclasses.replace(self.sampling(10**6, seed_salt=99), num_samples=samples)
-        rep_prompts, result = self.generate(prompts, sp)
-        arrays = self.scorer(rep_prompts, result.completion_ids, result.raw_logprobs)
-        return self.scorer.summarize(arrays, rep_prompts, result.completion_ids)
+    def evaluate(
+        self,
+        prompts: list[list[int]],
+        samples: int = 1,
+        meta: Sequence[Mapping[str, Any]] | None = None,
+    ) -> dict[str, float]:
+        """Sampled completions on held-out prompts: ground truth, reward model and KL to ref
+        (the same rollout and sampling as ``python -m jrlhf.evaluate``); ``meta`` as in
+        :meth:`run_iteration`."""
+        return self.rollout.evaluate(self.gen_params, prompts, samples, meta=meta)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, loader_state: dict[str, int]) -> None:
-        """Asynchronous save of everything a resume needs; Orbax renames the step into place
-        only once every item is written, so a crash mid-save leaves the last good step."""
+        """Asynchronous save of everything a resume needs (layout: jrlhf.checkpoint); Orbax
+        renames the step into place only once every item is written, so a crash mid-save
+        leaves the last good step."""
         meta = {
             "iteration": self.iteration,
             "algorithm": self.algorithm,
             "loader": loader_state,
             "kl_coef": float(self.kl_ctl.value),
             "seed": self.seed,
-            "models": {
-                role: {
-                    "head": self.roles[role].model.head,
-                    "config": json.loads(self.roles[role].model.config.to_json()),
-                }
-                for role in self.trained
-            },
         }
-        args = {"meta": ocp.args.JsonSave(meta)}
-        for role in self.trained:
-            # Parameters apart from the optimizer state, so jrlhf.checkpoint.load_model (evaluate,
-            # convert) restores a role without knowing the optimizer.
-            state = self.states[role]
-            args[f"{role}_params"] = ocp.args.StandardSave(state.params)
-            args[f"{role}_opt_state"] = ocp.args.StandardSave(
-                {"step": state.step, "opt_state": state.opt_state}
-            )
-        self.ckpt.save(self.iteration, args=ocp.args.Composite(**args))
+        checkpoint.save_trainer_state(
+            self.ckpt,
+            self.iteration,
+            meta,
+            {role: self.states[role] for role in self.trained},
+            {role: self.roles[role].model for role in self.trained},
+        )
 
     def restore(self) -> dict[str, int] | None:
         """Restore the latest complete checkpoint; returns the loader state (None if none)."""
-        step = self.ckpt.latest_step()
-        if step is None:
-            return None
-        args = {"meta": ocp.args.JsonRestore()}
+        targets = {}
         for role in self.trained:
             setup = self.roles[role]
             shardings = state_shardings(
                 setup.model, self.opts[role], setup.meshes["train"], setup.rules["train"]
             )
-            target = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                self.states[role],
-                shardings,
-            )
-            args[f"{role}_params"] = ocp.args.StandardRestore(target.params)
-            args[f"{role}_opt_state"] = ocp.args.StandardRestore(
-                {"step": target.step, "opt_state": target.opt_state}
-            )
-        restored = self.ckpt.restore(step, args=ocp.args.Composite(**args))
-        for role in self.trained:
-            opt = restored[f"{role}_opt_state"]
-            self.states[role] = TrainState(
-                opt["step"], restored[f"{role}_params"], opt["opt_state"]
-            )
-        meta = restored["meta"]
+            targets[role] = checkpoint.restore_target(self.states[role], shardings)
+        restored = checkpoint.restore_trainer_state(self.ckpt, targets)
+        if restored is None:
+            return None
+        meta, states = restored
+        self.states.update(states)
         self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(meta["kl_coef"]))
         self.iteration = int(meta["iteration"])
         self.sync_weights()

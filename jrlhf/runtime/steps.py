@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jrlhf.meshes.batch import check_batch_divides, shard_batch
 from jrlhf.meshes.context import activation_sharding
-from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
+from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 
@@ -137,36 +138,6 @@ def init_train_state(
         return jax.jit(lambda k: init(k, None), out_shardings=shardings)(jax.random.key(seed))
     params = jax.device_put(params, shardings.params)
     return jax.jit(lambda p: init(None, p), out_shardings=shardings)(params)
-
-
-def batch_sharding(mesh: Mesh, rules: Rules | str, ndim: int) -> NamedSharding:
-    """Batch arrays are split over the rule set's ``batch`` axes and replicated otherwise."""
-    logical = ("batch",) + (None,) * (ndim - 1)
-    return NamedSharding(mesh, logical_to_spec(logical, mesh, get_rules(rules)))
-
-
-def batch_shardings(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[str, Any]:
-    return {k: batch_sharding(mesh, rules, jnp.ndim(v)) for k, v in batch.items()}
-
-
-def check_batch_divides(
-    batch: dict[str, Any], mesh: Mesh, rules: Rules | str, microbatches: int = 1
-) -> None:
-    """One-line error when a batch cannot be split over the mesh's batch axes."""
-    for name, value in batch.items():
-        spec = batch_sharding(mesh, rules, jnp.ndim(value)).spec
-        axes = spec[0] if spec else None
-        n = axis_size(mesh, axes)
-        size = jnp.shape(value)[0]
-        if size % (n * microbatches):
-            raise ValueError(
-                f"batch field {name!r} has {size} rows, not divisible by the batch mesh axes "
-                f"{axes} (size {n}) x microbatches {microbatches}"
-            )
-
-
-def shard_batch(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[str, jax.Array]:
-    return jax.device_put(batch, batch_shardings(batch, mesh, rules))
 
 
 def make_train_step(

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, processors
 
 from jrlhf.data import PreferenceRecord, SFTRecord, Tokenizer, write_jsonl
 
@@ -307,9 +309,6 @@ class SyntheticTask:
     # -- text and files ---------------------------------------------------------------------------
     def hf_tokenizer(self):
         """The task's ``tokenizers.Tokenizer``: word-level over the symbols, ``<bos>`` prepended."""
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers, processors
-
         vocab = {t: i for i, t in enumerate(self.tokens)}
         tok = HFTokenizer(models.WordLevel(vocab, unk_token=UNK))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -24,7 +24,8 @@ def select_kernel(name: str = "auto") -> tuple[str, Callable]:
         name = "pallas" if jax.default_backend() == "gpu" else "reference"
     if name == "reference":
         return name, paged_attention_reference
-    from jrlhf.decode.kernels.pallas_gpu import paged_attention_pallas
+    # Pallas and its Triton lowering load only when a Pallas kernel is chosen.
+    from jrlhf.decode.kernels.pallas_gpu import paged_attention_pallas  # noqa: PLC0415
 
     return name, functools.partial(paged_attention_pallas, interpret=name == "pallas_interpret")
 

@@ -1,0 +1,144 @@
+"""The rollout: generate completions for prompts on the generation mesh, then score them.
+
+One path for every caller: the trainer's iterations, its held-out evaluation, ``python -m
+jrlhf.evaluate`` and ``python -m jrlhf.generate`` (generation only). The engine's shapes come
+from the config in one place (``engine_config``), and the evaluation's sampling seed is fixed
+here (``Rollout.evaluation_sampling``), so the in-run and the command-line held-out scores of one
+checkpoint are the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jrlhf.config import Config
+from jrlhf.decode.engine import DecodeEngine, EngineConfig, GenerationResult, round_slots
+from jrlhf.decode.sampling import SamplingParams
+from jrlhf.meshes.rules import Rules
+from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.ppo.scoring import Scorer, sample_meta
+
+# The (iteration, salt) the held-out evaluation draws its sampling seed from: no training
+# iteration uses it, so evaluation samples differ from every rollout's.
+EVAL_ITERATION, EVAL_SALT = 10**6, 99
+
+
+def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
+    """The decode engine's shapes for ``cfg``: slots for one iteration's rows (or
+    DecodeConfig.num_slots), rounded up to the mesh's data shards."""
+    P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
+    rows = cfg.rl.prompts_per_iteration * cfg.rl.samples_per_prompt
+    slots = round_slots(cfg.decode.num_slots or rows, mesh, rules)
+    return EngineConfig(
+        num_slots=slots,
+        page_size=cfg.decode.page_size,
+        num_pages=cfg.decode.num_pages,
+        max_prompt_len=P,
+        max_new_tokens=R,
+        chunk_steps=cfg.decode.chunk_steps,
+        max_prefill_rows=min(slots, 64),
+        min_prefill_len=min(16, P),
+    )
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One rollout: each sample's prompt and response, the engine's result, and the packed,
+    scored arrays (jrlhf.ppo.batch layout plus old/ref log-probs, values and scores)."""
+
+    prompts: list[Sequence[int]]
+    responses: list[list[int]]
+    result: GenerationResult
+    arrays: dict[str, np.ndarray]
+
+
+class Rollout:
+    """Generates with ``engine`` and scores with ``scorer`` (None: generation only)."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        scorer: Scorer | None,
+        cfg: Config,
+        eos_id: int | None,
+    ):
+        self.engine, self.scorer, self.rl = engine, scorer, cfg.rl
+        self.seed, self.eos_id = cfg.run.seed, eos_id
+        self.max_new_tokens = cfg.task.max_response_len
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelDef,
+        mesh: Mesh,
+        rules: Rules | str,
+        scorer: Scorer | None,
+        cfg: Config,
+        eos_id: int | None,
+    ) -> Rollout:
+        """A rollout whose engine runs ``model`` on ``mesh`` with the config's engine shapes."""
+        return cls(
+            DecodeEngine(model, mesh, rules, engine_config(cfg, mesh, rules)), scorer, cfg, eos_id
+        )
+
+    def sampling(
+        self, iteration: int, *, num_samples: int | None = None, salt: int = 0, greedy: bool = False
+    ) -> SamplingParams:
+        """The sampling of ``iteration``: RLConfig's temperature/top-k/top-p and a seed that is a
+        pure function of (run seed, iteration, salt), so a resumed run samples the same."""
+        rl = self.rl
+        return SamplingParams(
+            greedy=greedy,
+            temperature=rl.temperature,
+            top_k=rl.top_k,
+            top_p=rl.top_p,
+            num_samples=num_samples or rl.samples_per_prompt,
+            seed=int(np.random.default_rng([self.seed, iteration, salt]).integers(2**31)),
+            stop_ids=(self.eos_id,) if self.eos_id is not None else None,
+            max_new_tokens=self.max_new_tokens,
+        )
+
+    def evaluation_sampling(self, samples: int, greedy: bool = False) -> SamplingParams:
+        """The held-out evaluation's sampling (the same in-run and from the command line)."""
+        return self.sampling(EVAL_ITERATION, num_samples=samples, salt=EVAL_SALT, greedy=greedy)
+
+    def generate(
+        self, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> tuple[list[Sequence[int]], GenerationResult]:
+        """Completions for ``prompts``; returns each sample's prompt and the engine's result."""
+        result = self.engine.generate(params, prompts, sampling)
+        return [prompts[int(i)] for i in result.prompt_index], result
+
+    def __call__(
+        self,
+        params: Params,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        meta: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RolloutBatch:
+        """Generate, then score every sample (device calls dispatched before any is fetched);
+        ``meta`` (one per prompt) reaches the reward function with each of its samples."""
+        if self.scorer is None:
+            raise ValueError("this rollout has no scorer: use generate()")
+        rep, result = self.generate(params, prompts, sampling)
+        rep_meta = sample_meta(meta, result.prompt_index)
+        arrays = self.scorer(rep, result.completion_ids, result.raw_logprobs, meta=rep_meta)
+        return RolloutBatch(rep, result.completion_ids, result, arrays)
+
+    def evaluate(
+        self,
+        params: Params,
+        prompts: Sequence[Sequence[int]],
+        samples: int,
+        greedy: bool = False,
+        meta: Sequence[Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Held-out summary: mean reward, KL to the reference, response length and the
+        ground-truth score when the task knows it."""
+        batch = self(params, prompts, self.evaluation_sampling(samples, greedy), meta=meta)
+        return self.scorer.summarize(batch.arrays, batch.prompts, batch.responses)

@@ -1,0 +1,147 @@
+"""Which model each role runs, and where its weights come from: resolved once, for the trainer,
+the planner and evaluation alike.
+
+A role's ``RoleConfig.init`` names the source: ``tiny`` (a small random Llama sized for the
+task), ``hf:DIR`` (a HF checkpoint), ``ckpt:DIR`` (a jrlhf model checkpoint) or ``stage:sft`` /
+``stage:rm`` (this run's supervised-stage output). The role's ``model_overrides`` and dtypes
+apply on top. Before a stage has run (planning, or choosing the placement at start-up), a
+``stage:NAME`` role resolves to the model that stage starts from: the same architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import gin
+from jax.sharding import Mesh
+
+from jrlhf import checkpoint
+from jrlhf.config import ROLE_HEADS, Config, RoleConfig
+from jrlhf.meshes.rules import Rules
+from jrlhf.models import hf
+from jrlhf.models.config import ModelConfig, tiny_config
+from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.presets import get_preset
+
+# The supervised stage that produces each stage:NAME source, and the role it trains.
+STAGE_ROLES = {"sft": "actor", "rm": "reward"}
+_ROLE_DTYPE_FIELDS = ("param_dtype", "dtype", "remat_policy")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A role's model definition and its weights: ``hf:DIR``, ``ckpt:DIR`` or None (random)."""
+
+    model: ModelDef
+    weights: str | None
+
+
+def model_overrides(rc: RoleConfig) -> dict[str, Any]:
+    """A role's ``model_overrides`` as a dict, failing in one line on unknown model fields."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    overrides = dict(rc.model_overrides)
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ValueError(f"RoleConfig.model_overrides: unknown model field(s) {bad}")
+    return overrides
+
+
+def stage_start(cfg: Config, stage: str) -> str:
+    """The init a supervised stage starts from: its role's init, or ``tiny`` when that init names
+    the stage's own output."""
+    init = cfg.roles[STAGE_ROLES[stage]].init
+    return "tiny" if init.startswith("stage:") else init
+
+
+def _bound(role: str, field: str) -> bool:
+    """Whether the loaded gin config binds ``RoleConfig.<field>`` for ``role`` (scoped or not)."""
+    for name in (f"{role}/RoleConfig.{field}", f"RoleConfig.{field}"):
+        try:
+            gin.query_parameter(name)
+            return True
+        except ValueError:
+            continue
+    return False
+
+
+TaskOverrides = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+
+
+def resolve_model(
+    cfg: Config,
+    role: str,
+    task_overrides: TaskOverrides,
+    run_dir: str | Path | None = None,
+    *,
+    init: str | None = None,
+    preset: str | None = None,
+) -> ModelSource:
+    """The model ``role`` runs and its weights' source.
+
+    ``init`` replaces the role's RoleConfig.init (a supervised stage starting from elsewhere);
+    ``preset`` (jrlhf.models.presets, for planning) replaces the architecture and keeps the
+    preset's own dtypes unless the config binds the role's dtype fields. With ``run_dir`` None
+    the stages have not run: ``stage:NAME`` resolves to the model that stage starts from.
+    ``task_overrides`` (the model fields the task imposes on ``tiny`` models) may be a function,
+    called only when a ``tiny`` model needs it.
+    """
+    rc = cfg.roles[role]
+    head = ROLE_HEADS[role]
+    fields = model_overrides(rc)
+    if preset is not None:
+        fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS if _bound(role, f)})
+        return ModelSource(ModelDef(get_preset(preset).replace(**fields), head), None)
+    fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS})
+    kind, _, where = (init or rc.init).partition(":")
+    if kind == "stage":
+        if run_dir is None:
+            kind, _, where = stage_start(cfg, where).partition(":")
+        else:
+            kind, where = "ckpt", str(Path(run_dir) / where)
+    if kind == "tiny":
+        overrides = task_overrides() if callable(task_overrides) else task_overrides
+        return ModelSource(ModelDef(tiny_config(**overrides).replace(**fields), head), None)
+    if kind == "hf":
+        base, _ = hf.read_hf_config(where)
+        return ModelSource(ModelDef(base.replace(**fields), head), f"hf:{where}")
+    if kind == "ckpt":
+        stored = checkpoint.read_model_json(where)
+        return ModelSource(ModelDef(stored.config.replace(**fields), head), f"ckpt:{where}")
+    raise ValueError(f"{role}/RoleConfig.init: unknown model source {init or rc.init!r}")
+
+
+def role_models(
+    cfg: Config,
+    task_overrides: TaskOverrides,
+    presets: Mapping[str, str] | None = None,
+) -> dict[str, ModelConfig]:
+    """The ModelConfig of every role, before any stage has run (what the planner prices)."""
+    presets = presets or {}
+    return {
+        role: resolve_model(cfg, role, task_overrides, preset=presets.get(role)).model.config
+        for role in cfg.roles
+    }
+
+
+def load_weights(source: ModelSource, mesh: Mesh, rules: Rules, seed: int) -> Params:
+    """Parameters of ``source.model`` on ``mesh``: random, or restored/imported.
+
+    A value-head model initialised from a language model (e.g. a critic from the SFT policy)
+    keeps the shared backbone and starts its value head from random numbers.
+    """
+    model = source.model
+    if source.weights is None:
+        return model.init_sharded(mesh, rules, seed=seed)
+    kind, _, where = source.weights.partition(":")
+    if kind == "hf":
+        stored, params = hf.load_hf(where, mesh, rules, param_dtype=model.config.param_dtype)
+    else:
+        stored = ModelDef(model.config, checkpoint.read_model_json(where).head)
+        params = checkpoint.restore_model_params(where, stored, mesh, rules)
+    if stored.head == model.head:
+        return params
+    fresh = model.init_sharded(mesh, rules, seed=seed)
+    return {k: params[k] if k in params and k != "lm_head" else v for k, v in fresh.items()}
