@@ -36,6 +36,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
@@ -104,13 +105,15 @@ def save_model(directory: str | os.PathLike, model: ModelDef, params: Params) ->
     directory = Path(directory).absolute()
     if directory.exists() and any(directory.iterdir()):
         raise FileExistsError(f"{directory}: exists and is not empty")
+    barrier(f"save_model:{directory}")  # every process has checked before any writes
     directory.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / PARAMS_DIR, params)
     checkpointer.wait_until_finished()
     # model.json last: a directory without it is an incomplete save, never mistaken for a good one.
-    if jax.process_index() == 0:
+    if is_primary():
         write_model_json(directory, model)
+    barrier(f"saved_model:{directory}")
     return directory
 
 

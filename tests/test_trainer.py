@@ -121,7 +121,11 @@ def _train_subprocess(args, env_extra=None):
 def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):
     run_dir = tmp_path / "killed"
     args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]
-    killed = _train_subprocess(args, {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"})
+    # Saved synchronously, step 2 is on disk before iteration 3 starts. An asynchronous save could
+    # still be committing when the process dies 1.5 iterations later (seen with warm compilation
+    # caches on a loaded machine). The resumed run saves asynchronously, like the colocated run.
+    sync = "RLConfig.async_checkpoint=False"
+    killed = _train_subprocess([*args, sync], {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"})
     assert killed.returncode == 137, killed.stderr[-2000:]
     assert checkpoint.latest_step_dir(run_dir).name == "2"
     # A save that was cut off mid-write (Orbax's temporary directory) is never taken as a step.

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.runtime import distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--device-kind", help="profile name (default: the platform / device kind)")
     p.add_argument("--quick", action="store_true", help="fewer microbenchmark sizes")
+    distributed.add_flag(p)
     args = p.parse_args(argv)
-    ensure_host_devices(8)
+    try:
+        distributed.setup_devices(args.distributed, 8)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return distributed.end_process(2)
     # After the device flag: XLA reads it when JAX's backends start.
     from jrlhf.pipeline.calibrate import calibrate  # noqa: PLC0415
 

@@ -17,8 +17,9 @@ import jax
 
 from jrlhf import checkpoint
 from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.meshes.processes import is_primary, job_mesh
 from jrlhf.models import ModelDef, hf
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.runtime import distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", default="actor", help="role to export from a trainer checkpoint")
     p.add_argument("--tokenizer", help="directory whose tokenizer files to copy into the export")
     p.add_argument("--param-dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--mesh", default="fsdp=1", help='mesh used while converting, e.g. "fsdp=8"')
+    p.add_argument(
+        "--mesh",
+        help='mesh used while converting, e.g. "fsdp=8" (default: one device; with --distributed '
+        "every device of the job)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to-hf dir")
+    distributed.add_flag(p)
     return p
 
 
@@ -44,16 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_ckpt and not args.to_hf:
         print("error: --from needs --to-hf HF_DIR", file=sys.stderr)
         return 2
-    ensure_host_devices()
     try:
-        mesh = make_mesh(MeshSpec.parse(args.mesh))
+        distributed.setup_devices(args.distributed)
+        mesh = make_mesh(MeshSpec.parse(args.mesh or job_mesh("fsdp=1", "fsdp")))
         if args.from_hf:
             out = Path(args.to)
             if out.exists() and any(out.iterdir()):
                 raise FileExistsError(f"{out}: exists and is not empty")
             model, params = hf.load_hf(args.from_hf, mesh, "fsdp_tp", param_dtype=args.param_dtype)
             checkpoint.save_model(out, model, params)
-            print(f"wrote {out} ({model.config.architecture}, {model.num_params():,} parameters)")
+            if is_primary():
+                print(f"wrote {out} ({model.config.architecture}, {model.num_params():,} params)")
         else:
             model, params = checkpoint.load_model(args.from_ckpt, mesh, "fsdp_tp", role=args.role)
             if args.param_dtype:
@@ -70,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             out = hf.save_hf(
                 model, params, args.to_hf, tokenizer_from=tokenizer, overwrite=args.overwrite
             )
-            print(f"wrote {out}")
+            if is_primary():
+                print(f"wrote {out}")
     except (FileNotFoundError, FileExistsError, ValueError) as e:
+        # A job that cannot be joined (DistributedError) is a ValueError: one line too.
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return distributed.end_process(1)
     return 0
 
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from jrlhf.config import ConfigError
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.meshes.processes import is_primary
+from jrlhf.runtime import distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--output", help="also write the JSON report here")
+    distributed.add_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ensure_host_devices()
+    try:
+        distributed.setup_devices(args.distributed)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return distributed.end_process(2)
     # After the device flag: XLA reads it when JAX's backends start.
     from jrlhf.pipeline.evaluate import evaluate_checkpoint  # noqa: PLC0415
 
@@ -42,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text)
+        return distributed.end_process(2)
+    if is_primary():  # every process computed the same report; process 0 reports it
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.output:
+            Path(args.output).write_text(text)
     return 0
 
 

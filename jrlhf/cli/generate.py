@@ -24,8 +24,10 @@ from jrlhf.checkpoint import load_model
 from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
 from jrlhf.decode.sampling import SamplingParams
 from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.meshes.processes import barrier, is_primary, job_mesh
 from jrlhf.models.hf import load_hf
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.ppo.rollout import Rollout
+from jrlhf.runtime import distributed
 
 
 class InputError(ValueError):
@@ -65,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-ids", default=None, help="comma-separated; default: the model's EOS")
     p.add_argument(
-        "--mesh", default="data=1,tensor=1", help='generation mesh, e.g. "data=2,tensor=4"'
+        "--mesh",
+        help='generation mesh, e.g. "data=2,tensor=4" (default: one device; with --distributed '
+        "every device of the job)",
     )
     p.add_argument("--rules", default="dp_tp")
     p.add_argument("--num-slots", type=int, default=0, help="default: min(prompts x samples, 64)")
@@ -73,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=0)
     p.add_argument("--chunk-steps", type=int, default=16)
     p.add_argument("--kernel", default="auto")
+    distributed.add_flag(p)
     return p
 
 
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(str(e)) from None
 
     try:
-        mesh = make_mesh(MeshSpec.parse(args.mesh))
+        mesh = make_mesh(MeshSpec.parse(args.mesh or job_mesh("data=1,tensor=1", "data")))
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.hf:
@@ -116,23 +121,23 @@ def run(args: argparse.Namespace) -> int:
     want = args.num_slots or min(len(prompts) * args.num_samples, 64)
     num_slots = round_slots(want, mesh, args.rules)
     longest = max(len(p) for p in prompts)
-    engine = DecodeEngine(
-        model_def,
-        mesh,
-        args.rules,
-        EngineConfig(
-            num_slots=num_slots,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            max_prompt_len=longest,
-            max_new_tokens=args.max_new_tokens,
-            chunk_steps=args.chunk_steps,
-            max_prefill_rows=min(num_slots, 16),
-            kernel=args.kernel,
-        ),
+    engine_cfg = EngineConfig(
+        num_slots=num_slots,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_prompt_len=longest,
+        max_new_tokens=args.max_new_tokens,
+        chunk_steps=args.chunk_steps,
+        max_prefill_rows=min(num_slots, 16),
+        kernel=args.kernel,
     )
-    result = engine.generate(params, prompts, sampling)
+    # The trainer's rollout without a scorer: generation only, sampled as the command line says.
+    rollout = Rollout(DecodeEngine(model_def, mesh, args.rules, engine_cfg))
+    _, result = rollout.generate(params, prompts, sampling)
     out_path = Path(args.output)
+    if not is_primary():  # every process holds the same completions; process 0 writes them
+        barrier("generate:written")
+        return 0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w") as f:
         for i, ids in enumerate(result.completion_ids):
@@ -150,25 +155,28 @@ def run(args: argparse.Namespace) -> int:
     s = result.stats
     print(
         f"wrote {len(result.completion_ids)} completions to {out_path} "
-        f"({s['generated_tokens']} tokens in {s['seconds']:.2f}s, kernel {engine.kernel_name})",
+        f"({s['generated_tokens']} tokens in {s['seconds']:.2f}s, "
+        f"kernel {rollout.engine.kernel_name})",
         file=sys.stderr,
     )
+    barrier("generate:written")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for input errors)."""
     args = _parser().parse_args(argv)
-    ensure_host_devices()
     try:
-        return run(args)
+        distributed.setup_devices(args.distributed)
+        return distributed.end_process(run(args))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return distributed.end_process(2)
     except (ValueError, OSError) as e:
-        # Checkpoint and shape problems (CheckpointError is a ValueError) stay one line too.
+        # Checkpoint and shape problems (CheckpointError is a ValueError) and a job that cannot
+        # be joined (DistributedError) stay one line too.
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return distributed.end_process(2)
 
 
 if __name__ == "__main__":

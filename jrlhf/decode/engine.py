@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jrlhf.decode.kernels import select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
+from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import attention_mask, masked_attention
@@ -552,7 +553,7 @@ class DecodeEngine:
                     stats["prefill_calls"] += 1
                 elif all(r is None for r in slot_req):
                     raise RuntimeError("no sequence could be admitted into an empty page pool")
-                active_host, num_gen = jax.device_get((state.active, state.num_generated))
+                active_host, num_gen = to_host((state.active, state.num_generated))
                 if active_host.any():
                     for slot, req in enumerate(slot_req):
                         if req is not None and active_host[slot]:
@@ -564,12 +565,12 @@ class DecodeEngine:
                         alloc.dirty = False
                     state = self._decode_chunk(params, state, *scalars, **flags)
                     stats["decode_chunks"] += 1
-                    active_host, num_gen = jax.device_get((state.active, state.num_generated))
+                    active_host, num_gen = to_host((state.active, state.num_generated))
                 finished = [
                     s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
                 ]
                 if finished:
-                    toks, slp, rlp = jax.device_get((state.tokens, state.sampling_lp, state.raw_lp))
+                    toks, slp, rlp = to_host((state.tokens, state.sampling_lp, state.raw_lp))
                     for slot in finished:
                         n = int(num_gen[slot])
                         req = slot_req[slot]

@@ -1,6 +1,10 @@
-"""How a batch of examples is laid over a mesh: rows split over the rule set's ``batch`` axes.
+"""How a batch of examples is laid over a mesh (rows split over the rule set's ``batch`` axes),
+and how results come back to the host.
 
-The one place that puts host batches on devices, for training steps and inference calls alike.
+The one place that moves batches between host and devices, for training steps, inference calls
+and the decode engine alike. With several JAX processes (multi-controller), a mesh spans other
+processes' devices too: every process passes the same global host batch and keeps only its own
+shards, and ``to_host`` gives every process the same global result.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
@@ -44,3 +50,21 @@ def check_batch_divides(
 def shard_batch(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[str, jax.Array]:
     """Put a host batch on ``mesh``, rows split over the batch axes."""
     return jax.device_put(batch, batch_shardings(batch, mesh, rules))
+
+
+def _leaf_to_host(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    # Shards on other processes' devices: a collective, so every process must ask in turn.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_host(tree: Any) -> Any:
+    """The global value of every array in ``tree`` as NumPy, on every process.
+
+    Arrays on this process's devices (or replicated) are fetched directly; an array with shards
+    on other processes' devices is all-gathered, which every process must do at the same point
+    of the program (SPMD)."""
+    return jax.tree.map(_leaf_to_host, tree)

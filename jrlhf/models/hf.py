@@ -20,10 +20,11 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
+from jrlhf.meshes.batch import to_host
+from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules, path_str
 from jrlhf.models.config import ModelConfig, RopeScaling
 from jrlhf.models.model_def import ModelDef, Params
@@ -364,13 +365,6 @@ def load_hf(
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
-def _to_host(x: jax.Array) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def save_hf(
     model: ModelDef,
     params: Params,
@@ -393,7 +387,7 @@ def save_hf(
     tensors: dict[str, np.ndarray] = {}
     for entry in weight_map(cfg, model.head):
         try:
-            value = _to_host(_get(params, entry.path))
+            value = to_host(_get(params, entry.path))
         except KeyError:
             raise KeyError(f"params lack {path_str(entry.path)}") from None
         if entry.stacked:
@@ -403,9 +397,21 @@ def save_hf(
                 )
         else:
             tensors[entry.hf_name] = np.ascontiguousarray(entry.to_hf(value, cfg))
-    if jax.process_index() != 0:
-        return out_dir
+    if is_primary():
+        _write_hf_dir(out_dir, tensors, model, tokenizer_from, max_shard_bytes)
+    barrier(f"save_hf:{out_dir}")  # every process returns once the export is in place
+    return out_dir
 
+
+def _write_hf_dir(
+    out_dir: Path,
+    tensors: dict[str, np.ndarray],
+    model: ModelDef,
+    tokenizer_from: str | os.PathLike | None,
+    max_shard_bytes: int,
+) -> None:
+    """Process 0's part of save_hf: stage the files beside ``out_dir``, then move them in."""
+    cfg = model.config
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -450,4 +456,3 @@ def save_hf(
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return out_dir

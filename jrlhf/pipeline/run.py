@@ -18,6 +18,7 @@ import jax
 from jrlhf import metrics as metrics_lib
 from jrlhf.config import Config, operative_config
 from jrlhf.data import PromptLoader
+from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.pipeline.supervised import run_reward_model, run_sft
 from jrlhf.pipeline.task_data import TaskData, build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
@@ -30,11 +31,16 @@ log = logging.getLogger("jrlhf")
 
 
 def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
-    """Run every configured stage in order; returns a process exit code."""
-    (run_dir / "operative_config.gin").write_text(operative_config())
-    (run_dir / "config.json").write_text(cfg.to_json())
+    """Run every configured stage in order; returns a process exit code.
+
+    With several JAX processes every one runs this (SPMD); process 0 alone writes the run's
+    files (jrlhf.meshes.processes)."""
+    primary = is_primary()
+    if primary:
+        (run_dir / "operative_config.gin").write_text(operative_config())
+        (run_dir / "config.json").write_text(cfg.to_json())
     data = build_task_data(cfg)
-    if data.save_tokenizer is not None:
+    if data.save_tokenizer is not None and primary:
         data.save_tokenizer(run_dir)
     log.info(
         "devices: %d x %s; run directory %s", jax.device_count(), jax.devices()[0].platform, run_dir
@@ -42,7 +48,9 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     # The one placement of this run: roles, reshard edges, this log line and plan.gin read it.
     models = role_models(cfg, data.model_overrides) if cfg.run.placement == "search" else None
     plan = effective_plan(cfg, jax.device_count(), models)
-    (run_dir / "plan.gin").write_text(plan.to_gin(f"plan used by this run ({cfg.run.placement})"))
+    if primary:
+        header = f"plan used by this run ({cfg.run.placement})"
+        (run_dir / "plan.gin").write_text(plan.to_gin(header))
     log.info("%s", plan.describe())
 
     def setup(role: str, init: str | None = None) -> RoleSetup:
@@ -55,7 +63,7 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
         # One metrics.jsonl + TensorBoard directory per stage, so a resumed RL stage can drop
         # the iterations it will redo without touching the supervised stages' records.
         return metrics_lib.MetricsLogger(
-            run_dir / "logs" / stage, use_tensorboard=cfg.run.tensorboard
+            run_dir / "logs" / stage, use_tensorboard=cfg.run.tensorboard, enabled=primary
         )
 
     summary: dict[str, Any] = {}
@@ -72,7 +80,7 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
                 summary = run_rl(cfg, stage, run_dir, data, logger, setup, plan, quiet)
         finally:
             logger.close()
-    if summary:
+    if summary and primary:
         stage_logs = run_dir / "logs" / summary["stage"]
         png = metrics_lib.plot_run(stage_logs / "metrics.jsonl", run_dir / "run.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -112,15 +120,18 @@ def run_rl(
         logger.truncate_after(trainer.iteration)
         log.info("resumed %s at iteration %d", stage, trainer.iteration)
     summary_path = run_dir / f"{stage}_before.json"
-    if summary_path.exists():
+    evaluated = summary_path.exists()
+    barrier(f"{stage}:before")  # every process has looked before process 0 writes it
+    if evaluated:
         before = json.loads(summary_path.read_text())
     else:
         before = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
-        summary_path.write_text(json.dumps(before))
+        if is_primary():
+            summary_path.write_text(json.dumps(before))
     bar = metrics_lib.ProgressBar(
         cfg.rl.iterations,
         initial=trainer.iteration,
-        disable=quiet or not cfg.run.progress_bar,
+        disable=quiet or not cfg.run.progress_bar or not is_primary(),
         desc=stage,
     )
     while trainer.iteration < cfg.rl.iterations:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrlhf import checkpoint
+from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
 from jrlhf.runtime.model_source import load_weights
@@ -150,6 +151,7 @@ def run_reward_model(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: i
 
 def _fresh(path: Path) -> Path:
     """Clear a stage directory left incomplete by an interrupted save (it lacks model.json)."""
-    if path.exists() and not (path / checkpoint.MODEL_JSON).exists():
+    if path.exists() and not (path / checkpoint.MODEL_JSON).exists() and is_primary():
         shutil.rmtree(path)
+    barrier(f"fresh:{path}")
     return path

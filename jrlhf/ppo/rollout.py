@@ -58,18 +58,18 @@ class RolloutBatch:
 
 
 class Rollout:
-    """Generates with ``engine`` and scores with ``scorer`` (None: generation only)."""
+    """Generates with ``engine`` and scores with ``scorer`` (None: generation only, as in
+    ``python -m jrlhf.generate``). ``cfg`` (a run's config) gives the sampling of iterations
+    and of evaluation; without it, callers pass their own SamplingParams."""
 
     def __init__(
         self,
         engine: DecodeEngine,
-        scorer: Scorer | None,
-        cfg: Config,
-        eos_id: int | None,
+        scorer: Scorer | None = None,
+        cfg: Config | None = None,
+        eos_id: int | None = None,
     ):
-        self.engine, self.scorer, self.rl = engine, scorer, cfg.rl
-        self.seed, self.eos_id = cfg.run.seed, eos_id
-        self.max_new_tokens = cfg.task.max_response_len
+        self.engine, self.scorer, self.cfg, self.eos_id = engine, scorer, cfg, eos_id
 
     @classmethod
     def build(
@@ -91,16 +91,18 @@ class Rollout:
     ) -> SamplingParams:
         """The sampling of ``iteration``: RLConfig's temperature/top-k/top-p and a seed that is a
         pure function of (run seed, iteration, salt), so a resumed run samples the same."""
-        rl = self.rl
+        if self.cfg is None:
+            raise ValueError("this rollout has no run config: pass SamplingParams to generate()")
+        rl, seed = self.cfg.rl, self.cfg.run.seed
         return SamplingParams(
             greedy=greedy,
             temperature=rl.temperature,
             top_k=rl.top_k,
             top_p=rl.top_p,
             num_samples=num_samples or rl.samples_per_prompt,
-            seed=int(np.random.default_rng([self.seed, iteration, salt]).integers(2**31)),
+            seed=int(np.random.default_rng([seed, iteration, salt]).integers(2**31)),
             stop_ids=(self.eos_id,) if self.eos_id is not None else None,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=self.cfg.task.max_response_len,
         )
 
     def evaluation_sampling(self, samples: int, greedy: bool = False) -> SamplingParams:

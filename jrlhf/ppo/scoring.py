@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.meshes.batch import to_host
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.tasks.rewards import RewardFn, with_meta
 
@@ -86,6 +87,7 @@ class Scorer:
         for i, lp in enumerate(rollout_logprobs):
             old_lp[i, : len(lp)] = lp
         arrays["old_logprobs"] = old_lp
+        ref_lp, values, scores = to_host((ref_lp, values, scores))
         arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)
         arrays["old_values"] = (
             np.asarray(values, np.float32) if values is not None else np.zeros_like(old_lp)

@@ -48,8 +48,10 @@ from jrlhf.tasks.rewards import RewardFn
 
 log = logging.getLogger("jrlhf")
 
-# Test hook: exit abruptly (no cleanup, like a preempted job) while this iteration is training.
+# Test hooks: exit abruptly (no cleanup, like a preempted job) while this iteration is training;
+# with several processes, only the process whose index the second variable names (default: all).
 _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
+_EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
 
 
 def actor_loss(P: int, rl, kl_in_loss: bool):
@@ -295,7 +297,8 @@ class RLTrainer:
             arrays["advantages"] = np.asarray(adv)
             arrays["returns"] = np.asarray(returns)
 
-        if os.environ.get(_EXIT_AT_ENV) == str(it):
+        me = str(jax.process_index())
+        if os.environ.get(_EXIT_AT_ENV) == str(it) and os.environ.get(_EXIT_PROCESS_ENV, me) == me:
             os._exit(137)
 
         with timer.phase("train"):

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.config import ROLE_PHASES, Config, RoleConfig
-from jrlhf.meshes.batch import check_batch_divides, shard_batch
+from jrlhf.meshes.batch import check_batch_divides, shard_batch, to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.mesh import make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
@@ -57,6 +57,16 @@ def setup_role(cfg: Config, role: str, plan: ExecutionPlan, source: ModelSource)
             meshes[phase] = make_mesh(placement.mesh)
         except ValueError as e:
             raise ValueError(f"{role} {phase} mesh {placement.mesh}: {e}") from None
+        owners = {d.process_index for d in meshes[phase].devices.flat}
+        if len(owners) < jax.process_count():
+            # Orbax cannot restore onto, nor save from, a mesh that lacks some process's
+            # devices, and moving weights between such meshes needs JAX's cross-host
+            # transfers: not built yet, so refuse before any work.
+            raise ValueError(
+                f"{role} {phase} mesh {placement.mesh} holds devices of process(es) "
+                f"{sorted(owners)} only: with {jax.process_count()} processes every mesh must "
+                "span all of them (a placement that separates processes is not supported yet)"
+            )
         rules[phase] = get_rules(placement.rules)
     setup = RoleSetup(role, cfg.roles[role], source, meshes, rules)
     for phase in meshes:
@@ -74,7 +84,7 @@ class ChunkedOutput(list):
     rows: int = 0
 
     def __array__(self, dtype=None, copy=None):
-        out = np.concatenate([np.asarray(piece) for piece in self], axis=0)[: self.rows]
+        out = np.concatenate(to_host(list(self)), axis=0)[: self.rows]
         return out if dtype is None else out.astype(dtype)
 
 

@@ -1,0 +1,63 @@
+"""A tiny multi-process program for tests/test_distributed.py, started by jrlhf.launch.
+
+    python -m jrlhf.launch --processes 2 --devices-per-process 2 -- tests.launch_helper MODE
+
+MODE ``sum``: print the global device count and the sum, over every process's devices, of a
+sharded array (a cross-process collective); every process must print the same. MODE ``exit3``:
+process 1 exits with status 3 once the job is joined, the others wait for the launcher to end them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jrlhf.runtime import distributed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run MODE; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m tests.launch_helper")
+    p.add_argument("mode", choices=("sum", "exit3"))
+    distributed.add_flag(p)
+    args = p.parse_args(argv)
+    try:
+        distributed.setup_devices(args.distributed, host_devices=1)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        # A check that failed after joining (e.g. process counts that disagree) must not wait
+        # at JAX's shutdown barrier either.
+        return distributed.end_process(2)
+    if args.mode == "exit3":
+        print(f"pid {os.getpid()}", flush=True)
+        if jax.process_index() == 1:
+            print("process 1 failing with 3", flush=True)
+            return distributed.end_process(3)
+        time.sleep(120)  # ended by the launcher long before
+        return 0
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    # Device d holds the value d: the sum needs every process's shards.
+    values = np.arange(n, dtype=np.float32)
+    x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("d")), lambda idx: values[idx])
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
+    ids = multihost_utils.process_allgather(jnp.array([jax.process_index()]))
+    print(
+        f"process {jax.process_index()} of {jax.process_count()}: devices {n} "
+        f"local {jax.local_device_count()} sum {float(total.addressable_data(0))} "
+        f"processes {sorted(int(i) for i in np.ravel(ids))}"
+    )
+    return distributed.end_process(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Joining a multi-process job (jrlhf.runtime.distributed) and the local launcher (jrlhf.launch).
+
+Misconfigured environments are checked in this process (nothing is started); the start-up
+timeout and the launcher run real processes: coordinator on 127.0.0.1 at a free port, gloo
+collectives, every wait bounded by a timeout, and only processes started here are ended.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jrlhf.cli import bench, calibrate, convert, evaluate, generate, launch, train
+from jrlhf.runtime import job_env
+from jrlhf.runtime.devices import with_host_device_count
+from jrlhf.runtime.job_env import DistributedError, JobSpec, Timeouts, job_spec_from_env
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_VARS = (
+    job_env.COORDINATOR,
+    job_env.NUM_PROCESSES,
+    job_env.PROCESS_ID,
+    job_env.LOCAL_DEVICE_IDS,
+    job_env.INIT_TIMEOUT,
+    job_env.HEARTBEAT_TIMEOUT,
+    job_env.SHUTDOWN_TIMEOUT,
+)
+ADDR = "127.0.0.1:1234"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        ({job_env.COORDINATOR: ADDR}, [job_env.NUM_PROCESSES, job_env.PROCESS_ID]),
+        ({job_env.NUM_PROCESSES: "2", job_env.PROCESS_ID: "0"}, [job_env.COORDINATOR]),
+        ({job_env.COORDINATOR: ADDR, job_env.NUM_PROCESSES: "2"}, [job_env.PROCESS_ID]),
+        (
+            {job_env.COORDINATOR: ADDR, job_env.NUM_PROCESSES: "two", job_env.PROCESS_ID: "0"},
+            ["JAX_NUM_PROCESSES='two'"],
+        ),
+        (
+            {job_env.COORDINATOR: ADDR, job_env.NUM_PROCESSES: "2", job_env.PROCESS_ID: "2"},
+            ["JAX_PROCESS_ID=2", "out of range"],
+        ),
+        (
+            {job_env.COORDINATOR: ADDR, job_env.NUM_PROCESSES: "2", job_env.PROCESS_ID: "-1"},
+            ["JAX_PROCESS_ID=-1"],
+        ),
+        (
+            {job_env.COORDINATOR: "localhost", job_env.NUM_PROCESSES: "2", job_env.PROCESS_ID: "0"},
+            ["JAX_COORDINATOR_ADDRESS='localhost'", "host:port"],
+        ),
+        ({job_env.LOCAL_DEVICE_IDS: "0,a"}, ["JAX_LOCAL_DEVICE_IDS='0,a'"]),
+    ],
+)
+def test_bad_job_environment_is_one_line_naming_the_variable(env, names):
+    with pytest.raises(DistributedError) as e:
+        job_spec_from_env(env)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for name in names:
+        assert name in msg
+
+
+def test_job_environment_explicit_or_detected():
+    spec = job_spec_from_env(
+        {
+            job_env.COORDINATOR: "10.0.0.1:8476",
+            job_env.NUM_PROCESSES: "4",
+            job_env.PROCESS_ID: "3",
+            job_env.LOCAL_DEVICE_IDS: "0,1",
+        }
+    )
+    assert spec == JobSpec("10.0.0.1:8476", 4, 3, (0, 1)) and spec.explicit
+    # None set (an empty value counts as unset): left to JAX's cluster detection.
+    detected = job_spec_from_env({job_env.PROCESS_ID: ""})
+    assert detected == JobSpec() and not detected.explicit
+
+
+@pytest.mark.parametrize("value", ["0", "ten", "-5"])
+def test_bad_timeout_is_one_line(value):
+    with pytest.raises(DistributedError, match=job_env.HEARTBEAT_TIMEOUT):
+        Timeouts.from_env({job_env.HEARTBEAT_TIMEOUT: value})
+    assert Timeouts.from_env({job_env.INIT_TIMEOUT: "7"}) == Timeouts(init=7)
+
+
+@pytest.mark.parametrize(
+    "main, argv",
+    [
+        (train.main, "--distributed"),
+        (evaluate.main, "--checkpoint nowhere --distributed"),
+        (generate.main, "--hf x --prompts p --output o --max-new-tokens 1 --distributed"),
+        (convert.main, "--from-hf x --to y --distributed"),
+        (calibrate.main, "--out p.json --distributed"),
+        (bench.main, "reshard --distributed"),
+    ],
+    ids=["train", "evaluate", "generate", "convert", "calibrate", "bench"],
+)
+def test_every_entry_point_reports_a_partial_environment(main, argv, monkeypatch, capsys):
+    # Checked before anything is started, so safe in this (already initialized) process.
+    for name in JOB_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(job_env.COORDINATOR, ADDR)
+    assert main(argv.split()) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and job_env.PROCESS_ID in err
+
+
+def test_unreachable_coordinator_fails_within_the_timeout():
+    # Process 1 of 2 with nobody listening at the coordinator's address: one line after ~2 s
+    # (JAX's own deadline would end it later with SIGABRT and a stack trace).
+    addr = f"127.0.0.1:{_free_port()}"
+    env = _clean_env(
+        **{
+            job_env.COORDINATOR: addr,
+            job_env.NUM_PROCESSES: "2",
+            job_env.PROCESS_ID: "1",
+            job_env.INIT_TIMEOUT: "2",
+        }
+    )
+    start = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "jrlhf.evaluate", "--checkpoint", "nowhere", "--distributed"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "process 1 of 2" in lines[0] and addr in lines[0] and "not reachable" in lines[0]
+    assert elapsed < 30
+
+
+def _launch(args: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``python -m jrlhf.launch ARGS`` (split on spaces); the result and its duration."""
+    start = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "jrlhf.launch", *args.split()],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return p, time.monotonic() - start
+
+
+def _assert_prefixed(p: subprocess.CompletedProcess) -> None:
+    for line in p.stdout.splitlines():
+        assert re.match(r"\[p[01]\] ", line), line
+    for line in p.stderr.splitlines():
+        assert re.match(r"\[(p[01]|launch)\] ", line), line
+
+
+def test_launcher_runs_one_job_over_every_process():
+    p, _ = _launch("--processes 2 --devices-per-process 2 --timeout 30 -- tests.launch_helper sum")
+    assert p.returncode == 0, p.stdout + p.stderr
+    _assert_prefixed(p)
+    results = re.findall(r"^\[p(\d)\] process (\d) of 2: (.*)$", p.stdout, re.M)
+    assert sorted((a, b) for a, b, _ in results) == [("0", "0"), ("1", "1")], p.stdout
+    # 2 x 2 devices, device d holding d: both processes computed 0 + 1 + 2 + 3 together.
+    assert {rest for _, _, rest in results} == {"devices 4 local 2 sum 6.0 processes [0, 1]"}
+
+
+def test_launcher_ends_the_others_when_one_fails():
+    p, elapsed = _launch(
+        "--processes 2 --devices-per-process 1 --timeout 30 --grace 2 -- tests.launch_helper exit3"
+    )
+    assert p.returncode == 3, p.stdout + p.stderr
+    _assert_prefixed(p)
+    assert p.stderr.strip().splitlines()[-1] == (
+        "[launch] process 1 exited with 3; ended 1 other process"
+    )
+    # Process 0 would have slept 120 s: the launcher ended it (and reaped it) long before.
+    assert elapsed < 45
+    pid = int(re.search(r"^\[p0\] pid (\d+)$", p.stdout, re.M).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_launcher_command_and_environment():
+    assert launch.split_command(["--processes", "2", "--", "train", "--", "x"]) == (
+        ["--processes", "2"],
+        ["train", "--", "x"],
+    )
+    # The flag goes before an entry point's own "--", so that it is still read as an option.
+    assert launch.child_command("train", ["--quiet", "--", "A.b=1"])[2:] == [
+        "jrlhf.train",
+        "--quiet",
+        "--distributed",
+        "--",
+        "A.b=1",
+    ]
+    assert launch.child_command("plan.calibrate", [])[2:] == [
+        "jrlhf.plan.calibrate",
+        "--distributed",
+    ]
+    assert launch.child_command("tests.launch_helper", ["sum"])[2] == "tests.launch_helper"
+    flags = "--a=1 --xla_force_host_platform_device_count=8"
+    env = launch.child_env({"XLA_FLAGS": flags}, 1, 2, ADDR, 3, 9)
+    assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=3"
+    assert (env[job_env.COORDINATOR], env[job_env.NUM_PROCESSES], env[job_env.PROCESS_ID]) == (
+        ADDR,
+        "2",
+        "1",
+    )
+    assert env[job_env.INIT_TIMEOUT] == "9"
+    assert with_host_device_count("", 2) == "--xla_force_host_platform_device_count=2"
+    assert launch.describe_status(1, -9) == "process 1 was killed by SIGKILL"
+    assert launch.exit_status(-9) == 137
