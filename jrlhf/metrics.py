@@ -26,14 +26,15 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from tensorboardX import SummaryWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.record_writer import masked_crc32c
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
+    from tensorboardX.proto.event_pb2 import Event
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 def _event_records(path: Path) -> Iterator[tuple[bytes, Event]]:
     """The framed records of a TensorBoard event file (TFRecord: length, its CRC, data, its
     CRC) with their parsed events; stops at a torn or corrupt tail (a run killed mid-write)."""
+    # tensorboardX (which imports torch when installed: seconds in every process) loads only
+    # where TensorBoard files are touched.
+    from tensorboardX.proto.event_pb2 import Event  # noqa: PLC0415
+    from tensorboardX.record_writer import masked_crc32c  # noqa: PLC0415
+
     buf = path.read_bytes()
     pos = 0
     while pos + 12 <= len(buf):
@@ -155,6 +161,8 @@ class MetricsLogger:
         # rewrites the earlier files without an open writer of its own among them. The suffix
         # keeps two writers opened in the same second from sharing (and clobbering) one file.
         if self._tb is None:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415 (see _event_records)
+
             self._tb = SummaryWriter(str(self.tb_dir), filename_suffix=f".{uuid.uuid4().hex[:8]}")
         return self._tb
 
