@@ -27,19 +27,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from jrlhf.meshes.processes import barrier, is_primary
+from jrlhf.meshes.batch import to_host
+from jrlhf.meshes.processes import all_processes, barrier, is_primary
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
+
+log = logging.getLogger("jrlhf")
+
+
+class CheckpointError(ValueError):
+    """No intact checkpoint where one was expected; one line naming the directory."""
+
 
 # -- model checkpoint layout -------------------------------------------------------------------
 MODEL_JSON = "model.json"
@@ -120,9 +130,15 @@ def save_model(directory: str | os.PathLike, model: ModelDef, params: Params) ->
 def restore_params(
     params_dir: str | os.PathLike, model: ModelDef, mesh: Mesh, rules: Rules | str
 ) -> Params:
-    """Restore an Orbax parameter tree of ``model`` onto ``mesh`` laid out by ``rules``."""
+    """Restore an Orbax parameter tree of ``model`` onto ``mesh`` laid out by ``rules``; a
+    damaged tree is a CheckpointError naming the directory."""
     target = restore_target(model.abstract_params, model.shardings(mesh, rules))
-    return ocp.StandardCheckpointer().restore(Path(params_dir).absolute(), target)
+    try:
+        return ocp.StandardCheckpointer().restore(Path(params_dir).absolute(), target)
+    except Exception as e:  # Orbax and tensorstore raise many types for a damaged tree
+        raise CheckpointError(
+            f"{params_dir}: damaged parameters ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+        ) from None
 
 
 def restore_model_params(
@@ -167,25 +183,98 @@ def save_trainer_state(
     manager.save(step, args=ocp.args.Composite(**args))
 
 
+def _finite(tree: Any) -> bool:
+    leaves = [
+        x
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return all(bool(to_host(jnp.all(jnp.isfinite(x)))) for x in leaves)
+
+
+def restore_newest_intact(
+    manager: ocp.CheckpointManager, restore: Callable[[int], Any], what: str
+) -> tuple[int, Any] | None:
+    """``(step, restore(step))`` for the newest step of ``manager`` that restores and holds only
+    finite values; None when it has no steps.
+
+    A step that fails (a truncated or missing file, a non-finite value) is logged as a warning
+    naming it and the problem, and the next older step is tried; the bad step stays on disk,
+    untouched. When every step fails, the error names the newest one's problem.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    problems = []
+    for step in steps:
+        try:
+            value, problem = restore(step), None
+            if not _finite(value):
+                problem = "non-finite values"
+        except Exception as e:  # Orbax and tensorstore raise many types for a damaged step
+            value, problem = None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        # Every process takes the same branch, whichever of them saw the problem.
+        if all_processes(problem is None):
+            return step, value
+        problem = problem or "unreadable on another process"
+        problems.append(problem)
+        log.warning("%s: step %d of %s is damaged (%s); trying an older step", what, step,
+                    manager.directory, problem)  # fmt: skip
+    if steps:
+        raise CheckpointError(
+            f"{what}: no intact step in {manager.directory} (steps {steps}; newest: {problems[0]})"
+        )
+    return None
+
+
+DAMAGED_SUFFIX = ".damaged"  # a step set aside by a resume that fell back past it
+
+
+def _set_aside_newer(manager: ocp.CheckpointManager, step: int) -> None:
+    """Rename the steps newer than ``step`` (damaged: a resume fell back past them) to
+    ``<step>.damaged``, kept for inspection but no longer a step, so the resumed run can save
+    those step numbers again."""
+    newer = [s for s in manager.all_steps() if s > step]
+    if not newer:
+        return
+    barrier("set_aside:start")
+    if is_primary():
+        for s in newer:
+            path = Path(STEP_NAMES.find_step(manager.directory, s).path)
+            target = path.with_name(path.name + DAMAGED_SUFFIX)
+            n = 1
+            while target.exists():
+                target, n = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}"), n + 1
+            path.rename(target)
+            log.warning("set aside damaged step %d as %s", s, target)
+    barrier("set_aside:done")
+    manager.reload()
+
+
 def restore_trainer_state(
-    manager: ocp.CheckpointManager, targets: Mapping[str, Any]
+    manager: ocp.CheckpointManager, targets: Mapping[str, Any], what: str = "resume"
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """Restore the latest complete step: ``(meta, states)``, or None when there is none.
+    """Restore the newest intact step: ``(meta, states)``, or None when there is none (a damaged
+    newest step falls back to the one before, with a warning: :func:`restore_newest_intact`).
 
     ``targets``: per role, an abstract train state (dataclass with ``step``, ``params`` and
     ``opt_state``, leaves from :func:`restore_target`); each restored state is the target with
     its fields replaced, so it lands on the target's shardings.
     """
-    step = manager.latest_step()
-    if step is None:
-        return None
     args = {META_ITEM: ocp.args.JsonRestore()}
     for role, target in targets.items():
         args[params_item(role)] = ocp.args.StandardRestore(target.params)
         args[opt_state_item(role)] = ocp.args.StandardRestore(
             {"step": target.step, "opt_state": target.opt_state}
         )
-    restored = manager.restore(step, args=ocp.args.Composite(**args))
+
+    def restore(step: int) -> dict[str, Any]:
+        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        return {item: restored[item] for item in args}
+
+    found = restore_newest_intact(manager, restore, what)
+    if found is None:
+        return None
+    step, restored = found
+    _set_aside_newer(manager, step)
     states = {}
     for role, target in targets.items():
         opt = restored[opt_state_item(role)]
@@ -284,7 +373,9 @@ def load_model(
             "with a complete step"
         )
     base, step = found
-    with _reader(base) as manager:
+    explicit = _step_of_dir(directory) is not None  # a step named by its directory: that one
+
+    def restore(step: int) -> tuple[ModelDef, Params]:
         models = _restore_meta(manager, step).get(MODELS_KEY, {})
         if role not in models:
             raise ValueError(f"{base}: step {step} has no {role!r} model (it has {sorted(models)})")
@@ -293,3 +384,16 @@ def load_model(
         item = params_item(role)
         args = ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
         return model, manager.restore(step, args=args)[item]
+
+    with _reader(base) as manager:
+        if explicit:
+            try:
+                return restore(step)
+            except ValueError:
+                raise
+            except Exception as e:
+                raise CheckpointError(
+                    f"{directory}: step {step} is damaged ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:300]})"
+                ) from None
+        return restore_newest_intact(manager, restore, f"{role} from {base}")[1]

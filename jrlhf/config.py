@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import gin
 
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
-from jrlhf.models.config import DTYPES, REMAT_POLICIES
+from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig
 
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
@@ -46,6 +48,65 @@ def _check(cond: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+def _type_error(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit the field type ``hint`` (None when it fits). Gin parses
+    literals as Python does, so ``"3"`` is a str and ``32.5`` a float: neither is an int."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return None
+    if hint is bool:
+        return None if isinstance(value, bool) else "expects true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "expects an int"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "expects a number"
+        return None if math.isfinite(value) else "expects a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "expects a string"
+    if origin is tuple:
+        if not isinstance(value, tuple | list):
+            return "expects a tuple"
+        args = typing.get_args(hint)
+        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(items) != len(value):
+            return f"expects a tuple of {len(items)}"
+        for item_hint, item in zip(items, value, strict=True):
+            why = _type_error(item, item_hint)
+            if why:
+                return f"item {item!r}: {why}"
+        return None
+    return None
+
+
+def check_types(section: Any, field_prefix: str) -> None:
+    """Every field of the dataclass ``section`` has its declared type; else one ConfigError
+    naming ``field_prefix.field``."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        why = _type_error(getattr(section, f.name), hints[f.name])
+        if why:
+            raise ConfigError(f"{field_prefix}.{f.name}: {why}, got {getattr(section, f.name)!r}")
+
+
+def check_model_overrides(field: str, overrides: Any) -> dict[str, Any]:
+    """``RoleConfig.model_overrides`` (pairs of ModelConfig field and value) as a dict; a
+    ConfigError naming ``field`` for an unknown model field or a value of the wrong type."""
+    hints = typing.get_type_hints(ModelConfig)
+    out = {}
+    for pair in overrides:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ConfigError(f"{field}: expects (name, value) pairs, got {pair!r}")
+        name, value = pair
+        if name not in hints:
+            raise ConfigError(f"{field}: unknown model field {name!r}")
+        why = _type_error(value, hints[name])
+        if why:
+            raise ConfigError(f"{field}: {name} {why}, got {value!r}")
+        out[name] = value
+    return out
+
+
 def _check_mesh(field: str, value: str) -> None:
     if value:
         try:
@@ -69,13 +130,18 @@ class RunConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     resume: bool = False
+    # Updates with a non-finite loss, gradient norm or result are skipped (counted in metrics);
+    # more than this many in a row, in any stage, stop the run before anything is saved.
+    max_nonfinite_updates: int = 8
 
     def validate(self) -> None:
+        check_types(self, "RunConfig")
         _check(bool(self.stages), "RunConfig.stages", "needs at least one stage")
         for s in self.stages:
             _check(s in STAGES, "RunConfig.stages", f"unknown stage {s!r} (known: {STAGES})")
         _check(self.placement in PLACEMENTS, "RunConfig.placement", f"use one of {PLACEMENTS}")
         _check(self.host_devices >= 1, "RunConfig.host_devices", "must be >= 1")
+        _check(self.max_nonfinite_updates >= 0, "RunConfig.max_nonfinite_updates", "must be >= 0")
 
 
 @gin.configurable
@@ -101,11 +167,14 @@ class TaskConfig:
     num_preference_pairs: int = 2048
 
     def validate(self) -> None:
+        check_types(self, "TaskConfig")
         _check(self.name in ("synthetic", "files"), "TaskConfig.name", "use synthetic or files")
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
         _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")
         _check(self.max_response_len > 0, "TaskConfig.max_response_len", "must be > 0")
+        for name in ("num_heldout", "num_sft_examples", "num_preference_pairs"):
+            _check(getattr(self, name) >= 1, f"TaskConfig.{name}", "must be >= 1")
 
 
 @gin.configurable
@@ -139,6 +208,8 @@ class RoleConfig:
 
     def validate(self, role: str) -> None:
         f = f"{role}/RoleConfig"
+        check_types(self, f)
+        check_model_overrides(f"{f}.model_overrides", self.model_overrides)
         ok_init = self.init == "tiny" or self.init.split(":", 1)[0] in ("hf", "ckpt", "stage")
         _check(ok_init, f"{f}.init", f"{self.init!r} (use tiny, hf:DIR, ckpt:DIR or stage:NAME)")
         if self.init.startswith("stage:"):
@@ -167,6 +238,9 @@ class RoleConfig:
         _check(self.dtype in DTYPES, f"{f}.dtype", f"use one of {DTYPES}")
         _check(self.remat_policy in REMAT_POLICIES, f"{f}.remat_policy", f"{REMAT_POLICIES}")
         _check(self.learning_rate > 0, f"{f}.learning_rate", "must be > 0")
+        _check(self.warmup_steps >= 0, f"{f}.warmup_steps", "must be >= 0")
+        _check(self.weight_decay >= 0, f"{f}.weight_decay", "must be >= 0")
+        _check(self.grad_clip >= 0, f"{f}.grad_clip", "must be >= 0 (0 disables clipping)")
         _check(self.microbatches >= 1, f"{f}.microbatches", "must be >= 1")
 
     def placement(self, phase: str) -> tuple[str, str] | None:
@@ -175,22 +249,43 @@ class RoleConfig:
         return (mesh, getattr(self, f"{phase}_rules") or PHASE_RULES[phase]) if mesh else None
 
 
+def _check_supervised(section: Any, name: str) -> None:
+    check_types(section, name)
+    _check(section.steps >= 1, f"{name}.steps", "must be >= 1")
+    _check(section.batch_size >= 1, f"{name}.batch_size", "must be >= 1")
+    _check(section.learning_rate > 0, f"{name}.learning_rate", "must be > 0")
+    _check(section.warmup_steps >= 0, f"{name}.warmup_steps", "must be >= 0")
+    _check(section.checkpoint_every >= 0, f"{name}.checkpoint_every", "must be >= 0")
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
+    """Supervised fine-tuning of the actor on demonstrations."""
+
     steps: int = 300
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 20
+    checkpoint_every: int = 100  # steps; 0 saves only the stage's output at the end
+
+    def validate(self) -> None:
+        _check_supervised(self, "SFTConfig")
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RewardModelConfig:
+    """Bradley-Terry training of the reward model on preference pairs."""
+
     steps: int = 300
     batch_size: int = 32
     learning_rate: float = 1e-3
     warmup_steps: int = 20
+    checkpoint_every: int = 100  # steps; 0 saves only the stage's output at the end
+
+    def validate(self) -> None:
+        _check_supervised(self, "RewardModelConfig")
 
 
 @gin.configurable
@@ -231,8 +326,12 @@ class RLConfig:
     async_checkpoint: bool = True
     eval_every: int = 0
 
-    def validate(self, stage: str) -> None:
+    def validate(self, stage: str | None = None) -> None:
+        check_types(self, "RLConfig")
         _check(self.iterations >= 1, "RLConfig.iterations", "must be >= 1")
+        _check(self.prompts_per_iteration >= 1, "RLConfig.prompts_per_iteration", "must be >= 1")
+        _check(self.samples_per_prompt >= 1, "RLConfig.samples_per_prompt", "must be >= 1")
+        _check(self.minibatch_size >= 1, "RLConfig.minibatch_size", "must be >= 1")
         _check(self.epochs >= 1, "RLConfig.epochs", "must be >= 1")
         rows = self.prompts_per_iteration * self.samples_per_prompt
         _check(
@@ -251,6 +350,16 @@ class RLConfig:
             "RLConfig.loss_agg",
             f"unknown aggregation {self.loss_agg!r}",
         )
+        _check(self.top_k >= 0, "RLConfig.top_k", "must be >= 0 (0 disables top-k)")
+        for name in ("clip_eps", "clip_eps_high", "dual_clip_c", "value_clip_eps", "kl_coef"):
+            _check(getattr(self, name) >= 0, f"RLConfig.{name}", "must be >= 0")
+        _check(0 <= self.gamma <= 1, "RLConfig.gamma", "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "RLConfig.lam", "must be in [0, 1]")
+        _check(self.adaptive_kl_horizon > 0, "RLConfig.adaptive_kl_horizon", "must be > 0")
+        for name in ("checkpoint_every", "eval_every", "adaptive_kl_target"):
+            _check(getattr(self, name) >= 0, f"RLConfig.{name}", "must be >= 0")
+        # 0 would let Orbax delete every step, the newest included.
+        _check(self.keep_checkpoints >= 1, "RLConfig.keep_checkpoints", "must be >= 1")
 
 
 @gin.configurable
@@ -262,6 +371,13 @@ class DecodeConfig:
     page_size: int = 8
     num_pages: int = 0
     chunk_steps: int = 8
+
+    def validate(self) -> None:
+        check_types(self, "DecodeConfig")
+        _check(self.num_slots >= 0, "DecodeConfig.num_slots", "must be >= 0 (0: derived)")
+        _check(self.num_pages >= 0, "DecodeConfig.num_pages", "must be >= 0 (0: derived)")
+        _check(self.page_size >= 1, "DecodeConfig.page_size", "must be >= 1")
+        _check(self.chunk_steps >= 1, "DecodeConfig.chunk_steps", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,33 +407,47 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     for path in files:
         if not Path(path).exists():
             raise ConfigError(f"config file {path} does not exist")
-    try:
-        gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
-    except (ValueError, SyntaxError, TypeError, KeyError, ImportError) as e:
-        raise ConfigError(f"config: {_gin_error_line(e)}") from None
-    try:
-        roles = {}
-        for role in ROLES:
-            with gin.config_scope(role):
-                roles[role] = RoleConfig()
-        cfg = Config(
-            run=RunConfig(),
-            task=TaskConfig(),
-            roles=roles,
-            sft=SFTConfig(),
-            rm=RewardModelConfig(),
-            rl=RLConfig(),
-            decode=DecodeConfig(),
-        )
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config: {_gin_error_line(e)}") from None
+    # Gin raises whatever its parser meets (SyntaxError, tokenize errors, ValueError...):
+    # every one becomes a line naming the file, or the binding, that caused it.
+    for path in files:
+        try:
+            gin.parse_config_file(path)
+        except Exception as e:
+            raise ConfigError(f"config file {path}: {_gin_error_line(e)}") from None
+    for binding in bindings:
+        try:
+            gin.parse_config(binding)
+        except Exception as e:
+            raise ConfigError(f"binding {binding!r}: {_gin_error_line(e)}") from None
+
+    def build(section: type, scope: str = "") -> Any:
+        # Gin evaluates macros and references here; a failure names the section it was for.
+        try:
+            with gin.config_scope(scope or None):
+                return section()
+        except Exception as e:
+            name = f"{scope}/{section.__name__}" if scope else section.__name__
+            raise ConfigError(f"{name}: {_gin_error_line(e)}") from None
+
+    cfg = Config(
+        run=build(RunConfig),
+        task=build(TaskConfig),
+        roles={role: build(RoleConfig, role) for role in ROLES},
+        sft=build(SFTConfig),
+        rm=build(RewardModelConfig),
+        rl=build(RLConfig),
+        decode=build(DecodeConfig),
+    )
     cfg.run.validate()
     cfg.task.validate()
     for role, rc in cfg.roles.items():
         rc.validate(role)
-    for stage in cfg.run.stages:
-        if stage in ("ppo", "grpo"):
-            cfg.rl.validate(stage)
+    cfg.sft.validate()
+    cfg.rm.validate()
+    cfg.decode.validate()
+    rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
+    for stage in rl_stages or [None]:
+        cfg.rl.validate(stage)
     return cfg
 
 

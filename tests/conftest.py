@@ -48,6 +48,35 @@ def _eight_devices():
     assert jax.device_count() == 8, f"tests need 8 fake devices, got {jax.device_count()}"
 
 
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory):
+    """A short SFT + reward-model run whose outputs the RL tests start from."""
+    from run_helpers import SMALL
+
+    from jrlhf.cli import train
+
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    rc = train.main([
+        "--run-dir", str(run_dir), "--quiet",
+        "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60", "RewardModelConfig.steps=60",
+        *SMALL,
+    ])  # fmt: skip
+    assert rc == 0
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def colocated_run(base_run, tmp_path_factory):
+    """Four PPO iterations from ``base_run`` (checkpoints at 2 and 4): the reference run."""
+    from run_helpers import ppo_bindings
+
+    from jrlhf.cli import train
+
+    run_dir = tmp_path_factory.mktemp("colocated") / "run"
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]) == 0
+    return run_dir
+
+
 def pytest_unconfigure(config):
     if _SESSION_CACHE_DIR is not None:
         shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)

@@ -1,81 +1,20 @@
 """The trainer end to end on the synthetic task: placements, exact resume, GRPO, CLIs, configs."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import (
+    ROOT,
+    SMALL,
+    assert_rows_close,
+    metric_rows,
+    ppo_bindings,
+    train_subprocess,
+)
 
 from jrlhf import checkpoint, config
 from jrlhf.cli import train
-
-ROOT = Path(__file__).resolve().parent.parent
-SMALL = [
-    "TaskConfig.num_heldout=16",
-    "RLConfig.prompts_per_iteration=16",
-    "RLConfig.minibatch_size=16",
-    "RLConfig.epochs=1",
-    "RunConfig.tensorboard=False",
-]
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A short SFT + reward-model run whose outputs the RL tests start from."""
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    rc = train.main([
-        "--run-dir", str(run_dir), "--quiet",
-        "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60", "RewardModelConfig.steps=60",
-        *SMALL,
-    ])  # fmt: skip
-    assert rc == 0
-    return run_dir
-
-
-def ppo_bindings(base: Path, *extra: str) -> list[str]:
-    return [
-        "RunConfig.stages=('ppo',)",
-        f"actor/RoleConfig.init='ckpt:{base}/sft'",
-        f"reference/RoleConfig.init='ckpt:{base}/sft'",
-        f"reward/RoleConfig.init='ckpt:{base}/rm'",
-        f"critic/RoleConfig.init='ckpt:{base}/rm'",
-        "RLConfig.iterations=4",
-        "RLConfig.checkpoint_every=2",
-        *SMALL,
-        *extra,
-    ]
-
-
-def metric_rows(run_dir: Path, stage: str = "ppo") -> list[dict]:
-    rows = []
-    for line in (run_dir / "logs" / stage / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.append(
-            {
-                k: v
-                for k, v in row.items()
-                if not k.startswith("time") and k != "tokens_per_sec" and v is not None
-            }
-        )
-    return rows
-
-
-def assert_rows_close(a, b, rtol=1e-4, atol=1e-5):
-    assert len(a) == len(b)
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            np.testing.assert_allclose(ra[k], rb[k], rtol=rtol, atol=atol, err_msg=k)
-
-
-@pytest.fixture(scope="module")
-def colocated_run(base_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("colocated") / "run"
-    assert train.main(["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]) == 0
-    return run_dir
 
 
 def test_colocated_run_outputs(colocated_run):
@@ -104,20 +43,6 @@ def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, t
     assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
 
 
-def _train_subprocess(args, env_extra=None):
-    env = dict(os.environ)
-    env.update(env_extra or {})
-    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-    return subprocess.run(
-        [sys.executable, "-m", "jrlhf.train", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):
     run_dir = tmp_path / "killed"
     args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]
@@ -125,14 +50,14 @@ def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):
     # still be committing when the process dies 1.5 iterations later (seen with warm compilation
     # caches on a loaded machine). The resumed run saves asynchronously, like the colocated run.
     sync = "RLConfig.async_checkpoint=False"
-    killed = _train_subprocess([*args, sync], {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"})
+    killed = train_subprocess([*args, sync], {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"})
     assert killed.returncode == 137, killed.stderr[-2000:]
     assert checkpoint.latest_step_dir(run_dir).name == "2"
     # A save that was cut off mid-write (Orbax's temporary directory) is never taken as a step.
     partial = run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123"
     (partial / "actor_params").mkdir(parents=True)
     assert checkpoint.latest_step_dir(run_dir).name == "2"
-    resumed = _train_subprocess([*args, "--resume"])
+    resumed = train_subprocess([*args, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run), rtol=1e-5, atol=1e-6)
 

@@ -6,7 +6,9 @@ with actor, critic, reference and reward, and print the held-out ground-truth sc
 and PPO policies and the PPO policy's KL to the reference.
 
 Bindings use gin syntax, e.g. ``RLConfig.iterations=10`` or
-``'actor/RoleConfig.train_mesh="fsdp=8"'``. ``--resume`` continues a run directory exactly.
+``'actor/RoleConfig.train_mesh="fsdp=8"'``. ``--resume`` continues a run directory exactly, with
+the configuration saved in it (jrlhf.pipeline.run_dir). ``--check`` validates the configuration
+and the run directory and writes nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from jax.experimental import multihost_utils
 
 from jrlhf.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from jrlhf.meshes.processes import barrier
+from jrlhf.pipeline.run_dir import discard_failed_start, holds_run, resume_config
 from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime import distributed
+from jrlhf.runtime.guard import TrainingStopped
 
 log = logging.getLogger("jrlhf")
 
@@ -45,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--check", action="store_true", help="validate the config and run directory; write nothing"
+    )
     distributed.add_flag(p)
     p.add_argument("bindings", nargs="*", help="gin bindings, e.g. RLConfig.iterations=10")
     return p
@@ -58,35 +65,48 @@ def _run_stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
 
 
-def prepare_run_dir(cfg: Config, run_dir: str | None, resume: bool) -> Path:
-    """The run directory, checked (a new run never reuses one; a resume needs one) by every
-    process before any creates it."""
-    path = Path(run_dir or cfg.run.run_dir or "")
-    if not str(path) or str(path) == ".":
-        path = Path("runs") / f"run-{_run_stamp()}"
-    if path.exists() and any(path.iterdir()) and not resume:
+def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool]:
+    """(config, run directory or None for a new timestamped one, resume) for the command line
+    ``args``: a new run's config from its files and bindings, a resume's from the run directory
+    (jrlhf.pipeline.run_dir). Checks everything that needs no devices (JAX's backends are not
+    started: the device setup comes after); creates nothing."""
+    files, bindings = list(args.config), list(args.bindings)
+    resume, where, cfg = args.resume, args.run_dir, None
+    if not resume or not where:
+        # A new run's config; it may also be where RunConfig.resume / run_dir are set.
+        cfg = load_config(files or [str(DEFAULT_CONFIG)], bindings)
+        resume, where = resume or cfg.run.resume, where or cfg.run.run_dir
+    path = Path(where) if where else None
+    if resume:
+        if path is None:
+            raise ConfigError("--resume (RunConfig.resume) needs the run's --run-dir")
+        if not path.exists():
+            raise ConfigError(f"--resume (RunConfig.resume): run directory {path} does not exist")
+        cfg = resume_config(path, files, bindings)
+    elif path is not None and holds_run(path):
         raise ConfigError(
-            f"run directory {path} already holds a run: pass --resume to continue it, or choose "
-            "another --run-dir"
+            f"run directory {path} already holds a run: pass --resume to continue it, or "
+            "choose another --run-dir"
         )
-    if resume and not path.exists():
-        raise ConfigError(f"--resume: run directory {path} does not exist")
-    barrier("run_dir")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    for stage in cfg.run.stages:
+        if stage in ("ppo", "grpo"):
+            check_algorithm_config(cfg.rl, stage)
+    return cfg, path, resume
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    files = args.config or [str(DEFAULT_CONFIG)]
-    bindings = list(args.bindings)
     try:
-        cfg = load_config(files, bindings)
-        for stage in cfg.run.stages:
-            if stage in ("ppo", "grpo"):
-                check_algorithm_config(cfg.rl, stage)
+        cfg, run_dir, resume = load_run_config(args)
+        if args.check:
+            where = run_dir or "runs/run-<timestamp>"
+            print(f"config ok: {'resume' if resume else 'new run'} in {where}")
+            return 0
         distributed.setup_devices(args.distributed, cfg.run.host_devices)
-        run_dir = prepare_run_dir(cfg, args.run_dir, args.resume or cfg.run.resume)
+        run_dir = run_dir or Path("runs") / f"run-{_run_stamp()}"
+        barrier("run_dir")  # every process has checked the directory before any creates it
+        created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(2)
@@ -97,9 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return distributed.end_process(run(cfg, run_dir, quiet=args.quiet))
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, TrainingStopped) as e:
         print(f"error: {e}", file=sys.stderr)
-        return distributed.end_process(2)
+        # A new run refused before any progress leaves nothing, so the same command can run
+        # again once fixed; a run that got further keeps its directory for inspection.
+        if not resume and created:
+            discard_failed_start(run_dir)
+        return distributed.end_process(1 if isinstance(e, TrainingStopped) else 2)
 
 
 if __name__ == "__main__":

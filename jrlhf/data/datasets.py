@@ -184,9 +184,15 @@ def _iter_rows(path: Path, skip_blank_lines: bool) -> Iterator[tuple[dict, _Row]
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield row, _Row(source, i, parquet=True)
         return
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is reported with its number
+        for line_no, raw in enumerate(f, start=1):
             at = _Row(source, line_no, parquet=False)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise at.error(
+                    f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 if skip_blank_lines:
                     continue

@@ -40,8 +40,14 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no {TOKENIZER_FILE} there")
         config_file = file.parent / TOKENIZER_CONFIG_FILE
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        return cls(HFTokenizer.from_file(str(file)), config)
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config_file}: malformed tokenizer config ({e})") from None
+        try:
+            return cls(HFTokenizer.from_file(str(file)), config)
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise ValueError(f"{file}: malformed tokenizer ({str(e).splitlines()[0]})") from None
 
     @classmethod
     def from_dir_if_present(cls, directory: str | Path) -> Tokenizer | None:

@@ -10,6 +10,7 @@ the others waiting in a collective). With one process both are no-ops.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 
@@ -22,6 +23,15 @@ def barrier(name: str) -> None:
     """Wait until every process reaches the barrier called ``name``."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (a collective: every process calls it), so that a
+    failure seen by one process (e.g. its shard of a checkpoint is unreadable) sends every
+    process down the same branch."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def job_mesh(single: str, axis: str) -> str:

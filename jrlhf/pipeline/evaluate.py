@@ -14,6 +14,7 @@ from jrlhf import checkpoint
 from jrlhf.config import load_config
 from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.meshes.rules import get_rules
+from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.task_data import build_task_data
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.rollout import Rollout
@@ -26,7 +27,7 @@ from jrlhf.tasks import get_reward_fn
 def find_run_dir(path: Path) -> Path:
     """The run directory a checkpoint belongs to (the nearest parent with operative_config.gin)."""
     for candidate in (path, *path.parents):
-        if (candidate / "operative_config.gin").exists():
+        if (candidate / OPERATIVE_CONFIG).exists():
             return candidate
     raise FileNotFoundError(f"{path}: not inside a jrlhf run directory (no operative_config.gin)")
 
@@ -45,7 +46,7 @@ def evaluate_checkpoint(
     if not ckpt.exists():
         raise FileNotFoundError(f"{ckpt}: does not exist")
     run_dir = find_run_dir(ckpt.absolute())
-    cfg = load_config([str(run_dir / "operative_config.gin")], [])
+    cfg = load_config([str(run_dir / OPERATIVE_CONFIG)], [])
     spec = MeshSpec.parse(mesh_spec)
     mesh, rules = make_mesh(spec), get_rules(rules_name)
     model, params = checkpoint.load_model(ckpt, mesh, rules, role="actor")

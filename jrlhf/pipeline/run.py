@@ -16,9 +16,10 @@ from typing import Any
 import jax
 
 from jrlhf import metrics as metrics_lib
-from jrlhf.config import Config, operative_config
+from jrlhf.config import Config
 from jrlhf.data import PromptLoader
 from jrlhf.meshes.processes import barrier, is_primary
+from jrlhf.pipeline.run_dir import write_start_files
 from jrlhf.pipeline.supervised import run_reward_model, run_sft
 from jrlhf.pipeline.task_data import TaskData, build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
@@ -36,21 +37,18 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     With several JAX processes every one runs this (SPMD); process 0 alone writes the run's
     files (jrlhf.meshes.processes)."""
     primary = is_primary()
-    if primary:
-        (run_dir / "operative_config.gin").write_text(operative_config())
-        (run_dir / "config.json").write_text(cfg.to_json())
     data = build_task_data(cfg)
-    if data.save_tokenizer is not None and primary:
-        data.save_tokenizer(run_dir)
     log.info(
         "devices: %d x %s; run directory %s", jax.device_count(), jax.devices()[0].platform, run_dir
     )
     # The one placement of this run: roles, reshard edges, this log line and plan.gin read it.
     models = role_models(cfg, data.model_overrides) if cfg.run.placement == "search" else None
     plan = effective_plan(cfg, jax.device_count(), models)
-    if primary:
-        header = f"plan used by this run ({cfg.run.placement})"
-        (run_dir / "plan.gin").write_text(plan.to_gin(header))
+    # Written once the data and the plan are known to work (a resume's config was checked
+    # against the saved one before this): a run refused earlier writes nothing.
+    write_start_files(run_dir, cfg, plan.to_gin(f"plan used by this run ({cfg.run.placement})"))
+    if data.save_tokenizer is not None and primary:
+        data.save_tokenizer(run_dir)
     log.info("%s", plan.describe())
 
     def setup(role: str, init: str | None = None) -> RoleSetup:
@@ -134,16 +132,27 @@ def run_rl(
         disable=quiet or not cfg.run.progress_bar or not is_primary(),
         desc=stage,
     )
-    while trainer.iteration < cfg.rl.iterations:
-        batch = loader.next_batch()
-        metrics = trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
-        logger.log(trainer.iteration, metrics)
-        bar.update(trainer.iteration, metrics)
-        every = cfg.rl.checkpoint_every
-        if (every and trainer.iteration % every == 0) or trainer.iteration == cfg.rl.iterations:
-            trainer.save(loader.state_dict())
-    bar.close()
-    trainer.wait_for_checkpoints()
+    try:
+        while trainer.iteration < cfg.rl.iterations:
+            batch = loader.next_batch()
+            metrics = trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
+            logger.log(trainer.iteration, metrics)
+            bar.update(trainer.iteration, metrics)
+            every = cfg.rl.checkpoint_every
+            if (every and trainer.iteration % every == 0) or trainer.iteration == cfg.rl.iterations:
+                trainer.save(loader.state_dict())
+    finally:
+        # A run that stops (e.g. diverged) still completes the saves already under way: each was
+        # checked finite before it started.
+        bar.close()
+        trainer.wait_for_checkpoints()
     after = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
-    logger.log(trainer.iteration, {f"eval/{k}": v for k, v in after.items()})
+    # A resumed run that had already finished evaluated this same checkpoint: its record stays
+    # the only one for the step.
+    logged = any(
+        r.get("step") == trainer.iteration and any(k.startswith("eval/") for k in r)
+        for r in logger.history
+    )
+    if not logged:
+        logger.log(trainer.iteration, {f"eval/{k}": v for k, v in after.items()})
     return {"stage": stage, "before": before, "after": after, "iterations": trainer.iteration}

@@ -3,16 +3,18 @@
 Both use the shared functional train step (jrlhf.runtime.steps) on the role's training mesh and the
 batch layout of jrlhf.ppo.batch; each writes its result as a model checkpoint into the run
 directory (``sft/``, ``rm/``), which later stages reference as ``stage:sft`` / ``stage:rm``.
-A stage whose output already exists is skipped, so a resumed pipeline does not redo it.
+A stage whose output already exists is skipped, so a resumed pipeline does not redo it; a stage
+cut off mid-way resumes from its last mid-stage checkpoint (``sft_checkpoints/``,
+``rm_checkpoints/``, removed once the stage's output is written).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from jrlhf import checkpoint
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
+from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import load_weights
 from jrlhf.runtime.roles import RoleSetup
 from jrlhf.runtime.steps import (
@@ -29,9 +32,13 @@ from jrlhf.runtime.steps import (
     init_train_state,
     make_optimizer,
     make_train_step,
+    state_shardings,
 )
 
 log = logging.getLogger("jrlhf")
+
+# Test hook: exit abruptly (like a preempted job) right after this step, e.g. "sft:40".
+EXIT_AT_STEP_ENV = "JRLHF_DEBUG_EXIT_AT_STEP"
 
 
 def sft_loss_fn(max_prompt_len: int):
@@ -51,31 +58,10 @@ def reward_loss_fn(module, batch):
     return loss, dict(metrics, weight=jnp.float32(half))
 
 
-def _train_loop(
-    setup: RoleSetup,
-    params,
-    loss_fn,
-    batches,
-    steps: int,
-    opt: OptimizerConfig,
-    logger: Any,
-    tag: str,
-    seed: int,
-):
-    mesh, rules = setup.meshes["train"], setup.rules["train"]
-    optimizer = make_optimizer(opt)
-    state = init_train_state(setup.model, optimizer, mesh, rules, params=params, seed=seed)
-    step_fn = make_train_step(
-        setup.model, optimizer, loss_fn, mesh, rules, microbatches=setup.config.microbatches
-    )
-    start = time.perf_counter()
-    for i in range(steps):
-        state, metrics = step_fn(state, next(batches))
-        if (i + 1) % 25 == 0 or i + 1 == steps:
-            values = {f"{tag}/{k}": float(v) for k, v in jax.device_get(metrics).items()}
-            values[f"{tag}/steps_per_s"] = (i + 1) / (time.perf_counter() - start)
-            logger.log(i + 1, values)
-    return state.params
+def _state_dir(run_dir: Path, name: str) -> Path:
+    """Where a supervised stage keeps its resumable mid-stage checkpoints (the trainer
+    checkpoint layout of jrlhf.checkpoint, one role)."""
+    return run_dir / f"{name}_checkpoints"
 
 
 def _supervised_stage(
@@ -85,37 +71,96 @@ def _supervised_stage(
     make_batch,
     loss_fn,
     stage_cfg,
+    cfg,
     run_dir: Path,
     logger,
     seed: int,
 ) -> Path:
     """Train ``setup``'s model on random batches of ``records`` and save it to run_dir/name.
 
-    A stage whose output already exists is skipped (a resumed pipeline does not redo it).
+    A stage whose output already exists is skipped (a resumed pipeline does not redo it). Every
+    ``stage_cfg.checkpoint_every`` steps the train state and the step are checkpointed, so a
+    stage cut off mid-way resumes where it was, drawing the same batches and never logging a
+    metric step twice. Updates that are not finite are skipped and counted
+    (jrlhf.runtime.guard); too many in a row stop the run before anything is saved.
     """
     out = run_dir / name
     if (out / checkpoint.MODEL_JSON).exists():
         log.info("%s: %s exists, skipping the stage", name, out)
         return out
-    rng = np.random.default_rng([seed, sum(map(ord, name))])
-
-    def batches():
-        while True:
-            idx = rng.choice(len(records), stage_cfg.batch_size, replace=False)
-            yield make_batch([records[i] for i in idx])
-
-    params = load_weights(setup.source, setup.meshes["train"], setup.rules["train"], seed)
+    role, steps = setup.name, stage_cfg.steps
+    mesh, rules = setup.meshes["train"], setup.rules["train"]
     opt = OptimizerConfig(
         learning_rate=stage_cfg.learning_rate,
         warmup_steps=stage_cfg.warmup_steps,
-        total_steps=stage_cfg.steps,
+        total_steps=steps,
         min_lr_ratio=0.1,
         grad_clip=setup.config.grad_clip,
     )
-    params = _train_loop(
-        setup, params, loss_fn, batches(), stage_cfg.steps, opt, logger, name, seed
+    optimizer = make_optimizer(opt)
+    manager = checkpoint.trainer_checkpoint_manager(
+        _state_dir(run_dir, name), max_to_keep=2, async_save=False
     )
-    checkpoint.save_model(_fresh(out), setup.model, params)
+    shardings = state_shardings(setup.model, optimizer, mesh, rules)
+    abstract = jax.eval_shape(
+        lambda: init_train_state(setup.model, optimizer, mesh, rules, seed=seed)
+    )
+    restored = checkpoint.restore_trainer_state(
+        manager, {role: checkpoint.restore_target(abstract, shardings)}
+    )
+    if restored is None:
+        done = 0
+        params = load_weights(setup.source, mesh, rules, seed)
+        state = init_train_state(setup.model, optimizer, mesh, rules, params=params, seed=seed)
+    else:
+        meta, states = restored
+        done, state = int(meta["step"]), states[role]
+        log.info("%s: resumed at step %d of %d", name, done, steps)
+    logger.truncate_after(done)
+
+    rng = np.random.default_rng([seed, sum(map(ord, name))])
+
+    def draw():
+        return rng.choice(len(records), stage_cfg.batch_size, replace=False)
+
+    for _ in range(done):  # the batches the steps already taken drew
+        draw()
+    step_fn = make_train_step(
+        setup.model, optimizer, loss_fn, mesh, rules, microbatches=setup.config.microbatches
+    )
+    guard = UpdateGuard(cfg.run.max_nonfinite_updates, name)
+    pending: list = []  # each step's "skipped" flag, fetched at the next log point
+    start, start_step = time.perf_counter(), done
+    for i in range(done, steps):
+        state, metrics = step_fn(state, make_batch([records[j] for j in draw()]))
+        pending.append(metrics["skipped"])
+        step = i + 1
+        if os.environ.get(EXIT_AT_STEP_ENV) == f"{name}:{step}":
+            os._exit(137)  # test hook: a preempted job, no cleanup
+        if step % 25 == 0 or step == steps:
+            skipped = guard.record(role, jax.device_get(pending), f"step {step}")
+            pending = []
+            values = {f"{name}/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+            values[f"{name}/skipped_updates"] = float(skipped)
+            del values[f"{name}/skipped"]
+            values[f"{name}/steps_per_s"] = (step - start_step) / (time.perf_counter() - start)
+            logger.log(step, values)
+        every = stage_cfg.checkpoint_every
+        if every and step % every == 0 and step < steps:
+            guard.record(role, jax.device_get(pending), f"step {step}")
+            pending = []
+            check_finite(state, f"{name} {role} at step {step}")
+            meta = {"step": step, "stage": name, "seed": seed}
+            checkpoint.save_trainer_state(manager, step, meta, {role: state}, {role: setup.model})
+    manager.wait_until_finished()
+    check_finite(state.params, f"{name} {role} at step {steps}")
+    checkpoint.save_model(_fresh(out), setup.model, state.params)
+    # The stage's output is complete (model.json written last): its mid-stage states are
+    # superseded.
+    manager.close()
+    barrier(f"{name}:done")
+    if is_primary():
+        shutil.rmtree(_state_dir(run_dir, name), ignore_errors=True)
     return out
 
 
@@ -128,8 +173,8 @@ def run_sft(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: int) -> Pa
         return rl_batch.pack(prompts, responses, P, R, data.pad_id)
 
     return _supervised_stage(
-        "sft", setup, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, run_dir,
-        logger, seed,
+        "sft", setup, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, cfg,
+        run_dir, logger, seed,
     )  # fmt: skip
 
 
@@ -144,7 +189,7 @@ def run_reward_model(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: i
         return rl_batch.pack(prompts, responses, P, R, data.pad_id)
 
     return _supervised_stage(
-        "rm", setup, data.preference_records, make_batch, reward_loss_fn, cfg.rm,
+        "rm", setup, data.preference_records, make_batch, reward_loss_fn, cfg.rm, cfg,
         run_dir, logger, seed,
     )  # fmt: skip
 

@@ -35,6 +35,7 @@ from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
 from jrlhf.reshard import Resharder
+from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import load_weights
 from jrlhf.runtime.roles import RoleSetup, frozen_infer, make_infer
 from jrlhf.runtime.steps import (
@@ -229,6 +230,7 @@ class RLTrainer:
             horizon=self.rl.adaptive_kl_horizon,
         )
         self.iteration = 0
+        self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
             max_to_keep=self.rl.keep_checkpoints,
@@ -356,8 +358,16 @@ class RLTrainer:
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
                 collected.append(m)
         stacked = jax.device_get({k: [m[k] for m in collected] for k in collected[0]})
-        skip = {"weight", "critic/weight", "num_tokens"}
-        return {f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip}
+        where = f"iteration {self.iteration + 1}"  # as metrics and checkpoints number it
+        out = {
+            "train/skipped_updates": float(self.guard.record("actor", stacked["skipped"], where))
+        }
+        if self.use_critic:
+            skipped = self.guard.record("critic", stacked["critic/skipped"], where)
+            out["train/critic/skipped_updates"] = float(skipped)
+        skip = {"weight", "critic/weight", "num_tokens", "skipped", "critic/skipped"}
+        out.update({f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip})
+        return out
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(
@@ -383,6 +393,10 @@ class RLTrainer:
             "kl_coef": float(self.kl_ctl.value),
             "seed": self.seed,
         }
+        for role in self.trained:
+            check_finite(
+                self.states[role], f"{self.algorithm} {role} at iteration {self.iteration}"
+            )
         checkpoint.save_trainer_state(
             self.ckpt,
             self.iteration,

@@ -19,7 +19,7 @@ import gin
 from jax.sharding import Mesh
 
 from jrlhf import checkpoint
-from jrlhf.config import ROLE_HEADS, Config, RoleConfig
+from jrlhf.config import ROLE_HEADS, Config, ConfigError, RoleConfig, check_model_overrides
 from jrlhf.meshes.rules import Rules
 from jrlhf.models import hf
 from jrlhf.models.config import ModelConfig, tiny_config
@@ -41,12 +41,7 @@ class ModelSource:
 
 def model_overrides(rc: RoleConfig) -> dict[str, Any]:
     """A role's ``model_overrides`` as a dict, failing in one line on unknown model fields."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    overrides = dict(rc.model_overrides)
-    bad = sorted(set(overrides) - known)
-    if bad:
-        raise ValueError(f"RoleConfig.model_overrides: unknown model field(s) {bad}")
-    return overrides
+    return check_model_overrides("RoleConfig.model_overrides", rc.model_overrides)
 
 
 def stage_start(cfg: Config, stage: str) -> str:
@@ -106,11 +101,26 @@ def resolve_model(
         return ModelSource(ModelDef(tiny_config(**overrides).replace(**fields), head), None)
     if kind == "hf":
         base, _ = hf.read_hf_config(where)
-        return ModelSource(ModelDef(base.replace(**fields), head), f"hf:{where}")
-    if kind == "ckpt":
+        source = ModelSource(ModelDef(base.replace(**fields), head), f"hf:{where}")
+    elif kind == "ckpt":
         stored = checkpoint.read_model_json(where)
-        return ModelSource(ModelDef(stored.config.replace(**fields), head), f"ckpt:{where}")
-    raise ValueError(f"{role}/RoleConfig.init: unknown model source {init or rc.init!r}")
+        source = ModelSource(ModelDef(stored.config.replace(**fields), head), f"ckpt:{where}")
+    else:
+        raise ValueError(f"{role}/RoleConfig.init: unknown model source {init or rc.init!r}")
+    _check_vocab(role, source, task_overrides)
+    return source
+
+
+def _check_vocab(role: str, source: ModelSource, task_overrides: TaskOverrides) -> None:
+    """A model given by its weights must embed every token id the task's tokenizer makes:
+    a larger id would index past the embedding (NaN or garbage, silently)."""
+    overrides = task_overrides() if callable(task_overrides) else task_overrides
+    needed, has = overrides.get("vocab_size"), source.model.config.vocab_size
+    if needed is not None and has < needed:
+        raise ConfigError(
+            f"{role}/RoleConfig.init: {source.weights} has a vocabulary of {has} tokens, fewer "
+            f"than the task's tokenizer's {needed} (TaskConfig.tokenizer)"
+        )
 
 
 def role_models(

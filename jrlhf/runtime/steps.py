@@ -22,6 +22,7 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
+from jrlhf.runtime.guard import tree_is_finite
 
 # loss_fn(module, batch) -> (loss, metrics). metrics may carry "weight": how much this batch
 # counts when microbatches are accumulated (the number of tokens a token-mean loss averages).
@@ -152,6 +153,10 @@ def make_train_step(
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Jitted ``step(state, batch) -> (state, metrics)`` with the state donated.
 
+    An update whose loss, gradient norm or new parameters are not finite is skipped (the state
+    returned unchanged) and ``metrics["skipped"]`` is 1: callers count skips with
+    jrlhf.runtime.guard.UpdateGuard.
+
     With ``microbatches > 1`` the batch's leading axis is split and gradients are accumulated
     under ``lax.scan`` (one optimizer update), trading time for activation memory.
     """
@@ -190,8 +195,14 @@ def make_train_step(
                 value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=value, grad_norm=optax.tree.norm(grads))
-        return TrainState(state.step + 1, params, opt_state), metrics
+        grad_norm = optax.tree.norm(grads)
+        # The guard (jrlhf.runtime.guard): an update whose loss, gradient norm or result is not
+        # finite is skipped, the state kept as it was; the caller counts skips in a row.
+        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & tree_is_finite(params)
+        updated = TrainState(state.step + 1, params, opt_state)
+        new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+        metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
+        return new_state, metrics
 
     jitted = jax.jit(
         step,

@@ -1,0 +1,127 @@
+"""The run directory: what a run writes at start, when a directory holds a run, and how a resume
+takes its configuration from it.
+
+A run directory is the source of truth on ``--resume``: the configuration is the one saved in
+``operative_config.gin`` when the run started; command-line files and bindings may only change
+the fields of :data:`MAY_CHANGE_ON_RESUME` (how long to train, how often to save, what to show),
+anything else is refused in one line before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jrlhf.config import Config, ConfigError, load_config, operative_config
+from jrlhf.meshes.processes import barrier, is_primary
+
+OPERATIVE_CONFIG = "operative_config.gin"  # the gin bindings the run was started with
+CONFIG_JSON = "config.json"  # every field's value, for people and tools that do not read gin
+PLAN_GIN = "plan.gin"  # the execution plan the run used (jrlhf.placement)
+
+# Written by a run before its first stage; what a stage writes (its output, checkpoints, logs)
+# is progress.
+PROGRESS = ("sft", "rm", "sft_checkpoints", "rm_checkpoints", "checkpoints", "logs")
+
+# Fields a resume may change: the run's length and its bookkeeping, never what it computes.
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "RunConfig.run_dir",
+        "RunConfig.resume",
+        "RunConfig.progress_bar",
+        "RunConfig.tensorboard",
+        "RunConfig.host_devices",
+        "RunConfig.max_nonfinite_updates",
+        "RLConfig.iterations",
+        "RLConfig.checkpoint_every",
+        "RLConfig.keep_checkpoints",
+        "RLConfig.async_checkpoint",
+        "RLConfig.eval_every",
+        "SFTConfig.checkpoint_every",
+        "RewardModelConfig.checkpoint_every",
+    }
+)
+
+_SECTIONS = {
+    "run": "RunConfig",
+    "task": "TaskConfig",
+    "sft": "SFTConfig",
+    "rm": "RewardModelConfig",
+    "rl": "RLConfig",
+    "decode": "DecodeConfig",
+}
+
+
+def config_fields(cfg: Config) -> Iterator[tuple[str, Any]]:
+    """(gin name, value) of every field of ``cfg``, e.g. ``("actor/RoleConfig.init", "tiny")``."""
+    for attr, section in _SECTIONS.items():
+        for f in dataclasses.fields(getattr(cfg, attr)):
+            yield f"{section}.{f.name}", getattr(getattr(cfg, attr), f.name)
+    for role, rc in cfg.roles.items():
+        for f in dataclasses.fields(rc):
+            yield f"{role}/RoleConfig.{f.name}", getattr(rc, f.name)
+
+
+def resume_config(run_dir: Path, files: list[str], bindings: list[str]) -> Config:
+    """The configuration of the run in ``run_dir``: its saved operative config with ``files``
+    and ``bindings`` applied on top; a ConfigError when they change a field outside
+    :data:`MAY_CHANGE_ON_RESUME`, or when ``run_dir`` holds no saved config."""
+    saved = run_dir / OPERATIVE_CONFIG
+    if not saved.is_file():
+        raise ConfigError(f"--resume: {saved} does not exist (not a jrlhf run directory)")
+    before = dict(config_fields(load_config([str(saved)], [])))
+    cfg = load_config([str(saved), *files], bindings)
+    for name, value in config_fields(cfg):
+        if name not in MAY_CHANGE_ON_RESUME and value != before[name]:
+            raise ConfigError(
+                f"--resume: {name} would change from {before[name]!r} to {value!r}; a resumed "
+                f"run keeps the configuration saved in {saved} (a resume may change only "
+                f"{', '.join(sorted(MAY_CHANGE_ON_RESUME))})"
+            )
+    return cfg
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` is a directory with anything in it."""
+    return path.is_dir() and any(path.iterdir())
+
+
+def has_progress(path: Path) -> bool:
+    """Whether a run in ``path`` got past its start: a stage wrote output, a checkpoint or a
+    metric."""
+    for name in PROGRESS:
+        p = path / name
+        files = [p] if p.is_file() else p.rglob("*") if p.is_dir() else []
+        if any(f.is_file() and f.stat().st_size > 0 for f in files):
+            return True
+    return False
+
+
+def write_start_files(run_dir: Path, cfg: Config, plan_gin: str) -> None:
+    """The operative config, every field's value and the plan, written by process 0; files
+    whose content is unchanged are not rewritten (a resume rewrites only what it changed)."""
+    if not is_primary():
+        return
+    texts = {
+        OPERATIVE_CONFIG: operative_config(),
+        CONFIG_JSON: cfg.to_json(),
+        PLAN_GIN: plan_gin,
+    }
+    for name, text in texts.items():
+        path = run_dir / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+
+
+def discard_failed_start(run_dir: Path) -> bool:
+    """Remove a new run's directory when the run failed before any progress, so the same
+    command can be run again; returns whether it was removed. Every process calls it."""
+    barrier(f"discard:{run_dir}")
+    removed = not has_progress(run_dir)
+    if removed and is_primary():
+        shutil.rmtree(run_dir, ignore_errors=True)
+    barrier(f"discarded:{run_dir}")
+    return removed

@@ -1,0 +1,72 @@
+"""What the end-to-end tests share: small run bindings, metric rows, and a training subprocess.
+
+The runs themselves (``base_run``, ``colocated_run``) are session fixtures in conftest.py, so
+every test module reuses one SFT + reward-model run and one PPO run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = [
+    "TaskConfig.num_heldout=16",
+    "RLConfig.prompts_per_iteration=16",
+    "RLConfig.minibatch_size=16",
+    "RLConfig.epochs=1",
+    "RunConfig.tensorboard=False",
+]
+
+
+def ppo_bindings(base: Path, *extra: str) -> list[str]:
+    return [
+        "RunConfig.stages=('ppo',)",
+        f"actor/RoleConfig.init='ckpt:{base}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base}/sft'",
+        f"reward/RoleConfig.init='ckpt:{base}/rm'",
+        f"critic/RoleConfig.init='ckpt:{base}/rm'",
+        "RLConfig.iterations=4",
+        "RLConfig.checkpoint_every=2",
+        *SMALL,
+        *extra,
+    ]
+
+
+def metric_rows(run_dir: Path, stage: str = "ppo") -> list[dict]:
+    rows = []
+    for line in (run_dir / "logs" / stage / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.append(
+            {
+                k: v
+                for k, v in row.items()
+                if not k.startswith("time") and k != "tokens_per_sec" and v is not None
+            }
+        )
+    return rows
+
+
+def assert_rows_close(a, b, rtol=1e-4, atol=1e-5):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            np.testing.assert_allclose(ra[k], rb[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def train_subprocess(args, env_extra=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    return subprocess.run(
+        [sys.executable, "-m", "jrlhf.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
