@@ -161,7 +161,9 @@ class TaskConfig:
     tokenizer: str = ""
     max_prompt_len: int = 16
     max_response_len: int = 16
-    reward_fn: str = ""  # a registered verifiable reward; "" means the learned reward model
+    # A verifiable reward: a registered name or module:function (jrlhf.tasks.rewards); "" means
+    # the learned reward model.
+    reward_fn: str = ""
     num_heldout: int = 64
     num_sft_examples: int = 2048
     num_preference_pairs: int = 2048

@@ -16,6 +16,7 @@ from pathlib import Path
 from jrlhf.config import ConfigError
 from jrlhf.meshes.processes import is_primary
 from jrlhf.runtime import distributed
+from jrlhf.tasks.rewards import RewardError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.checkpoint), args.mesh, args.rules, args.num_prompts, args.samples,
             args.greedy,
         )  # fmt: skip
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return distributed.end_process(2)
+        return distributed.end_process(1 if isinstance(e, RewardError) else 2)
     if is_primary():  # every process computed the same report; process 0 reports it
         text = json.dumps(report, indent=2)
         print(text)

@@ -29,6 +29,7 @@ from jrlhf.pipeline.run_dir import discard_failed_start, holds_run, resume_confi
 from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime import distributed
 from jrlhf.runtime.guard import TrainingStopped
+from jrlhf.tasks.rewards import RewardError, get_reward_fn
 
 log = logging.getLogger("jrlhf")
 
@@ -91,6 +92,8 @@ def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool
     for stage in cfg.run.stages:
         if stage in ("ppo", "grpo"):
             check_algorithm_config(cfg.rl, stage)
+    if cfg.task.reward_fn:
+        get_reward_fn(cfg.task.reward_fn)  # a registered name or an importable module:function
     return cfg, path, resume
 
 
@@ -117,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return distributed.end_process(run(cfg, run_dir, quiet=args.quiet))
-    except (ConfigError, ValueError, FileNotFoundError, TrainingStopped) as e:
+    except (ConfigError, ValueError, FileNotFoundError, TrainingStopped, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         # A new run refused before any progress leaves nothing, so the same command can run
         # again once fixed; a run that got further keeps its directory for inspection.
         if not resume and created:
             discard_failed_start(run_dir)
-        return distributed.end_process(1 if isinstance(e, TrainingStopped) else 2)
+        stopped = isinstance(e, TrainingStopped | RewardError)  # the run stopped itself
+        return distributed.end_process(1 if stopped else 2)
 
 
 if __name__ == "__main__":

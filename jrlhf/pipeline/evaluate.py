@@ -68,6 +68,8 @@ def evaluate_checkpoint(
         reward_fn=reward_fn,
         reward_scale=cfg.rl.reward_scale,
         ground_truth=data.ground_truth,
+        decode=data.decode,
+        reward_name=cfg.task.reward_fn or None,
     )
     rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.eos_id)
     prompts = data.heldout_prompts[: num_prompts or None]

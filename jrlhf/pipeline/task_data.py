@@ -36,6 +36,7 @@ class TaskData:
     save_tokenizer: Callable[[Path], Any] | None = None
     train_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    decode: Callable[[Sequence[int]], str] | None = None  # ids -> text, for reward functions
 
     def __post_init__(self):
         # Every prompt gets a meta entry, so prompts and meta always index alike.
@@ -91,6 +92,7 @@ def build_task_data(cfg: Config) -> TaskData:
             model_overrides=task.model_overrides(),
             ground_truth=task.score,
             save_tokenizer=task.save_tokenizer,
+            decode=task.tokenizer().decode,
         )
         _check_reward_meta(cfg, {"the synthetic task's prompts": synthetic.train_meta})
         return synthetic
@@ -138,6 +140,7 @@ def build_task_data(cfg: Config) -> TaskData:
         save_tokenizer=save,
         train_meta=[r.meta for r in train],
         heldout_meta=[r.meta for r in heldout],
+        decode=tokenizer.decode if tokenizer else None,
     )
 
 

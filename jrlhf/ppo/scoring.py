@@ -14,7 +14,7 @@ import numpy as np
 
 from jrlhf.meshes.batch import to_host
 from jrlhf.ppo import batch as rl_batch
-from jrlhf.tasks.rewards import RewardFn, with_meta
+from jrlhf.tasks.rewards import BatchReward, RewardBatch, RewardFn
 
 # arrays (the packed layout of jrlhf.ppo.batch) -> per-row or per-token device values
 InferFn = Callable[[dict[str, np.ndarray]], Any]
@@ -34,8 +34,9 @@ class Scorer:
     """Packs prompt/response pairs and scores them with the frozen and critic models.
 
     ``reward_model`` (a learned reward, scored at each row's last token) and ``reward_fn`` (a
-    verifiable Python reward ``(prompt_ids, response_ids, meta)`` of the decoded ids and the
-    prompt record's meta, see jrlhf.tasks.rewards) are alternatives; ``critic`` is optional (GRPO).
+    verifiable Python reward, per sample ``(prompt_ids, response_ids, meta)`` or per batch of a
+    :class:`~jrlhf.tasks.RewardBatch`, see jrlhf.tasks.rewards; ``decode`` gives the batch its
+    text, ``reward_name`` names it in errors) are alternatives; ``critic`` is optional (GRPO).
     """
 
     def __init__(
@@ -50,13 +51,16 @@ class Scorer:
         critic: InferFn | None = None,
         reward_scale: float = 1.0,
         ground_truth: GroundTruthFn | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        reward_name: str | None = None,
     ):
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of reward_model and reward_fn")
         self.P, self.R, self.pad_id = max_prompt_len, max_response_len, pad_id
         self.reference, self.reward_model = reference, reward_model
-        # Two-argument rewards (prompt_ids, response_ids) keep working: they ignore meta.
-        self.reward_fn = with_meta(reward_fn) if reward_fn is not None else None
+        # Per-sample (two or three arguments) or batch rewards; errors name the sample.
+        self.reward_fn = BatchReward(reward_fn, reward_name) if reward_fn is not None else None
+        self.decode = decode
         self.critic, self.reward_scale, self.ground_truth = critic, reward_scale, ground_truth
 
     def __call__(
@@ -82,7 +86,7 @@ class Scorer:
             scores = self.reward_model(arrays)
         else:
             metas = meta if meta is not None else [{}] * len(prompts)
-            scores = [self.reward_fn(p, r, m) for p, r, m in zip(prompts, responses, metas)]
+            scores = self.reward_fn(RewardBatch(prompts, responses, metas, self.decode))
         old_lp = np.zeros((len(responses), self.R), np.float32)
         for i, lp in enumerate(rollout_logprobs):
             old_lp[i, : len(lp)] = lp

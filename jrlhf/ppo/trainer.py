@@ -207,6 +207,8 @@ class RLTrainer:
             critic=critic_fn,
             reward_scale=self.rl.reward_scale,
             ground_truth=data.ground_truth,
+            decode=data.decode,
+            reward_name=cfg.task.reward_fn or None,
         )
 
         # Generation: the engine lives on the actor's generation mesh; trained weights follow

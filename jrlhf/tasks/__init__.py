@@ -2,6 +2,9 @@
 
 from jrlhf.tasks.rewards import (
     REWARD_FNS,
+    BatchReward,
+    RewardBatch,
+    RewardError,
     RewardFn,
     get_reward_fn,
     register_reward_fn,
@@ -12,6 +15,9 @@ from jrlhf.tasks.synthetic import SyntheticTask
 
 __all__ = [
     "REWARD_FNS",
+    "BatchReward",
+    "RewardBatch",
+    "RewardError",
     "RewardFn",
     "SyntheticTask",
     "get_reward_fn",

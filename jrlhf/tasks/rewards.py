@@ -1,4 +1,12 @@
-"""Registry of verifiable reward functions: ``(prompt_ids, response_ids, meta) -> float``.
+"""Verifiable reward functions: registered by name, or user code named by import path.
+
+``TaskConfig.reward_fn`` is a registered name (:data:`REWARD_FNS`) or ``module:function``, a
+function importable from the Python path. A function of one argument is called once per batch
+with a :class:`RewardBatch` (prompts and responses as ids and as text, and each record's meta)
+and returns one score per sample; a function of two or three arguments is called per sample as
+``(prompt_ids, response_ids, meta) -> float``. :class:`BatchReward` runs either form, and an
+exception or a non-finite score in user code stops the run with one :class:`RewardError` line
+naming the function and the sample that caused it.
 
 ``meta`` is the prompt record's extra fields (:attr:`jrlhf.data.PromptRecord.meta`: e.g. an id,
 a reference answer as ``meta["answer_ids"]``), carried from the prompt file through the loader
@@ -9,10 +17,15 @@ them, and :func:`register_reward_fn` does so on registration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jrlhf.data import ANSWER_IDS
 from jrlhf.tasks.synthetic import SyntheticTask
@@ -33,6 +46,16 @@ def _takes_meta(fn: Callable) -> bool:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             positional += 1
     return positional >= 3
+
+
+def _positional_count(fn: Callable) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def with_meta(fn: Callable[..., float]) -> RewardFn:
@@ -109,10 +132,136 @@ def register_reward_fn(name: str, fn: Callable[..., float]) -> RewardFn:
     return REWARD_FNS[name]
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name``; unknown names list the known ones."""
+def get_reward_fn(name: str) -> Callable[..., Any]:
+    """The reward function ``name``: a registered name, or ``module:function`` imported from the
+    Python path. Errors are one line naming ``TaskConfig.reward_fn``."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise ValueError(
+                f"TaskConfig.reward_fn {name!r}: cannot import {module!r} ({e})"
+            ) from None
+        except AttributeError:
+            raise ValueError(f"TaskConfig.reward_fn {name!r}: {module!r} has no {attr!r}") from None
+        except Exception as e:  # user code at import time
+            raise ValueError(
+                f"TaskConfig.reward_fn {name!r}: importing {module!r} raised "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        if not callable(fn):
+            raise ValueError(f"TaskConfig.reward_fn {name!r}: not a function")
+        return fn
     try:
         return REWARD_FNS[name]
     except KeyError:
         known = ", ".join(sorted(REWARD_FNS))
-        raise ValueError(f"unknown reward function {name!r} (known: {known})") from None
+        raise ValueError(
+            f"TaskConfig.reward_fn: unknown reward function {name!r} (known: {known}; or "
+            "module:function)"
+        ) from None
+
+
+class RewardError(RuntimeError):
+    """User reward code raised or returned a non-finite score; one line naming the sample."""
+
+
+@dataclasses.dataclass
+class RewardBatch:
+    """What a batch reward function receives: sample ``i`` is ``prompt_ids[i]``,
+    ``response_ids[i]`` (up to and including ``<eos>`` when it stopped), their text
+    ``prompts[i]`` / ``responses[i]`` (decoded with the task's tokenizer; ids joined by spaces
+    without one), and ``meta[i]``, the prompt record's extra fields (e.g. a reference answer)."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    response_ids: Sequence[Sequence[int]]
+    meta: Sequence[Mapping[str, Any]]
+    decode: Callable[[Sequence[int]], str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        if self.decode is None:
+            return " ".join(str(int(t)) for t in ids)
+        return self.decode([int(t) for t in ids])
+
+    @functools.cached_property
+    def prompts(self) -> list[str]:
+        return [self._text(p) for p in self.prompt_ids]
+
+    @functools.cached_property
+    def responses(self) -> list[str]:
+        return [self._text(r) for r in self.response_ids]
+
+    def sample(self, i: int) -> RewardBatch:
+        """Sample ``i`` alone, as a batch of one."""
+        return RewardBatch(
+            [self.prompt_ids[i]], [self.response_ids[i]], [self.meta[i]], self.decode
+        )
+
+    def describe(self, i: int) -> str:
+        def cut(text: str) -> str:
+            return text if len(text) <= 120 else text[:117] + "..."
+
+        return f"sample {i} (prompt {cut(self.prompts[i])!r}, response {cut(self.responses[i])!r})"
+
+
+class BatchReward:
+    """Runs a reward function of either form on a :class:`RewardBatch`; returns float32 scores.
+
+    An exception, a wrong number of scores or a non-finite score is a :class:`RewardError`
+    naming the function and the first sample at fault (a batch function that raises is retried
+    one sample at a time to find it)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        self.name = name or getattr(fn, "__name__", repr(fn))
+        self.batched = _positional_count(fn) == 1
+        self.fn = fn if self.batched else with_meta(fn)
+
+    def _fail(self, batch: RewardBatch, i: int | None, what: str) -> RewardError:
+        where = batch.describe(i) if i is not None else f"a batch of {len(batch)} samples"
+        return RewardError(f"reward function {self.name!r} {what} on {where}")
+
+    def _call_batch(self, batch: RewardBatch) -> list[Any]:
+        out = self.fn(batch)
+        try:
+            values = list(out)
+        except TypeError:
+            raise self._fail(batch, None, f"returned {type(out).__name__}, not scores") from None
+        if len(values) != len(batch):
+            raise self._fail(batch, None, f"returned {len(values)} scores") from None
+        return values
+
+    def __call__(self, batch: RewardBatch) -> np.ndarray:
+        values: list[Any] = []
+        if self.batched:
+            try:
+                values = self._call_batch(batch)
+            except RewardError:
+                raise
+            except Exception as e:
+                for i in range(len(batch)):  # find the sample that makes it raise
+                    try:
+                        self._call_batch(batch.sample(i))
+                    except Exception as e_i:
+                        raise self._fail(batch, i, f"raised {type(e_i).__name__}: {e_i}") from None
+                raise self._fail(batch, None, f"raised {type(e).__name__}: {e}") from None
+        else:
+            for i in range(len(batch)):
+                try:
+                    values.append(
+                        self.fn(batch.prompt_ids[i], batch.response_ids[i], batch.meta[i])
+                    )
+                except Exception as e:
+                    raise self._fail(batch, i, f"raised {type(e).__name__}: {e}") from None
+        scores = np.zeros(len(values), np.float32)
+        for i, v in enumerate(values):
+            try:
+                scores[i] = float(v)
+            except (TypeError, ValueError):
+                raise self._fail(batch, i, f"returned {v!r}, not a number") from None
+            if not math.isfinite(float(v)):
+                raise self._fail(batch, i, f"returned {v!r}")
+        return scores
