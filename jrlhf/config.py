@@ -149,8 +149,8 @@ class RunConfig:
 class TaskConfig:
     """Where prompts, demonstrations and preferences come from.
 
-    ``name="synthetic"`` uses the built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet
-    files tokenized with ``tokenizer`` (a directory or tokenizer.json path).
+    ``name="synthetic"`` or ``"arithmetic"`` uses a built-in task (jrlhf.tasks); ``name="files"``
+    reads JSONL/Parquet files tokenized with ``tokenizer`` (a directory or tokenizer.json path).
     """
 
     name: str = "synthetic"
@@ -170,7 +170,11 @@ class TaskConfig:
 
     def validate(self) -> None:
         check_types(self, "TaskConfig")
-        _check(self.name in ("synthetic", "files"), "TaskConfig.name", "use synthetic or files")
+        _check(
+            self.name in ("synthetic", "arithmetic", "files"),
+            "TaskConfig.name",
+            "use synthetic, arithmetic or files",
+        )
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
         _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")

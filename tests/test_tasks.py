@@ -177,3 +177,71 @@ def test_answer_match():
     assert fn([1, 4], [12, 13, 2, 2], meta) == 0.0
     with pytest.raises(ValueError, match="needs a reference answer"):
         fn([1, 4], [12], {})
+
+
+# -- the arithmetic task ---------------------------------------------------------------------------
+def test_arithmetic_answers_against_python_integers():
+    from jrlhf.tasks import ArithmeticTask
+
+    for reverse in (True, False):
+        _check_arithmetic(ArithmeticTask(seed=3, digits=3, reverse=reverse))
+
+
+def _check_arithmetic(task):
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        op = "+-"[int(rng.integers(2))]
+        a, b = sorted(int(x) for x in rng.integers(1000, size=2))[::-1]
+        prompt = task.encode_problem(a, op, b)
+        assert len(prompt) == task.max_prompt_len and task.decode_problem(prompt) == (a, op, b)
+        expected = str(a + b if op == "+" else a - b)
+        answer = task.answer(prompt)
+        written = "".join(task.tokens[t] for t in answer[:-1])
+        assert (written[::-1] if task.reverse else written) == expected
+        assert answer[-1] == task.eos_id and len(answer) <= task.max_response_len
+        assert task.score(prompt, answer) == 1.0
+        assert task.score(prompt, [*answer, 7, 7]) == 1.0  # tokens after <eos> are ignored
+        assert task.score(prompt, answer[:-1]) == 0.0  # unterminated
+        wrong = task.mistaken_answer(prompt, rng)
+        assert wrong != answer and task.score(prompt, wrong) == 0.0
+
+
+def test_arithmetic_splits_demos_pairs_and_jsonl(tmp_path):
+    from jrlhf.tasks import ArithmeticTask, get_reward_fn
+
+    task = ArithmeticTask(seed=0)
+    train, held = task.prompts(500), task.prompts(100, "heldout")
+    assert not {tuple(p) for p in train} & {tuple(p) for p in held}
+    demos = task.sft_examples(2000)
+    right = np.mean([task.score(r.prompt_ids, r.response_ids) for r in demos])
+    assert abs(right - task.demo_good_frac) < 0.05
+    for pair in task.preference_pairs(50):
+        assert task.score(pair.prompt_ids, pair.chosen_ids) == 1.0
+        assert task.score(pair.prompt_ids, pair.rejected_ids) == 0.0
+    # answer_match on each prompt's reference answer is the task's own score.
+    match = get_reward_fn("answer_match")
+    for p, meta in zip(held[:20], task.prompt_meta(held[:20])):
+        assert match(p, task.answer(p), meta) == 1.0 == task.score(p, task.answer(p))
+    files = task.write_jsonl(tmp_path, num_prompts=40, num_heldout=8, num_sft=8, num_pairs=8)
+    tok = data.Tokenizer.from_file(files["tokenizer"])
+    loaded = data.load_prompts(files["prompts"], tok, max_prompt_len=task.max_prompt_len)
+    assert [r.prompt_ids for r in loaded] == task.prompts(40)
+    assert [r.meta[data.ANSWER_IDS] for r in loaded] == [task.answer(p) for p in task.prompts(40)]
+
+
+def test_arithmetic_task_data_for_a_run():
+    from jrlhf.config import load_config
+    from jrlhf.pipeline.task_data import build_task_data
+
+    bindings = [
+        "TaskConfig.name='arithmetic'", "TaskConfig.max_prompt_len=7",
+        "TaskConfig.max_response_len=4", "TaskConfig.reward_fn='answer_match'",
+        "TaskConfig.num_heldout=16",
+    ]  # fmt: skip
+    data_ = build_task_data(load_config([], bindings))
+    assert len(data_.heldout_prompts) == 16 and data_.model_overrides["vocab_size"] == 24
+    p, meta = data_.heldout_prompts[0], data_.heldout_meta[0]
+    assert data_.ground_truth(p, meta[data.ANSWER_IDS]) == 1.0
+    assert data_.decode(p).endswith("=")
+    with pytest.raises(ValueError, match="the arithmetic task needs max_prompt_len >= 7"):
+        build_task_data(load_config([], [*bindings, "TaskConfig.max_prompt_len=6"]))

@@ -14,7 +14,7 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
-from jrlhf.tasks import SyntheticTask, get_reward_fn, required_meta
+from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
 
 
 @dataclasses.dataclass
@@ -65,8 +65,8 @@ def tokenizer_model_overrides(tokenizer: data_lib.Tokenizer | None) -> dict[str,
 def task_model_overrides(cfg: Config) -> dict[str, Any]:
     """The model fields the task imposes (``TaskData.model_overrides``) without loading its data:
     what the planner needs to size ``tiny`` roles."""
-    if cfg.task.name == "synthetic":
-        return SyntheticTask(seed=cfg.run.seed).model_overrides()
+    if cfg.task.name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[cfg.task.name](seed=cfg.run.seed).model_overrides()
     if cfg.task.tokenizer:
         return tokenizer_model_overrides(data_lib.Tokenizer.from_file(cfg.task.tokenizer))
     return {}
@@ -75,16 +75,20 @@ def task_model_overrides(cfg: Config) -> dict[str, Any]:
 def build_task_data(cfg: Config) -> TaskData:
     """Load or synthesize the data; every problem surfaces here, before any model is built."""
     t = cfg.task
-    if t.name == "synthetic":
-        task = SyntheticTask(seed=cfg.run.seed)
+    if t.name in BUILTIN_TASKS:
+        task = BUILTIN_TASKS[t.name](seed=cfg.run.seed)
         if task.max_prompt_len > t.max_prompt_len or task.max_response_len > t.max_response_len:
             raise ConfigError(
-                f"TaskConfig: the synthetic task needs max_prompt_len >= {task.max_prompt_len} "
+                f"TaskConfig: the {t.name} task needs max_prompt_len >= {task.max_prompt_len} "
                 f"and max_response_len >= {task.max_response_len}"
             )
-        synthetic = TaskData(
-            train_prompts=task.prompts(4096, "train"),
-            heldout_prompts=task.prompts(t.num_heldout, "heldout"),
+        train_prompts = task.prompts(4096, "train")
+        heldout_prompts = task.prompts(t.num_heldout, "heldout")
+        # Tasks with reference answers give each prompt its answer (what answer_match reads).
+        meta_of = getattr(task, "prompt_meta", lambda prompts: [])
+        builtin = TaskData(
+            train_prompts=train_prompts,
+            heldout_prompts=heldout_prompts,
             sft_records=task.sft_examples(t.num_sft_examples),
             preference_records=task.preference_pairs(t.num_preference_pairs),
             pad_id=task.pad_id,
@@ -92,10 +96,12 @@ def build_task_data(cfg: Config) -> TaskData:
             model_overrides=task.model_overrides(),
             ground_truth=task.score,
             save_tokenizer=task.save_tokenizer,
+            train_meta=meta_of(train_prompts),
+            heldout_meta=meta_of(heldout_prompts),
             decode=task.tokenizer().decode,
         )
-        _check_reward_meta(cfg, {"the synthetic task's prompts": synthetic.train_meta})
-        return synthetic
+        _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
+        return builtin
     tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
     vocab = tokenizer.vocab_size if tokenizer else None
     lens = dict(max_prompt_len=t.max_prompt_len, vocab_size=vocab)

@@ -1,5 +1,7 @@
-"""Built-in tasks: a synthetic RLHF task with a known true preference, and verifiable rewards."""
+"""Built-in tasks (a synthetic task with a known true preference; arithmetic with exact
+answers) and verifiable rewards."""
 
+from jrlhf.tasks.arithmetic import ArithmeticTask
 from jrlhf.tasks.rewards import (
     REWARD_FNS,
     BatchReward,
@@ -13,8 +15,13 @@ from jrlhf.tasks.rewards import (
 )
 from jrlhf.tasks.synthetic import SyntheticTask
 
+# TaskConfig.name -> the built-in task class (constructed with the run's seed).
+BUILTIN_TASKS = {"synthetic": SyntheticTask, "arithmetic": ArithmeticTask}
+
 __all__ = [
+    "BUILTIN_TASKS",
     "REWARD_FNS",
+    "ArithmeticTask",
     "BatchReward",
     "RewardBatch",
     "RewardError",
