@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrlhf.config import ConfigError, RLConfig
 from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def close(actual, expected, **tol):
@@ -69,8 +71,19 @@ def np_agg(loss_bt, mask_bt, mode):
         sel = np_masked_values(loss_bt[b], mask_bt[b])
         if sel.size == 0:
             continue
-        per_row.append(sel.sum() if mode == "seq-mean-token-sum" else sel.mean())
+        if mode == "seq-mean-token-sum":
+            per_row.append(sel.sum())
+        elif mode == "seq-mean-token-sum-norm":  # Dr. GRPO: over the constant row width
+            per_row.append(sel.sum() / loss_bt.shape[1])
+        else:
+            per_row.append(sel.mean())
     return float(np.mean(per_row)) if per_row else 0.0
+
+
+def np_agg_weight(mask_bt, mode):
+    """Tokens for token-mean, non-empty rows otherwise."""
+    m = np.asarray(mask_bt) != 0
+    return float(m.sum()) if mode == "token-mean" else float(m.any(axis=1).sum())
 
 
 def np_gae(rewards, values, mask, gamma, lam):
@@ -208,11 +221,30 @@ def test_aggregate_loss(mask_name, mode):
     assert float(ca.aggregate_loss(loss, np.zeros_like(m), mode)) == 0.0
 
 
+@pytest.mark.parametrize("mode", AGGS)
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_aggregation_weight_splits_consistently(mask_name, mode):
+    """Weighting each part's aggregate by its weight recovers the whole batch's aggregate, for
+    any split of the rows (what gradient accumulation relies on)."""
+    m = MASKS[mask_name]()
+    loss = rand(40, B, T)
+    close(ca.aggregation_weight(m, mode), np_agg_weight(m, mode))
+    for parts in ([0, 2, 4, 6], [0, 3, 6], [0, 1, 4, 5, 6]):
+        num = den = 0.0
+        for lo, hi in itertools.pairwise(parts):
+            w = float(ca.aggregation_weight(m[lo:hi], mode))
+            num += w * float(ca.aggregate_loss(loss[lo:hi], m[lo:hi], mode))
+            den += w
+        close(num / den, np_agg(loss, m, mode))
+    with pytest.raises(ValueError, match="loss aggregation"):
+        ca.aggregation_weight(m, "sum")
+
+
 def test_aggregate_loss_modes_differ_and_unknown_raises():
     m = left_aligned_mask()
     loss = rand(5, B, T) + 3.0
     vals = [float(ca.aggregate_loss(loss, m, mode)) for mode in AGGS]
-    assert len({round(v, 4) for v in vals}) == 3
+    assert len({round(v, 4) for v in vals}) == len(AGGS)
     with pytest.raises(ValueError, match="seq-mean-token-sum"):
         ca.aggregate_loss(loss, m, "sum")
 
@@ -288,6 +320,30 @@ def test_kl_estimators_are_exact_in_expectation():
     assert np.all(np.asarray(ca.kl_penalty(logp, logq, "k3")) >= 0)
 
 
+def test_kl_k3_clamps_large_log_ratios_and_is_unchanged_otherwise():
+    d = np.array([-100.0, -20.0, -19.5, -3.0, 0.0, 2.5, 19.9, 20.0, 80.0], np.float32)
+    ref = np.zeros_like(d)
+    out = np.asarray(ca.kl_penalty(d, ref, "k3"))
+    assert np.all(np.isfinite(out))
+    inside = np.abs(d) <= ca.LOG_RATIO_CLAMP
+    # Bit-identical to the unclamped formula wherever nothing clamps.
+    unclamped = np.asarray(jnp.exp(-jnp.asarray(d)) + jnp.asarray(d) - 1.0)
+    np.testing.assert_array_equal(out[inside], unclamped[inside])
+    close(out[~inside], np_kl(np.clip(d, -20, 20), ref, "k3")[~inside])
+    assert not np.isfinite(unclamped[0])  # what the clamp prevents
+
+
+def test_kl_estimator_defaults_follow_where_the_kl_goes():
+    rl = RLConfig()
+    assert ca.kl_estimator_name(rl, "grpo") == "k3"  # a loss term: k1's gradient is 0 on average
+    assert ca.kl_estimator_name(rl, "ppo") == "k1"  # a reward penalty
+    assert ca.kl_estimator_name(dataclasses.replace(rl, kl_in_loss=True), "ppo") == "k3"
+    for kind in ca.KL_KINDS:  # explicit values are honoured
+        explicit = dataclasses.replace(rl, kl_estimator=kind)
+        assert ca.kl_estimator_name(explicit, "grpo") == ca.kl_estimator_name(explicit, "ppo")
+        assert ca.kl_estimator_name(explicit, "grpo") == kind
+
+
 def test_kl_penalty_unknown_kind():
     with pytest.raises(ValueError, match="k3"):
         ca.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
@@ -314,6 +370,15 @@ def test_adaptive_kl_controller_several_updates():
     assert restored.target == target and float(restored.value) == 0.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctrl.value = 1.0
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_observed_kl_is_per_token_mean_of_the_estimator(kind):
+    m = left_aligned_mask()  # has an empty row, which must not count
+    logp, ref = rand(42, B, T), rand(43, B, T)
+    kl = np_kl(logp, ref, kind)
+    rows = [kl[b][m[b] != 0].mean() for b in range(B) if m[b].any()]
+    close(ca.observed_kl(logp, ref, m, kind), np.mean(rows))
 
 
 def test_fixed_kl_controller_and_factory_errors():
@@ -410,6 +475,44 @@ def test_policy_loss_on_policy_and_bad_dual_clip():
         ca.policy_loss_ppo(logp, logp, adv, m, 0.2, dual_clip_c=1.0)
 
 
+def test_policy_loss_clamps_log_ratio():
+    logp, old, adv, m = ppo_inputs("left")
+    ref_loss, ref_metrics = ca.policy_loss_ppo(logp, old, adv, m, 0.2, dual_clip_c=3.0)
+    assert float(ref_metrics["log_ratio_clampfrac"]) == 0.0
+    # Nothing clamps: identical to the unclamped computation.
+    lr = jnp.asarray(logp) - jnp.asarray(old)
+    ratio = jnp.exp(lr)
+    a = jnp.asarray(adv)
+    tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.2))
+    tok = jnp.where(a < 0, jnp.minimum(tok, -a * 3.0), tok)
+    assert float(ref_loss) == float(ca.aggregate_loss(tok, m, "token-mean"))
+    # A log-ratio of 200 would make exp overflow to inf (and 0 * inf = NaN); clamped it is finite.
+    huge = logp.copy()
+    huge[1, 0], huge[2, 1] = old[1, 0] + 200.0, old[2, 1] - 200.0
+    for agg in AGGS:
+        loss, metrics = ca.policy_loss_ppo(huge, old, adv, m, 0.2, agg=agg)
+        grad = jax.grad(lambda x, agg=agg: ca.policy_loss_ppo(x, old, adv, m, 0.2, agg=agg)[0])(
+            jnp.asarray(huge)
+        )
+        assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+        assert all(np.isfinite(float(v)) for v in metrics.values())
+        close(metrics["log_ratio_clampfrac"], 2 / m.sum())
+
+
+def test_dual_clip_is_on_by_default_and_validated():
+    rl = RLConfig()
+    assert rl.dual_clip_c == 3.0  # verl's default; 0 disables
+    RLConfig(dual_clip_c=0.0).validate("ppo")
+    with pytest.raises(ConfigError, match=r"^RLConfig.dual_clip_c: must be > 1"):
+        RLConfig(dual_clip_c=1.0).validate("ppo")
+    with pytest.raises(ConfigError, match=r"^RLConfig.kl_estimator: unknown estimator 'k4'"):
+        RLConfig(kl_estimator="k4").validate("ppo")
+    # The default bounds a negative-advantage token with a huge ratio at -A * c.
+    logp, old, adv, m = ppo_inputs("left")
+    _, on = ca.policy_loss_ppo(logp, old, adv, m, 0.2, dual_clip_c=rl.dual_clip_c)
+    assert float(on["clipfrac_dual"]) > 0
+
+
 def test_policy_loss_all_masked_is_zero_not_nan():
     logp, old, adv, _ = ppo_inputs("left")
     m = np.zeros((B, T), np.float32)
@@ -442,6 +545,29 @@ def test_value_loss_clipped(mask_name, agg):
         grad = jax.grad(lambda x: ca.value_loss_clipped(x, old, ret, m, eps)[0])(jnp.asarray(v))
         expected = np.where((m != 0) & (e1 >= e2), (v64 - ret64) / m.sum(), 0.0)
         close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_vf_clipfrac_does_not_count_float_rounding():
+    """``V_old + clip(V - V_old)`` rounds away from ``V`` in float32 even when nothing is clipped;
+    the clipped value is ``clip(V, V_old - eps, V_old + eps)``, which equals ``V`` then."""
+    rng = np.random.default_rng(41)
+    eps = np.float32(0.2)
+    old = (rng.uniform(-0.1, 0.1, 4096) * 10.0 ** rng.integers(-4, 1, 4096)).astype(np.float32)
+    v = (old + rng.uniform(-0.19, 0.19, 4096)).astype(np.float32)  # all inside the clip range
+    rounded = (old + np.clip(v - old, -eps, eps)).astype(np.float32)
+    # Put the return one ulp from V, away from its rounded copy: the old formula counts these.
+    ret = np.where(rounded > v, np.nextafter(v, -np.inf), np.nextafter(v, np.inf))
+    m = np.ones_like(v)
+    old_count = ((rounded - ret) ** 2 > (v - ret) ** 2).mean()
+    assert old_count > 0.01  # the case the fix is about
+    loss, metrics = ca.value_loss_clipped(v[None], old[None], ret[None], m[None], float(eps))
+    assert float(metrics["vf_clipfrac"]) == 0.0
+    close(loss, 0.5 * np.mean((v.astype(np.float64) - ret) ** 2))
+    # Every token keeps its gradient (the max no longer picks a rounded, clipped copy).
+    grad = jax.grad(lambda x: ca.value_loss_clipped(x, old[None], ret[None], m[None], 0.2)[0])(
+        jnp.asarray(v[None])
+    )
+    close(grad[0], (v.astype(np.float64) - ret) / v.size, rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------- entropy, SFT

@@ -27,8 +27,12 @@ from jrlhf.models.logprobs import token_logprobs
 
 Array = jax.Array
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs")
+# Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (as verl and OpenRLHF
+# do): exp(20) ~ 5e8 is finite in fp32 and far outside any trust region, so nothing but the
+# gradient of an already hopeless token changes.
+LOG_RATIO_CLAMP = 20.0
 
 
 def _f32(x: Any) -> Array:
@@ -112,9 +116,13 @@ def aggregate_loss(loss_bt: Array, mask_bt: Array, mode: str = "token-mean") -> 
     * ``"token-mean"``: mean over all valid tokens of the batch (long responses weigh more).
     * ``"seq-mean-token-sum"``: per-row sum over valid tokens, then mean over rows.
     * ``"seq-mean-token-mean"``: per-row mean over valid tokens, then mean over rows.
+    * ``"seq-mean-token-sum-norm"``: per-row sum over valid tokens divided by the constant
+      ``T = mask_bt.shape[-1]`` (the maximum response length), then mean over rows: Dr. GRPO's
+      length-unbiased aggregation (every token weighs the same whatever its row's length).
 
     The seq-mean modes average only over rows with at least one valid token, so fully masked rows
     (e.g. padding rows added to fill a batch) do not dilute the loss. Empty masks give 0.
+    ``aggregation_weight`` is what each mode averages over, for accumulating micro-batches.
     """
     loss_bt = _f32(loss_bt)
     m = _mask_like(mask_bt, loss_bt)
@@ -125,6 +133,23 @@ def aggregate_loss(loss_bt: Array, mask_bt: Array, mode: str = "token-mean") -> 
         return masked_mean(masked_sum(loss_bt, m, axis=-1), row_valid_b)
     if mode == "seq-mean-token-mean":
         return masked_mean(masked_mean(loss_bt, m, axis=-1), row_valid_b)
+    if mode == "seq-mean-token-sum-norm":
+        return masked_mean(masked_sum(loss_bt, m, axis=-1) / m.shape[-1], row_valid_b)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
+
+
+def aggregation_weight(mask_bt: Array, mode: str = "token-mean") -> Array:
+    """How many items ``aggregate_loss(., mask_bt, mode)`` averages over: valid tokens for
+    ``"token-mean"``, rows with at least one valid token for the seq-mean modes.
+
+    Gradient accumulation weights each micro-batch's loss by this, so the accumulated loss is the
+    whole minibatch's aggregate however the minibatch is split.
+    """
+    m = _mask_like(mask_bt, _f32(jnp.zeros((), jnp.float32)))
+    if mode == "token-mean":
+        return jnp.sum(m)
+    if mode in AGG_MODES:
+        return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(m.dtype))
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
 
 
@@ -235,7 +260,9 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, kind: str = "k1") -> Array:
 
     With ``d = logprobs - ref_logprobs``:
     ``k1 = d``; ``abs = |d|``; ``k2 = d**2 / 2``;
-    ``k3 = exp(-d) + d - 1`` (Schulman's non-negative, unbiased, low-variance estimator).
+    ``k3 = exp(-d) + d - 1`` (Schulman's non-negative, unbiased, low-variance estimator), with
+    ``d`` clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` first so a far-off token gives a
+    large finite value instead of inf (identical wherever ``|d| <= LOG_RATIO_CLAMP``).
     """
     d = _f32(logprobs) - _f32(ref_logprobs)
     if kind == "k1":
@@ -245,6 +272,7 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, kind: str = "k1") -> Array:
     if kind == "k2":
         return 0.5 * jnp.square(d)
     if kind == "k3":
+        d = jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return jnp.exp(-d) + d - 1.0
     raise ValueError(f"unknown KL penalty kind {kind!r}; valid kinds: {list(KL_KINDS)}")
 
@@ -286,6 +314,14 @@ class AdaptiveKLController:
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+def observed_kl(logprobs_bt: Array, ref_logprobs_bt: Array, mask_bt: Array, kind: str) -> Array:
+    """What the KL controller observes: the ``kind`` estimator's per-token KL, averaged over each
+    row's valid tokens and then over the rows that have any (verl's choice). Per token, so an
+    adaptive target does not depend on the response length."""
+    kl_bt = kl_penalty(logprobs_bt, ref_logprobs_bt, kind)
+    return aggregate_loss(kl_bt, mask_bt, "seq-mean-token-mean")
 
 
 def update_kl_controller(
@@ -353,11 +389,13 @@ def policy_loss_ppo(
     ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))``, where
     ``clip_eps_high`` defaults to ``clip_eps`` (set it larger for DAPO-style clip-higher).
     With ``dual_clip_c`` (Ye et al. 2020, must be > 1) tokens with ``A < 0`` are further bounded by
-    ``-A * c``, so a huge ratio on a bad action cannot blow up the loss.
+    ``-A * c``, so a huge ratio on a bad action cannot blow up the loss. The log-ratio is clamped
+    to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp`` so the ratio stays finite.
 
     Metrics (no gradient): ``clipfrac`` (fraction of valid tokens where the clipped term is active),
     ``clipfrac_dual`` (where the dual clip is active), ``approx_kl`` (mean of ``old_logp - logp``,
-    a k1 estimate of KL(old || new)), ``ratio_mean``.
+    a k1 estimate of KL(old || new), unclamped), ``ratio_mean``, ``log_ratio_clampfrac`` (fraction
+    of valid tokens whose log-ratio was clamped).
     """
     if clip_eps_high is None:
         clip_eps_high = clip_eps
@@ -367,7 +405,7 @@ def policy_loss_ppo(
     m_bt = _mask_like(mask_bt, logprobs_bt)
     adv_bt = _f32(advantages_bt)
     log_ratio_bt = logprobs_bt - _f32(old_logprobs_bt)
-    ratio_bt = jnp.exp(log_ratio_bt)
+    ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
     loss1_bt = -adv_bt * ratio_bt
     loss2_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
@@ -385,6 +423,7 @@ def policy_loss_ppo(
         "clipfrac_dual": masked_mean(dual_bt, m_bt),
         "approx_kl": masked_mean(-log_ratio_bt, m_bt),
         "ratio_mean": masked_mean(ratio_bt, m_bt),
+        "log_ratio_clampfrac": masked_mean(jnp.abs(log_ratio_bt) > LOG_RATIO_CLAMP, m_bt),
     }
     return loss, jax.lax.stop_gradient(metrics)
 
@@ -398,21 +437,25 @@ def value_loss_clipped(
     agg: str = "token-mean",
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped value loss: ``0.5 * agg(max((V - R)**2, (V_clip - R)**2))`` with
-    ``V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps)``.
+    ``V_clip = clip(V, V_old - clip_eps, V_old + clip_eps)``.
+
+    ``V`` is clipped directly rather than as ``V_old + clip(V - V_old)``: in float32 the latter
+    can differ from ``V`` by rounding when nothing is clipped, which counted such tokens as clipped
+    and (the max picking the rounded copy) dropped their gradient.
 
     Metrics (no gradient): ``vf_clipfrac`` (fraction of valid tokens where the clipped error is the
-    larger), ``vpred_mean``.
+    larger, which needs ``V_clip != V``), ``vpred_mean``.
     """
     values_bt = _f32(values_bt)
     old_values_bt = _f32(old_values_bt)
     returns_bt = _f32(returns_bt)
     m_bt = _mask_like(mask_bt, values_bt)
-    v_clip_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+    v_clip_bt = jnp.clip(values_bt, old_values_bt - clip_eps, old_values_bt + clip_eps)
     err1_bt = jnp.square(values_bt - returns_bt)
     err2_bt = jnp.square(v_clip_bt - returns_bt)
     loss = 0.5 * aggregate_loss(jnp.maximum(err1_bt, err2_bt), m_bt, agg)
     metrics = {
-        "vf_clipfrac": masked_mean(err2_bt > err1_bt, m_bt),
+        "vf_clipfrac": masked_mean((v_clip_bt != values_bt) & (err2_bt > err1_bt), m_bt),
         "vpred_mean": masked_mean(values_bt, m_bt),
     }
     return loss, jax.lax.stop_gradient(metrics)
@@ -504,6 +547,18 @@ def check_algorithm_config(rl: Any, algorithm: str) -> None:
         get_advantage_estimator(advantage_estimator_name(rl, algorithm))
     except ValueError as e:
         raise ValueError(f"RLConfig.advantage_estimator: {e}") from None
+
+
+def kl_in_loss(rl: Any, algorithm: str) -> bool:
+    """Whether the KL to the reference is a loss term (GRPO, or RLConfig.kl_in_loss) rather than
+    a per-token reward penalty."""
+    return bool(rl.kl_in_loss) or algorithm == "grpo"
+
+
+def kl_estimator_name(rl: Any, algorithm: str) -> str:
+    """RLConfig.kl_estimator, or by default k3 where the KL is a loss term (k1's gradient is zero
+    in expectation there) and k1 where it is a reward penalty."""
+    return rl.kl_estimator or ("k3" if kl_in_loss(rl, algorithm) else "k1")
 
 
 def advantage_estimator_name(rl: Any, algorithm: str) -> str:
