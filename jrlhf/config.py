@@ -214,8 +214,17 @@ class RLConfig:
     epochs: int = 2
     minibatch_size: int = 16
     infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
-    # registered in jrlhf.ppo.core_algos: POLICY_LOSSES and ADVANTAGE_ESTIMATORS ("" picks the
-    # stage's own: gae for ppo, grpo for grpo)
+    # Registered in jrlhf.ppo.core_algos (POLICY_LOSSES, ADVANTAGE_ESTIMATORS), any stage:
+    # policy_loss: "ppo" (token-level clipped ratio) or "gspo" (sequence-level ratio
+    #   exp(mean token log-ratio) clipped per sequence; the paper uses clip_eps=3e-4,
+    #   clip_eps_high=4e-4 and loss_agg="seq-mean-token-mean").
+    # advantage_estimator: "" picks the stage's own (gae for ppo, grpo for grpo); "gae";
+    #   "grpo" (group-normalized scores); "drgrpo" (group-centred, no std division; pair with
+    #   loss_agg="seq-mean-token-sum-norm"); "rloo" (leave-one-out group baseline);
+    #   "reinforce++" (discounted returns normalized over the batch); "reinforce++-baseline"
+    #   (group-centred scores normalized over the batch). grpo, drgrpo, rloo and
+    #   reinforce++-baseline need samples_per_prompt >= 2. Only gae reads critic values (the
+    #   ppo stage trains its critic whichever estimator is chosen).
     policy_loss: str = "ppo"
     advantage_estimator: str = ""
     clip_eps: float = 0.2

@@ -668,9 +668,10 @@ def test_bradley_terry_loss():
 
 def test_registries():
     assert ca.get_policy_loss("ppo") is ca.policy_loss_ppo
-    with pytest.raises(ValueError, match=r"'nope'.*\['ppo'\]"):
+    assert ca.get_policy_loss("gspo") is ca.policy_loss_gspo
+    with pytest.raises(ValueError, match=r"'nope'.*\['gspo', 'ppo'\]"):
         ca.get_policy_loss("nope")
-    with pytest.raises(ValueError, match=r"'gea'.*\['gae', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"'gea'.*\['drgrpo', 'gae', 'grpo', 'reinforce\+\+', "):
         ca.get_advantage_estimator("gea")
 
     m = ragged_mask()
@@ -716,3 +717,206 @@ def test_losses_jit_with_traced_hyperparameters():
     close(pg, float(eager_pg))
     close(clipfrac, float(eager_metrics["clipfrac"]))
     close(rewards, np.asarray(ca.apply_kl_to_rewards(adv[:, 0], logp, old, m, 0.05, "k3")))
+
+
+# ----------------------------------------------------------------------------- RLOO, REINFORCE++,
+# Dr. GRPO, GSPO
+
+GROUP = 3  # B = 6 rows: two prompts of three samples
+
+
+def group_scores():
+    scores = rand(50, B)
+    scores[GROUP:] = 0.7  # the second prompt's samples all score the same
+    return scores
+
+
+def np_rloo(scores, s):
+    out = np.zeros(len(scores))
+    for g in range(0, len(scores), s):
+        grp = scores[g : g + s].astype(np.float64)
+        for i in range(s):
+            others = np.delete(grp, i)
+            out[g + i] = grp[i] - others.mean() if s > 1 else 0.0
+    return out
+
+
+def np_whiten_tokens(x, m):
+    sel = np_masked_values(x, m)
+    out = (np.asarray(x, np.float64) - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
+    return np.where(m != 0, out, 0.0)
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_rloo_and_drgrpo_estimators(mask_name):
+    m = MASKS[mask_name]()
+    scores = group_scores()
+    expected = np_rloo(scores, GROUP)
+    close(ca.rloo_advantages(scores, GROUP), expected)
+    np.testing.assert_array_equal(np.asarray(ca.rloo_advantages(scores, GROUP))[GROUP:], 0.0)
+    # S / (S - 1) times the group-centred score: the textbook identity.
+    close(expected[:GROUP], GROUP / (GROUP - 1) * (scores[:GROUP] - scores[:GROUP].mean()))
+    np.testing.assert_array_equal(np.asarray(ca.rloo_advantages(scores, 1)), 0.0)
+    adv, ret = ca.get_advantage_estimator("rloo")(
+        scores_b=scores, mask_bt=m, group_size=GROUP, rewards_bt=None, gamma=1.0
+    )
+    close(adv, expected[:, None] * m)
+    close(ret, np.asarray(adv))
+    assert np.all(np.asarray(adv)[m.sum(1) == 0] == 0)  # an all-masked row stays 0
+
+    # Dr. GRPO: centred, never divided by the group's std.
+    adv, _ = ca.get_advantage_estimator("drgrpo")(scores_b=scores, mask_bt=m, group_size=GROUP)
+    centred = np.concatenate(
+        [scores[g : g + GROUP] - scores[g : g + GROUP].astype(np.float64).mean() for g in (0, 3)]
+    )
+    close(adv, centred[:, None] * m)
+
+
+def np_discounted_returns(rewards, m, gamma):
+    out = np.zeros(rewards.shape)
+    for b in range(rewards.shape[0]):
+        running = 0.0
+        for t in reversed(np.nonzero(m[b])[0]):
+            running = rewards[b, t] + gamma * running
+            out[b, t] = running
+    return out
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_reinforce_pp_estimators(mask_name, gamma):
+    m = MASKS[mask_name]()
+    # A score at each row's last valid token plus a per-token KL-style penalty everywhere valid;
+    # garbage at masked positions must not leak.
+    rewards = np.where(m != 0, rand(51, B, T, scale=0.1), 1e3).astype(np.float32)
+    last = np.asarray(ca.last_token_onehot(m))
+    rewards = (rewards + group_scores()[:, None] * last).astype(np.float32)
+    clean = np.where(m != 0, rewards, 0.0)
+
+    returns = np_discounted_returns(clean, m, gamma)
+    adv, ret = ca.get_advantage_estimator("reinforce++")(
+        rewards_bt=rewards, mask_bt=m, gamma=gamma, group_size=GROUP, scores_b=None
+    )
+    close(ret, returns, rtol=1e-5, atol=1e-5)
+    close(adv, np_whiten_tokens(returns, m), rtol=1e-5, atol=1e-5)
+    sel = np_masked_values(np.asarray(adv), m)
+    close([sel.mean(), sel.std(ddof=1)], [0.0, 1.0], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(adv)[m == 0], 0.0)
+
+    totals = clean.sum(1)
+    centred = np.concatenate([totals[g : g + GROUP] - totals[g : g + GROUP].mean() for g in (0, 3)])
+    adv, ret = ca.get_advantage_estimator("reinforce++-baseline")(
+        rewards_bt=rewards, mask_bt=m, gamma=gamma, group_size=GROUP
+    )
+    close(adv, np_whiten_tokens(centred[:, None] * m, m), rtol=1e-5, atol=1e-5)
+    close(ret, np.asarray(adv))
+    np.testing.assert_array_equal(np.asarray(adv)[m == 0], 0.0)
+
+
+def test_reinforce_pp_equal_rewards_and_length_one():
+    m = np.zeros((4, 5), np.float32)
+    m[:, 0] = 1.0  # every response one token long (empty rows: the parametrized tests above)
+    rewards = np.full((4, 5), 0.5, np.float32)
+    for name in ("reinforce++", "reinforce++-baseline"):
+        adv, _ = ca.get_advantage_estimator(name)(
+            rewards_bt=rewards, mask_bt=m, gamma=1.0, group_size=2
+        )
+        np.testing.assert_array_equal(np.asarray(adv), 0.0)  # nothing to prefer: no NaN either
+
+
+def np_gspo(logp, old, adv, m, eps, eps_high, agg):
+    """Sequence ratios exp(mean log-ratio), the clipped surrogate on them, aggregated."""
+    loss = np.zeros(logp.shape)
+    clipped = np.zeros(logp.shape, bool)
+    for b in range(logp.shape[0]):
+        idx = np.nonzero(m[b])[0]
+        if not len(idx):
+            continue
+        s = np.exp(np.mean(logp[b, idx].astype(np.float64) - old[b, idx]))
+        for t in idx:
+            a = np.float64(adv[b, t])
+            l1, l2 = -a * s, -a * min(max(s, 1 - eps), 1 + eps_high)
+            loss[b, t], clipped[b, t] = max(l1, l2), l2 > l1
+    return np_agg(loss, m, agg), clipped
+
+
+def gspo_inputs(mask_name):
+    m = MASKS[mask_name]()
+    logp = rand(52, B, T, scale=0.5)
+    old = (logp + rand(53, B, T, scale=0.05)).astype(np.float32)
+    adv = np.repeat(rand(54, B)[:, None], T, axis=1)  # one advantage per sequence
+    return logp, old, adv, m
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_policy_loss_gspo_matches_numpy(mask_name, agg):
+    logp, old, adv, m = gspo_inputs(mask_name)
+    eps, eps_high = 0.01, 0.02
+    loss, metrics = ca.policy_loss_gspo(logp, old, adv, m, eps, eps_high, 3.0, agg)
+    expected, clipped = np_gspo(logp, old, adv, m, eps, eps_high, agg)
+    close(loss, expected)
+    close(metrics["clipfrac"], clipped[m != 0].mean())
+    assert 0 < clipped[m != 0].mean() < 1  # both branches exercised
+    assert float(metrics["log_ratio_clampfrac"]) == 0.0
+    # On-policy: s = 1 everywhere, the loss is -agg(A), never clipped.
+    loss, metrics = ca.policy_loss_gspo(logp, logp, adv, m, eps, agg=agg)
+    close(loss, np_agg(-adv, m, agg))
+    assert float(metrics["clipfrac"]) == 0.0
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_policy_loss_gspo_gradient_is_the_sequence_level_one(mask_name):
+    """GSPO-token's gradient equals that of the plain sequence-level objective (paper eq. 5):
+    ``s_i = exp(mean_t log-ratio)`` differentiated through the mean."""
+    logp, old, adv, m = gspo_inputs(mask_name)
+    eps, eps_high = 0.01, 0.02
+    mj, oldj, advj = jnp.asarray(m), jnp.asarray(old), jnp.asarray(adv[:, 0])
+
+    def sequence_level(lp):
+        n = mj.sum(1)
+        s = jnp.exp(jnp.where(n > 0, ((lp - oldj) * mj).sum(1) / jnp.maximum(n, 1), 0.0))
+        per_row = jnp.maximum(-advj * s, -advj * jnp.clip(s, 1 - eps, 1 + eps_high))
+        valid = n > 0
+        return jnp.sum(jnp.where(valid, per_row, 0)) / valid.sum()
+
+    def gspo(lp):
+        return ca.policy_loss_gspo(lp, old, adv, m, eps, eps_high, agg="seq-mean-token-mean")[0]
+
+    close(gspo(jnp.asarray(logp)), float(sequence_level(jnp.asarray(logp))))
+    g = np.asarray(jax.grad(gspo)(jnp.asarray(logp)))
+    close(g, np.asarray(jax.grad(sequence_level)(jnp.asarray(logp))), rtol=1e-5, atol=1e-7)
+    assert np.any(g != 0) and np.all(g[m == 0] == 0)
+
+
+def test_policy_loss_gspo_length_one_all_masked_and_clamp():
+    logp, old, adv, m = gspo_inputs("left")  # row 3 has one token, row 4 none
+    for agg in AGGS:
+        loss, _ = ca.policy_loss_gspo(logp, old, adv, np.zeros_like(m), 0.2, agg=agg)
+        assert float(loss) == 0.0
+    # A length-1 response: the sequence ratio is the token ratio, as in PPO.
+    one = np.zeros_like(m)
+    one[3, 0] = 1.0
+    close(
+        ca.policy_loss_gspo(logp, old, adv, one, 0.2)[0],
+        ca.policy_loss_ppo(logp, old, adv, one, 0.2)[0],
+    )
+    huge = logp.copy()
+    huge[0] = old[0] + 100.0
+    loss, metrics = ca.policy_loss_gspo(huge, old, adv, m, 0.2)
+    grad = jax.grad(lambda x: ca.policy_loss_gspo(x, old, adv, m, 0.2)[0])(jnp.asarray(huge))
+    assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+    close(metrics["log_ratio_clampfrac"], m[0].sum() / m.sum())
+    np.testing.assert_array_equal(np.asarray(grad)[0], 0.0)
+
+
+def test_group_estimators_need_a_group():
+    rl = RLConfig(advantage_estimator="rloo", samples_per_prompt=1)
+    with pytest.raises(
+        ValueError, match=r"^RLConfig.samples_per_prompt: advantage estimator 'rloo'"
+    ):
+        ca.check_algorithm_config(rl, "ppo")
+    ca.check_algorithm_config(dataclasses.replace(rl, samples_per_prompt=2), "ppo")
+    ca.check_algorithm_config(dataclasses.replace(rl, advantage_estimator="reinforce++"), "ppo")
+    with pytest.raises(ValueError, match=r"^RLConfig.policy_loss: unknown policy loss 'gpso'"):
+        ca.check_algorithm_config(dataclasses.replace(rl, policy_loss="gpso"), "grpo")

@@ -117,8 +117,11 @@ def critic_loss(P: int, rl):
 def make_advantage_fn(rl, algorithm: str, group_size: int):
     """A jitted pure function from scored rollouts to (advantages, returns).
 
-    The estimator comes from core_algos' registry: GAE over KL-shaped token rewards for PPO
-    (the score lands on the last response token), group-normalized scores for GRPO.
+    The estimator comes from core_algos' registry (``RLConfig.advantage_estimator``): by default
+    GAE over KL-shaped token rewards for PPO (the score lands on the last response token),
+    group-normalized scores for GRPO. Every estimator gets the same keywords and reads the ones it
+    needs: token rewards (KL-shaped unless the KL is a loss term), scores, values, the mask,
+    gamma, lambda and the group size (``samples_per_prompt``; samples are prompt-major).
     """
     estimator = algos.get_advantage_estimator(algos.advantage_estimator_name(rl, algorithm))
     kl_estimator = algos.kl_estimator_name(rl, algorithm)
