@@ -26,6 +26,13 @@ ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
 ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
 STAGES = ("sft", "rm", "ppo", "grpo")
+# jrlhf.ppo.core_algos.AGG_MODES (config does not import JAX).
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
 # reference scores, the reward model scores (RL) and trains (its supervised stage).
@@ -308,23 +315,46 @@ class RLConfig:
     epochs: int = 2
     minibatch_size: int = 16
     infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
-    # registered in jrlhf.ppo.core_algos: POLICY_LOSSES and ADVANTAGE_ESTIMATORS ("" picks the
-    # stage's own: gae for ppo, grpo for grpo)
+    # Registered in jrlhf.ppo.core_algos (POLICY_LOSSES, ADVANTAGE_ESTIMATORS), any stage:
+    # policy_loss: "ppo" (token-level clipped ratio) or "gspo" (sequence-level ratio
+    #   exp(mean token log-ratio) clipped per sequence; the paper uses clip_eps=3e-4,
+    #   clip_eps_high=4e-4 and loss_agg="seq-mean-token-mean").
+    # advantage_estimator: "" picks the stage's own (gae for ppo, grpo for grpo); "gae";
+    #   "grpo" (group-normalized scores); "drgrpo" (group-centred, no std division; pair with
+    #   loss_agg="seq-mean-token-sum-norm"); "rloo" (leave-one-out group baseline);
+    #   "reinforce++" (discounted returns normalized over the batch); "reinforce++-baseline"
+    #   (group-centred scores normalized over the batch). grpo, drgrpo, rloo and
+    #   reinforce++-baseline need samples_per_prompt >= 2. Only gae reads critic values (the
+    #   ppo stage trains its critic whichever estimator is chosen).
     policy_loss: str = "ppo"
     advantage_estimator: str = ""
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0  # 0 means symmetric clipping
-    dual_clip_c: float = 0.0  # 0 disables dual clip
+    # Dual clip (Ye et al. 2020): on tokens with a negative advantage the loss is bounded by
+    # -A * c, so a stale sample whose ratio has exploded cannot dominate the update. On by default
+    # with c = 3, as in verl and most PPO trainers (it binds only where ratio > 3, rare within a
+    # trust region); must be > 1; 0 disables it.
+    dual_clip_c: float = 3.0
     value_clip_eps: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
     kl_coef: float = 0.05
-    kl_estimator: str = "k1"
+    # KL(policy || reference) estimator: k1, k2, k3 or abs. "" picks k3 when the KL is a loss term
+    # (GRPO, or kl_in_loss), where k1's gradient is zero in expectation (k3's is that of
+    # KL(ref || policy)), and k1 when it is a reward penalty (unbiased for the KL the return pays).
+    kl_estimator: str = ""
     kl_in_loss: bool = False  # GRPO style: KL as a loss term instead of a reward penalty
-    adaptive_kl_target: float = 0.0  # > 0 enables the adaptive controller
+    # > 0 enables the adaptive controller (Ziegler et al.). It observes the configured estimator's
+    # per-token KL: the mean over sequences of each sequence's mean over its response tokens
+    # (verl's choice), so the target is in nats per token, not per sequence.
+    adaptive_kl_target: float = 0.0
     adaptive_kl_horizon: float = 10000.0
     entropy_coef: float = 0.0
+    # How a per-token loss becomes a scalar (core_algos.aggregate_loss): token-mean,
+    # seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm (Dr. GRPO: per-sequence
+    # token sums over the constant max_response_len). The same minibatch loss whatever
+    # RoleConfig.microbatches.
     loss_agg: str = "token-mean"
     reward_scale: float = 1.0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
@@ -348,11 +378,20 @@ class RLConfig:
         _check(self.infer_batch_size >= 0, "RLConfig.infer_batch_size", "must be >= 0")
         if stage == "grpo":
             _check(self.samples_per_prompt >= 2, "RLConfig.samples_per_prompt", "GRPO needs >= 2")
-        _check(self.kl_estimator in ("k1", "k2", "k3", "abs"), "RLConfig.kl_estimator", "k1..k3")
+        _check(
+            self.kl_estimator in ("", "k1", "k2", "k3", "abs"),
+            "RLConfig.kl_estimator",
+            f"unknown estimator {self.kl_estimator!r}; valid: '', 'k1', 'k2', 'k3', 'abs'",
+        )
+        _check(
+            self.dual_clip_c == 0 or self.dual_clip_c > 1,
+            "RLConfig.dual_clip_c",
+            f"must be > 1 (or 0 to disable), got {self.dual_clip_c}",
+        )
         _check(self.temperature > 0, "RLConfig.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "RLConfig.top_p", "must be in (0, 1]")
         _check(
-            self.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+            self.loss_agg in LOSS_AGG_MODES,
             "RLConfig.loss_agg",
             f"unknown aggregation {self.loss_agg!r}",
         )

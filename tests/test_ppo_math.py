@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrlhf.config import ConfigError, RLConfig
 from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def close(actual, expected, **tol):
@@ -69,8 +71,19 @@ def np_agg(loss_bt, mask_bt, mode):
         sel = np_masked_values(loss_bt[b], mask_bt[b])
         if sel.size == 0:
             continue
-        per_row.append(sel.sum() if mode == "seq-mean-token-sum" else sel.mean())
+        if mode == "seq-mean-token-sum":
+            per_row.append(sel.sum())
+        elif mode == "seq-mean-token-sum-norm":  # Dr. GRPO: over the constant row width
+            per_row.append(sel.sum() / loss_bt.shape[1])
+        else:
+            per_row.append(sel.mean())
     return float(np.mean(per_row)) if per_row else 0.0
+
+
+def np_agg_weight(mask_bt, mode):
+    """Tokens for token-mean, non-empty rows otherwise."""
+    m = np.asarray(mask_bt) != 0
+    return float(m.sum()) if mode == "token-mean" else float(m.any(axis=1).sum())
 
 
 def np_gae(rewards, values, mask, gamma, lam):
@@ -208,11 +221,30 @@ def test_aggregate_loss(mask_name, mode):
     assert float(ca.aggregate_loss(loss, np.zeros_like(m), mode)) == 0.0
 
 
+@pytest.mark.parametrize("mode", AGGS)
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_aggregation_weight_splits_consistently(mask_name, mode):
+    """Weighting each part's aggregate by its weight recovers the whole batch's aggregate, for
+    any split of the rows (what gradient accumulation relies on)."""
+    m = MASKS[mask_name]()
+    loss = rand(40, B, T)
+    close(ca.aggregation_weight(m, mode), np_agg_weight(m, mode))
+    for parts in ([0, 2, 4, 6], [0, 3, 6], [0, 1, 4, 5, 6]):
+        num = den = 0.0
+        for lo, hi in itertools.pairwise(parts):
+            w = float(ca.aggregation_weight(m[lo:hi], mode))
+            num += w * float(ca.aggregate_loss(loss[lo:hi], m[lo:hi], mode))
+            den += w
+        close(num / den, np_agg(loss, m, mode))
+    with pytest.raises(ValueError, match="loss aggregation"):
+        ca.aggregation_weight(m, "sum")
+
+
 def test_aggregate_loss_modes_differ_and_unknown_raises():
     m = left_aligned_mask()
     loss = rand(5, B, T) + 3.0
     vals = [float(ca.aggregate_loss(loss, m, mode)) for mode in AGGS]
-    assert len({round(v, 4) for v in vals}) == 3
+    assert len({round(v, 4) for v in vals}) == len(AGGS)
     with pytest.raises(ValueError, match="seq-mean-token-sum"):
         ca.aggregate_loss(loss, m, "sum")
 
@@ -288,6 +320,30 @@ def test_kl_estimators_are_exact_in_expectation():
     assert np.all(np.asarray(ca.kl_penalty(logp, logq, "k3")) >= 0)
 
 
+def test_kl_k3_clamps_large_log_ratios_and_is_unchanged_otherwise():
+    d = np.array([-100.0, -20.0, -19.5, -3.0, 0.0, 2.5, 19.9, 20.0, 80.0], np.float32)
+    ref = np.zeros_like(d)
+    out = np.asarray(ca.kl_penalty(d, ref, "k3"))
+    assert np.all(np.isfinite(out))
+    inside = np.abs(d) <= ca.LOG_RATIO_CLAMP
+    # Bit-identical to the unclamped formula wherever nothing clamps.
+    unclamped = np.asarray(jnp.exp(-jnp.asarray(d)) + jnp.asarray(d) - 1.0)
+    np.testing.assert_array_equal(out[inside], unclamped[inside])
+    close(out[~inside], np_kl(np.clip(d, -20, 20), ref, "k3")[~inside])
+    assert not np.isfinite(unclamped[0])  # what the clamp prevents
+
+
+def test_kl_estimator_defaults_follow_where_the_kl_goes():
+    rl = RLConfig()
+    assert ca.kl_estimator_name(rl, "grpo") == "k3"  # a loss term: k1's gradient is 0 on average
+    assert ca.kl_estimator_name(rl, "ppo") == "k1"  # a reward penalty
+    assert ca.kl_estimator_name(dataclasses.replace(rl, kl_in_loss=True), "ppo") == "k3"
+    for kind in ca.KL_KINDS:  # explicit values are honoured
+        explicit = dataclasses.replace(rl, kl_estimator=kind)
+        assert ca.kl_estimator_name(explicit, "grpo") == ca.kl_estimator_name(explicit, "ppo")
+        assert ca.kl_estimator_name(explicit, "grpo") == kind
+
+
 def test_kl_penalty_unknown_kind():
     with pytest.raises(ValueError, match="k3"):
         ca.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
@@ -314,6 +370,15 @@ def test_adaptive_kl_controller_several_updates():
     assert restored.target == target and float(restored.value) == 0.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctrl.value = 1.0
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_observed_kl_is_per_token_mean_of_the_estimator(kind):
+    m = left_aligned_mask()  # has an empty row, which must not count
+    logp, ref = rand(42, B, T), rand(43, B, T)
+    kl = np_kl(logp, ref, kind)
+    rows = [kl[b][m[b] != 0].mean() for b in range(B) if m[b].any()]
+    close(ca.observed_kl(logp, ref, m, kind), np.mean(rows))
 
 
 def test_fixed_kl_controller_and_factory_errors():
@@ -410,6 +475,44 @@ def test_policy_loss_on_policy_and_bad_dual_clip():
         ca.policy_loss_ppo(logp, logp, adv, m, 0.2, dual_clip_c=1.0)
 
 
+def test_policy_loss_clamps_log_ratio():
+    logp, old, adv, m = ppo_inputs("left")
+    ref_loss, ref_metrics = ca.policy_loss_ppo(logp, old, adv, m, 0.2, dual_clip_c=3.0)
+    assert float(ref_metrics["log_ratio_clampfrac"]) == 0.0
+    # Nothing clamps: identical to the unclamped computation.
+    lr = jnp.asarray(logp) - jnp.asarray(old)
+    ratio = jnp.exp(lr)
+    a = jnp.asarray(adv)
+    tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.2))
+    tok = jnp.where(a < 0, jnp.minimum(tok, -a * 3.0), tok)
+    assert float(ref_loss) == float(ca.aggregate_loss(tok, m, "token-mean"))
+    # A log-ratio of 200 would make exp overflow to inf (and 0 * inf = NaN); clamped it is finite.
+    huge = logp.copy()
+    huge[1, 0], huge[2, 1] = old[1, 0] + 200.0, old[2, 1] - 200.0
+    for agg in AGGS:
+        loss, metrics = ca.policy_loss_ppo(huge, old, adv, m, 0.2, agg=agg)
+        grad = jax.grad(lambda x, agg=agg: ca.policy_loss_ppo(x, old, adv, m, 0.2, agg=agg)[0])(
+            jnp.asarray(huge)
+        )
+        assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+        assert all(np.isfinite(float(v)) for v in metrics.values())
+        close(metrics["log_ratio_clampfrac"], 2 / m.sum())
+
+
+def test_dual_clip_is_on_by_default_and_validated():
+    rl = RLConfig()
+    assert rl.dual_clip_c == 3.0  # verl's default; 0 disables
+    RLConfig(dual_clip_c=0.0).validate("ppo")
+    with pytest.raises(ConfigError, match=r"^RLConfig.dual_clip_c: must be > 1"):
+        RLConfig(dual_clip_c=1.0).validate("ppo")
+    with pytest.raises(ConfigError, match=r"^RLConfig.kl_estimator: unknown estimator 'k4'"):
+        RLConfig(kl_estimator="k4").validate("ppo")
+    # The default bounds a negative-advantage token with a huge ratio at -A * c.
+    logp, old, adv, m = ppo_inputs("left")
+    _, on = ca.policy_loss_ppo(logp, old, adv, m, 0.2, dual_clip_c=rl.dual_clip_c)
+    assert float(on["clipfrac_dual"]) > 0
+
+
 def test_policy_loss_all_masked_is_zero_not_nan():
     logp, old, adv, _ = ppo_inputs("left")
     m = np.zeros((B, T), np.float32)
@@ -442,6 +545,29 @@ def test_value_loss_clipped(mask_name, agg):
         grad = jax.grad(lambda x: ca.value_loss_clipped(x, old, ret, m, eps)[0])(jnp.asarray(v))
         expected = np.where((m != 0) & (e1 >= e2), (v64 - ret64) / m.sum(), 0.0)
         close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_vf_clipfrac_does_not_count_float_rounding():
+    """``V_old + clip(V - V_old)`` rounds away from ``V`` in float32 even when nothing is clipped;
+    the clipped value is ``clip(V, V_old - eps, V_old + eps)``, which equals ``V`` then."""
+    rng = np.random.default_rng(41)
+    eps = np.float32(0.2)
+    old = (rng.uniform(-0.1, 0.1, 4096) * 10.0 ** rng.integers(-4, 1, 4096)).astype(np.float32)
+    v = (old + rng.uniform(-0.19, 0.19, 4096)).astype(np.float32)  # all inside the clip range
+    rounded = (old + np.clip(v - old, -eps, eps)).astype(np.float32)
+    # Put the return one ulp from V, away from its rounded copy: the old formula counts these.
+    ret = np.where(rounded > v, np.nextafter(v, -np.inf), np.nextafter(v, np.inf))
+    m = np.ones_like(v)
+    old_count = ((rounded - ret) ** 2 > (v - ret) ** 2).mean()
+    assert old_count > 0.01  # the case the fix is about
+    loss, metrics = ca.value_loss_clipped(v[None], old[None], ret[None], m[None], float(eps))
+    assert float(metrics["vf_clipfrac"]) == 0.0
+    close(loss, 0.5 * np.mean((v.astype(np.float64) - ret) ** 2))
+    # Every token keeps its gradient (the max no longer picks a rounded, clipped copy).
+    grad = jax.grad(lambda x: ca.value_loss_clipped(x, old[None], ret[None], m[None], 0.2)[0])(
+        jnp.asarray(v[None])
+    )
+    close(grad[0], (v.astype(np.float64) - ret) / v.size, rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------- entropy, SFT
@@ -542,9 +668,10 @@ def test_bradley_terry_loss():
 
 def test_registries():
     assert ca.get_policy_loss("ppo") is ca.policy_loss_ppo
-    with pytest.raises(ValueError, match=r"'nope'.*\['ppo'\]"):
+    assert ca.get_policy_loss("gspo") is ca.policy_loss_gspo
+    with pytest.raises(ValueError, match=r"'nope'.*\['gspo', 'ppo'\]"):
         ca.get_policy_loss("nope")
-    with pytest.raises(ValueError, match=r"'gea'.*\['gae', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"'gea'.*\['drgrpo', 'gae', 'grpo', 'reinforce\+\+', "):
         ca.get_advantage_estimator("gea")
 
     m = ragged_mask()
@@ -590,3 +717,206 @@ def test_losses_jit_with_traced_hyperparameters():
     close(pg, float(eager_pg))
     close(clipfrac, float(eager_metrics["clipfrac"]))
     close(rewards, np.asarray(ca.apply_kl_to_rewards(adv[:, 0], logp, old, m, 0.05, "k3")))
+
+
+# ----------------------------------------------------------------------------- RLOO, REINFORCE++,
+# Dr. GRPO, GSPO
+
+GROUP = 3  # B = 6 rows: two prompts of three samples
+
+
+def group_scores():
+    scores = rand(50, B)
+    scores[GROUP:] = 0.7  # the second prompt's samples all score the same
+    return scores
+
+
+def np_rloo(scores, s):
+    out = np.zeros(len(scores))
+    for g in range(0, len(scores), s):
+        grp = scores[g : g + s].astype(np.float64)
+        for i in range(s):
+            others = np.delete(grp, i)
+            out[g + i] = grp[i] - others.mean() if s > 1 else 0.0
+    return out
+
+
+def np_whiten_tokens(x, m):
+    sel = np_masked_values(x, m)
+    out = (np.asarray(x, np.float64) - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
+    return np.where(m != 0, out, 0.0)
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_rloo_and_drgrpo_estimators(mask_name):
+    m = MASKS[mask_name]()
+    scores = group_scores()
+    expected = np_rloo(scores, GROUP)
+    close(ca.rloo_advantages(scores, GROUP), expected)
+    np.testing.assert_array_equal(np.asarray(ca.rloo_advantages(scores, GROUP))[GROUP:], 0.0)
+    # S / (S - 1) times the group-centred score: the textbook identity.
+    close(expected[:GROUP], GROUP / (GROUP - 1) * (scores[:GROUP] - scores[:GROUP].mean()))
+    np.testing.assert_array_equal(np.asarray(ca.rloo_advantages(scores, 1)), 0.0)
+    adv, ret = ca.get_advantage_estimator("rloo")(
+        scores_b=scores, mask_bt=m, group_size=GROUP, rewards_bt=None, gamma=1.0
+    )
+    close(adv, expected[:, None] * m)
+    close(ret, np.asarray(adv))
+    assert np.all(np.asarray(adv)[m.sum(1) == 0] == 0)  # an all-masked row stays 0
+
+    # Dr. GRPO: centred, never divided by the group's std.
+    adv, _ = ca.get_advantage_estimator("drgrpo")(scores_b=scores, mask_bt=m, group_size=GROUP)
+    centred = np.concatenate(
+        [scores[g : g + GROUP] - scores[g : g + GROUP].astype(np.float64).mean() for g in (0, 3)]
+    )
+    close(adv, centred[:, None] * m)
+
+
+def np_discounted_returns(rewards, m, gamma):
+    out = np.zeros(rewards.shape)
+    for b in range(rewards.shape[0]):
+        running = 0.0
+        for t in reversed(np.nonzero(m[b])[0]):
+            running = rewards[b, t] + gamma * running
+            out[b, t] = running
+    return out
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_reinforce_pp_estimators(mask_name, gamma):
+    m = MASKS[mask_name]()
+    # A score at each row's last valid token plus a per-token KL-style penalty everywhere valid;
+    # garbage at masked positions must not leak.
+    rewards = np.where(m != 0, rand(51, B, T, scale=0.1), 1e3).astype(np.float32)
+    last = np.asarray(ca.last_token_onehot(m))
+    rewards = (rewards + group_scores()[:, None] * last).astype(np.float32)
+    clean = np.where(m != 0, rewards, 0.0)
+
+    returns = np_discounted_returns(clean, m, gamma)
+    adv, ret = ca.get_advantage_estimator("reinforce++")(
+        rewards_bt=rewards, mask_bt=m, gamma=gamma, group_size=GROUP, scores_b=None
+    )
+    close(ret, returns, rtol=1e-5, atol=1e-5)
+    close(adv, np_whiten_tokens(returns, m), rtol=1e-5, atol=1e-5)
+    sel = np_masked_values(np.asarray(adv), m)
+    close([sel.mean(), sel.std(ddof=1)], [0.0, 1.0], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(adv)[m == 0], 0.0)
+
+    totals = clean.sum(1)
+    centred = np.concatenate([totals[g : g + GROUP] - totals[g : g + GROUP].mean() for g in (0, 3)])
+    adv, ret = ca.get_advantage_estimator("reinforce++-baseline")(
+        rewards_bt=rewards, mask_bt=m, gamma=gamma, group_size=GROUP
+    )
+    close(adv, np_whiten_tokens(centred[:, None] * m, m), rtol=1e-5, atol=1e-5)
+    close(ret, np.asarray(adv))
+    np.testing.assert_array_equal(np.asarray(adv)[m == 0], 0.0)
+
+
+def test_reinforce_pp_equal_rewards_and_length_one():
+    m = np.zeros((4, 5), np.float32)
+    m[:, 0] = 1.0  # every response one token long (empty rows: the parametrized tests above)
+    rewards = np.full((4, 5), 0.5, np.float32)
+    for name in ("reinforce++", "reinforce++-baseline"):
+        adv, _ = ca.get_advantage_estimator(name)(
+            rewards_bt=rewards, mask_bt=m, gamma=1.0, group_size=2
+        )
+        np.testing.assert_array_equal(np.asarray(adv), 0.0)  # nothing to prefer: no NaN either
+
+
+def np_gspo(logp, old, adv, m, eps, eps_high, agg):
+    """Sequence ratios exp(mean log-ratio), the clipped surrogate on them, aggregated."""
+    loss = np.zeros(logp.shape)
+    clipped = np.zeros(logp.shape, bool)
+    for b in range(logp.shape[0]):
+        idx = np.nonzero(m[b])[0]
+        if not len(idx):
+            continue
+        s = np.exp(np.mean(logp[b, idx].astype(np.float64) - old[b, idx]))
+        for t in idx:
+            a = np.float64(adv[b, t])
+            l1, l2 = -a * s, -a * min(max(s, 1 - eps), 1 + eps_high)
+            loss[b, t], clipped[b, t] = max(l1, l2), l2 > l1
+    return np_agg(loss, m, agg), clipped
+
+
+def gspo_inputs(mask_name):
+    m = MASKS[mask_name]()
+    logp = rand(52, B, T, scale=0.5)
+    old = (logp + rand(53, B, T, scale=0.05)).astype(np.float32)
+    adv = np.repeat(rand(54, B)[:, None], T, axis=1)  # one advantage per sequence
+    return logp, old, adv, m
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_policy_loss_gspo_matches_numpy(mask_name, agg):
+    logp, old, adv, m = gspo_inputs(mask_name)
+    eps, eps_high = 0.01, 0.02
+    loss, metrics = ca.policy_loss_gspo(logp, old, adv, m, eps, eps_high, 3.0, agg)
+    expected, clipped = np_gspo(logp, old, adv, m, eps, eps_high, agg)
+    close(loss, expected)
+    close(metrics["clipfrac"], clipped[m != 0].mean())
+    assert 0 < clipped[m != 0].mean() < 1  # both branches exercised
+    assert float(metrics["log_ratio_clampfrac"]) == 0.0
+    # On-policy: s = 1 everywhere, the loss is -agg(A), never clipped.
+    loss, metrics = ca.policy_loss_gspo(logp, logp, adv, m, eps, agg=agg)
+    close(loss, np_agg(-adv, m, agg))
+    assert float(metrics["clipfrac"]) == 0.0
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_policy_loss_gspo_gradient_is_the_sequence_level_one(mask_name):
+    """GSPO-token's gradient equals that of the plain sequence-level objective (paper eq. 5):
+    ``s_i = exp(mean_t log-ratio)`` differentiated through the mean."""
+    logp, old, adv, m = gspo_inputs(mask_name)
+    eps, eps_high = 0.01, 0.02
+    mj, oldj, advj = jnp.asarray(m), jnp.asarray(old), jnp.asarray(adv[:, 0])
+
+    def sequence_level(lp):
+        n = mj.sum(1)
+        s = jnp.exp(jnp.where(n > 0, ((lp - oldj) * mj).sum(1) / jnp.maximum(n, 1), 0.0))
+        per_row = jnp.maximum(-advj * s, -advj * jnp.clip(s, 1 - eps, 1 + eps_high))
+        valid = n > 0
+        return jnp.sum(jnp.where(valid, per_row, 0)) / valid.sum()
+
+    def gspo(lp):
+        return ca.policy_loss_gspo(lp, old, adv, m, eps, eps_high, agg="seq-mean-token-mean")[0]
+
+    close(gspo(jnp.asarray(logp)), float(sequence_level(jnp.asarray(logp))))
+    g = np.asarray(jax.grad(gspo)(jnp.asarray(logp)))
+    close(g, np.asarray(jax.grad(sequence_level)(jnp.asarray(logp))), rtol=1e-5, atol=1e-7)
+    assert np.any(g != 0) and np.all(g[m == 0] == 0)
+
+
+def test_policy_loss_gspo_length_one_all_masked_and_clamp():
+    logp, old, adv, m = gspo_inputs("left")  # row 3 has one token, row 4 none
+    for agg in AGGS:
+        loss, _ = ca.policy_loss_gspo(logp, old, adv, np.zeros_like(m), 0.2, agg=agg)
+        assert float(loss) == 0.0
+    # A length-1 response: the sequence ratio is the token ratio, as in PPO.
+    one = np.zeros_like(m)
+    one[3, 0] = 1.0
+    close(
+        ca.policy_loss_gspo(logp, old, adv, one, 0.2)[0],
+        ca.policy_loss_ppo(logp, old, adv, one, 0.2)[0],
+    )
+    huge = logp.copy()
+    huge[0] = old[0] + 100.0
+    loss, metrics = ca.policy_loss_gspo(huge, old, adv, m, 0.2)
+    grad = jax.grad(lambda x: ca.policy_loss_gspo(x, old, adv, m, 0.2)[0])(jnp.asarray(huge))
+    assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+    close(metrics["log_ratio_clampfrac"], m[0].sum() / m.sum())
+    np.testing.assert_array_equal(np.asarray(grad)[0], 0.0)
+
+
+def test_group_estimators_need_a_group():
+    rl = RLConfig(advantage_estimator="rloo", samples_per_prompt=1)
+    with pytest.raises(
+        ValueError, match=r"^RLConfig.samples_per_prompt: advantage estimator 'rloo'"
+    ):
+        ca.check_algorithm_config(rl, "ppo")
+    ca.check_algorithm_config(dataclasses.replace(rl, samples_per_prompt=2), "ppo")
+    ca.check_algorithm_config(dataclasses.replace(rl, advantage_estimator="reinforce++"), "ppo")
+    with pytest.raises(ValueError, match=r"^RLConfig.policy_loss: unknown policy loss 'gpso'"):
+        ca.check_algorithm_config(dataclasses.replace(rl, policy_loss="gpso"), "grpo")

@@ -1,13 +1,16 @@
-"""The sharded SFT step equals the single-device step."""
+"""The sharded SFT step equals the single-device step; RL losses accumulate over micro-batches
+to the minibatch's loss."""
 
 import jax
 import numpy as np
 import optax
 import pytest
 
+from jrlhf.config import RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
-from jrlhf.ppo.core_algos import sft_loss
+from jrlhf.ppo.core_algos import AGG_MODES, sft_loss
+from jrlhf.ppo.trainer import actor_loss, critic_loss
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 
@@ -101,3 +104,58 @@ def test_indivisible_batch_is_one_line():
     step = make_train_step(model, optimizer, sft_loss_fn, mesh, "fsdp_tp")
     with pytest.raises(ValueError, match="'tokens' has 6 rows, not divisible"):
         step(state, make_batch(0, b=6))
+
+
+# ----------------------------------------------------------------------------- RL losses
+
+RL_P, RL_R = 4, 6
+
+
+def rl_batch(b=8, seed=0, vocab=256):
+    """A PPO minibatch in the trainer's layout; rows 0-1 empty (so one micro-batch of 4 has no
+    valid token), rows 2-3 one token long, the rest ragged."""
+    rng = np.random.default_rng(seed)
+    t = RL_P + RL_R
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    lengths = np.array([0, 0, 1, 1, 6, 3, 5, 2])[:b]
+    mask = (np.arange(RL_R)[None, :] < lengths[:, None]).astype(np.float32)
+    normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    old_lp = np.log(rng.uniform(0.001, 0.02, (b, RL_R))).astype(np.float32)
+    return {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "segment_ids": np.ones((b, t), np.int32),
+        "response_tokens": tokens[:, RL_P:],
+        "mask": mask,
+        "old_logprobs": old_lp,
+        "advantages": normal(b, RL_R),
+        "ref_logprobs": (old_lp + 0.3 * normal(b, RL_R)).astype(np.float32),
+        "kl_coef": np.full((b,), 0.1, np.float32),
+        "old_values": normal(b, RL_R),
+        "returns": normal(b, RL_R),
+    }
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
+    """Each micro-batch weighs in by what its aggregation averages over (tokens or sequences),
+    so 1, 2 or 4 micro-batches give the same minibatch loss and update in every mode."""
+    rl = RLConfig(loss_agg=agg, entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
+    mesh = make_mesh("fsdp=1")
+    cases = [
+        ("lm", actor_loss(RL_P, rl, kl_in_loss=True), (1, 2, 4)),
+        ("value", critic_loss(RL_P, rl), (1, 4)),
+    ]
+    for head, loss_fn, splits in cases:
+        model = ModelDef(tiny_config(), head=head)
+        results = []
+        for mb in splits:
+            state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
+            step = make_train_step(model, optax.sgd(0.5), loss_fn, mesh, "fsdp_tp", microbatches=mb)
+            state, metrics = step(state, rl_batch())
+            results.append((float(metrics["loss"]), state.params))
+        (loss1, params1), *others = results
+        for loss, params in others:
+            np.testing.assert_allclose(loss, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

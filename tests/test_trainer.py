@@ -85,6 +85,40 @@ def test_grpo_with_verifiable_reward_improves(base_run, tmp_path):
     assert summary["after"]["gt_score"] > summary["before"]["gt_score"]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["RLConfig.advantage_estimator='rloo'"],
+        ["RLConfig.policy_loss='gspo'", "RLConfig.loss_agg='seq-mean-token-mean'",
+         "RLConfig.clip_eps=3e-3", "RLConfig.advantage_estimator='drgrpo'"],
+    ],
+    ids=["rloo", "gspo-drgrpo"],
+)  # fmt: skip
+def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
+    """A few GRPO-stage iterations with RLOO advantages and with the GSPO loss: the trainer
+    reaches them through RLConfig, and every metric stays finite."""
+    run_dir = tmp_path / "run"
+    bindings = [
+        "RunConfig.stages=('grpo',)",
+        f"actor/RoleConfig.init='ckpt:{base_run}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base_run}/sft'",
+        # The shapes and learning rate of the GRPO run above, so its compiled programs are reused.
+        "actor/RoleConfig.learning_rate=1e-3",
+        "TaskConfig.reward_fn='synthetic_ground_truth'",
+        "RLConfig.iterations=2",
+        "RLConfig.samples_per_prompt=4",
+        *SMALL,
+        *extra,
+    ]
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    rows = [r for r in metric_rows(run_dir, "grpo") if "reward" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert {"train/policy_loss", "train/kl_loss", "train/clipfrac", "kl_token_mean"} <= set(row)
+        for k, v in row.items():
+            assert np.isfinite(v), (k, v)
+
+
 def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
     from jrlhf.cli import convert, evaluate
 

@@ -27,8 +27,12 @@ from jrlhf.models.logprobs import token_logprobs
 
 Array = jax.Array
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs")
+# Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (as verl and OpenRLHF
+# do): exp(20) ~ 5e8 is finite in fp32 and far outside any trust region, so nothing but the
+# gradient of an already hopeless token changes.
+LOG_RATIO_CLAMP = 20.0
 
 
 def _f32(x: Any) -> Array:
@@ -112,9 +116,13 @@ def aggregate_loss(loss_bt: Array, mask_bt: Array, mode: str = "token-mean") -> 
     * ``"token-mean"``: mean over all valid tokens of the batch (long responses weigh more).
     * ``"seq-mean-token-sum"``: per-row sum over valid tokens, then mean over rows.
     * ``"seq-mean-token-mean"``: per-row mean over valid tokens, then mean over rows.
+    * ``"seq-mean-token-sum-norm"``: per-row sum over valid tokens divided by the constant
+      ``T = mask_bt.shape[-1]`` (the maximum response length), then mean over rows: Dr. GRPO's
+      length-unbiased aggregation (every token weighs the same whatever its row's length).
 
     The seq-mean modes average only over rows with at least one valid token, so fully masked rows
     (e.g. padding rows added to fill a batch) do not dilute the loss. Empty masks give 0.
+    ``aggregation_weight`` is what each mode averages over, for accumulating micro-batches.
     """
     loss_bt = _f32(loss_bt)
     m = _mask_like(mask_bt, loss_bt)
@@ -125,6 +133,23 @@ def aggregate_loss(loss_bt: Array, mask_bt: Array, mode: str = "token-mean") -> 
         return masked_mean(masked_sum(loss_bt, m, axis=-1), row_valid_b)
     if mode == "seq-mean-token-mean":
         return masked_mean(masked_mean(loss_bt, m, axis=-1), row_valid_b)
+    if mode == "seq-mean-token-sum-norm":
+        return masked_mean(masked_sum(loss_bt, m, axis=-1) / m.shape[-1], row_valid_b)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
+
+
+def aggregation_weight(mask_bt: Array, mode: str = "token-mean") -> Array:
+    """How many items ``aggregate_loss(., mask_bt, mode)`` averages over: valid tokens for
+    ``"token-mean"``, rows with at least one valid token for the seq-mean modes.
+
+    Gradient accumulation weights each micro-batch's loss by this, so the accumulated loss is the
+    whole minibatch's aggregate however the minibatch is split.
+    """
+    m = _mask_like(mask_bt, _f32(jnp.zeros((), jnp.float32)))
+    if mode == "token-mean":
+        return jnp.sum(m)
+    if mode in AGG_MODES:
+        return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(m.dtype))
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
 
 
@@ -188,15 +213,43 @@ def grpo_advantages(
     """
     scores_b = _f32(scores_b)
     (b,) = scores_b.shape
-    if group_size <= 0 or b % group_size:
-        raise ValueError(f"batch of {b} scores is not a multiple of group_size={group_size}")
-    scores_gs = scores_b.reshape(b // group_size, group_size)
+    scores_gs = _groups(scores_b, group_size)
     centred_gs = scores_gs - jnp.mean(scores_gs, axis=1, keepdims=True)
     if normalize_std:
         ddof = 1 if (unbiased and group_size > 1) else 0
         var_g1 = jnp.sum(jnp.square(centred_gs), axis=1, keepdims=True) / (group_size - ddof)
         centred_gs = centred_gs / (jnp.sqrt(var_g1) + eps)
     return centred_gs.reshape(b)
+
+
+def _groups(scores_b: Array, group_size: int) -> Array:
+    """Prompt-major scores (B,) as (B / group_size, group_size); one-line error otherwise."""
+    (b,) = scores_b.shape
+    if group_size <= 0 or b % group_size:
+        raise ValueError(f"batch of {b} scores is not a multiple of group_size={group_size}")
+    return scores_b.reshape(b // group_size, group_size)
+
+
+def rloo_advantages(scores_b: Array, group_size: int) -> Array:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each sample's score minus the mean score
+    of the *other* samples of its prompt, ``r_i - (sum_j r_j - r_i) / (S - 1)``.
+
+    Prompt-major order as in ``grpo_advantages``. A group of one has no other sample: 0. A constant
+    group gives exactly 0.
+    """
+    scores_gs = _groups(_f32(scores_b), group_size)
+    if group_size == 1:
+        return jnp.zeros_like(scores_gs).reshape(-1)
+    # = S / (S - 1) * (r_i - mean): the centred form keeps a constant group at exactly 0.
+    centred_gs = scores_gs - jnp.mean(scores_gs, axis=1, keepdims=True)
+    return (centred_gs * (group_size / (group_size - 1))).reshape(-1)
+
+
+def discounted_returns(rewards_bt: Array, mask_bt: Array, gamma: float | Array) -> Array:
+    """``G_t = r_t + gamma * G_next`` over each row's valid tokens (holes stepped over), 0 at
+    masked positions: GAE with zero values and ``lam = 1``."""
+    returns_bt, _ = compute_gae(rewards_bt, jnp.zeros_like(_f32(rewards_bt)), mask_bt, gamma, 1.0)
+    return returns_bt
 
 
 def broadcast_to_tokens(values_b: Array, mask_bt: Array) -> Array:
@@ -227,6 +280,55 @@ def grpo_estimator(
     return adv_bt, adv_bt
 
 
+def drgrpo_estimator(*, scores_b: Array, mask_bt: Array, group_size: int, **_: Any):
+    """Dr. GRPO (Liu et al. 2025): group-mean-centred scores without the division by the group's
+    std, which over-weights prompts that are almost always right or wrong. Pair it with
+    ``loss_agg="seq-mean-token-sum-norm"`` for the paper's length-unbiased loss."""
+    adv_bt = broadcast_to_tokens(
+        grpo_advantages(scores_b, group_size, normalize_std=False), mask_bt
+    )
+    return adv_bt, adv_bt
+
+
+def rloo_estimator(*, scores_b: Array, mask_bt: Array, group_size: int, **_: Any):
+    """Registry adapter for ``rloo_advantages``: per-token advantages, returns equal to them."""
+    adv_bt = broadcast_to_tokens(rloo_advantages(scores_b, group_size), mask_bt)
+    return adv_bt, adv_bt
+
+
+def reinforce_pp_estimator(
+    *, rewards_bt: Array, mask_bt: Array, gamma: float | Array, eps: float = 1e-8, **_: Any
+) -> tuple[Array, Array]:
+    """REINFORCE++ (Hu 2025): discounted returns of the token rewards (the score at the last
+    token, minus the KL penalty per token when the KL is a reward), normalized to zero mean and
+    unit variance over every valid token of the batch (no critic, no per-prompt baseline).
+
+    Returns ``(advantages_bt, returns_bt)``; masked positions are 0.
+    """
+    m_bt = _mask_like(mask_bt, _f32(rewards_bt))
+    returns_bt = discounted_returns(rewards_bt, m_bt, gamma)
+    adv_bt = jnp.where(m_bt != 0, masked_whiten(returns_bt, m_bt, eps=eps), 0)
+    return adv_bt, returns_bt
+
+
+def reinforce_pp_baseline_estimator(
+    *, rewards_bt: Array, mask_bt: Array, group_size: int, eps: float = 1e-8, **_: Any
+) -> tuple[Array, Array]:
+    """REINFORCE++ with a per-prompt baseline: each row's total reward minus its prompt group's
+    mean, broadcast to the row's tokens, then normalized over every valid token of the batch.
+
+    Returns ``(advantages_bt, advantages_bt)``; masked positions are 0.
+    """
+    rewards_bt = _f32(rewards_bt)
+    m_bt = _mask_like(mask_bt, rewards_bt)
+    centred_b = grpo_advantages(
+        masked_sum(rewards_bt, m_bt, axis=-1), group_size, normalize_std=False
+    )
+    adv_bt = broadcast_to_tokens(centred_b, m_bt)
+    adv_bt = jnp.where(m_bt != 0, masked_whiten(adv_bt, m_bt, eps=eps), 0)
+    return adv_bt, adv_bt
+
+
 # ----------------------------------------------------------------------------- KL
 
 
@@ -235,7 +337,9 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, kind: str = "k1") -> Array:
 
     With ``d = logprobs - ref_logprobs``:
     ``k1 = d``; ``abs = |d|``; ``k2 = d**2 / 2``;
-    ``k3 = exp(-d) + d - 1`` (Schulman's non-negative, unbiased, low-variance estimator).
+    ``k3 = exp(-d) + d - 1`` (Schulman's non-negative, unbiased, low-variance estimator), with
+    ``d`` clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` first so a far-off token gives a
+    large finite value instead of inf (identical wherever ``|d| <= LOG_RATIO_CLAMP``).
     """
     d = _f32(logprobs) - _f32(ref_logprobs)
     if kind == "k1":
@@ -245,6 +349,7 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, kind: str = "k1") -> Array:
     if kind == "k2":
         return 0.5 * jnp.square(d)
     if kind == "k3":
+        d = jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return jnp.exp(-d) + d - 1.0
     raise ValueError(f"unknown KL penalty kind {kind!r}; valid kinds: {list(KL_KINDS)}")
 
@@ -286,6 +391,14 @@ class AdaptiveKLController:
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+def observed_kl(logprobs_bt: Array, ref_logprobs_bt: Array, mask_bt: Array, kind: str) -> Array:
+    """What the KL controller observes: the ``kind`` estimator's per-token KL, averaged over each
+    row's valid tokens and then over the rows that have any (verl's choice). Per token, so an
+    adaptive target does not depend on the response length."""
+    kl_bt = kl_penalty(logprobs_bt, ref_logprobs_bt, kind)
+    return aggregate_loss(kl_bt, mask_bt, "seq-mean-token-mean")
 
 
 def update_kl_controller(
@@ -353,11 +466,13 @@ def policy_loss_ppo(
     ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))``, where
     ``clip_eps_high`` defaults to ``clip_eps`` (set it larger for DAPO-style clip-higher).
     With ``dual_clip_c`` (Ye et al. 2020, must be > 1) tokens with ``A < 0`` are further bounded by
-    ``-A * c``, so a huge ratio on a bad action cannot blow up the loss.
+    ``-A * c``, so a huge ratio on a bad action cannot blow up the loss. The log-ratio is clamped
+    to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp`` so the ratio stays finite.
 
     Metrics (no gradient): ``clipfrac`` (fraction of valid tokens where the clipped term is active),
     ``clipfrac_dual`` (where the dual clip is active), ``approx_kl`` (mean of ``old_logp - logp``,
-    a k1 estimate of KL(old || new)), ``ratio_mean``.
+    a k1 estimate of KL(old || new), unclamped), ``ratio_mean``, ``log_ratio_clampfrac`` (fraction
+    of valid tokens whose log-ratio was clamped).
     """
     if clip_eps_high is None:
         clip_eps_high = clip_eps
@@ -367,7 +482,7 @@ def policy_loss_ppo(
     m_bt = _mask_like(mask_bt, logprobs_bt)
     adv_bt = _f32(advantages_bt)
     log_ratio_bt = logprobs_bt - _f32(old_logprobs_bt)
-    ratio_bt = jnp.exp(log_ratio_bt)
+    ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
     loss1_bt = -adv_bt * ratio_bt
     loss2_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
@@ -385,6 +500,61 @@ def policy_loss_ppo(
         "clipfrac_dual": masked_mean(dual_bt, m_bt),
         "approx_kl": masked_mean(-log_ratio_bt, m_bt),
         "ratio_mean": masked_mean(ratio_bt, m_bt),
+        "log_ratio_clampfrac": masked_mean(jnp.abs(log_ratio_bt) > LOG_RATIO_CLAMP, m_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def policy_loss_gspo(
+    logprobs_bt: Array,
+    old_logprobs_bt: Array,
+    advantages_bt: Array,
+    mask_bt: Array,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    agg: str = "seq-mean-token-mean",
+) -> tuple[Array, dict[str, Array]]:
+    """GSPO (Zheng et al. 2025): PPO clipping on the sequence-level importance ratio
+    ``s_i = exp(mean_t(logp - old_logp))`` over each response's valid tokens.
+
+    Per token ``max(-A * s, -A * clip(s, 1 - clip_eps, 1 + clip_eps_high))``, written in the
+    GSPO-token form ``s_it = sg(s_i) * p_t / sg(p_t)``: equal to ``s_i`` in value and, for
+    advantages constant along a row, in gradient (``s_i * mean_t grad log p_t`` under
+    ``agg="seq-mean-token-mean"``, the paper's objective). The paper's clip ranges are far smaller
+    than PPO's (3e-4 / 4e-4). ``dual_clip_c`` is accepted for a common signature and unused, as in
+    the paper. The sequence log-ratio is clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]``.
+
+    Metrics (no gradient): ``clipfrac`` (fraction of valid tokens whose row is clipped),
+    ``approx_kl`` and ``log_ratio_clampfrac`` as in ``policy_loss_ppo``, ``ratio_mean`` (mean
+    sequence ratio over rows with valid tokens).
+    """
+    del dual_clip_c
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps
+    logprobs_bt = _f32(logprobs_bt)
+    m_bt = _mask_like(mask_bt, logprobs_bt)
+    adv_bt = _f32(advantages_bt)
+    log_ratio_bt = logprobs_bt - _f32(old_logprobs_bt)
+    seq_log_ratio_b = masked_mean(log_ratio_bt, m_bt, axis=-1)
+    clamped_b = jnp.clip(seq_log_ratio_b, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    over_b = jnp.abs(seq_log_ratio_b) > LOG_RATIO_CLAMP
+    sg = jax.lax.stop_gradient
+    # Each token's ratio has the row's value s_i and the gradient s_i * grad log p_t; a clamped
+    # row has none, as jnp.clip gives PPO's clamped tokens.
+    token_bt = jnp.where(over_b[:, None], 0.0, logprobs_bt - sg(logprobs_bt))
+    ratio_bt = jnp.exp(token_bt + sg(clamped_b)[:, None])
+
+    loss1_bt = -adv_bt * ratio_bt
+    loss2_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    loss_bt = jnp.maximum(loss1_bt, loss2_bt)
+    loss = aggregate_loss(loss_bt, m_bt, agg)
+    row_valid_b = jnp.sum(m_bt, axis=-1) > 0
+    metrics = {
+        "clipfrac": masked_mean(loss2_bt > loss1_bt, m_bt),
+        "approx_kl": masked_mean(-log_ratio_bt, m_bt),
+        "ratio_mean": masked_mean(jnp.exp(clamped_b), row_valid_b),
+        "log_ratio_clampfrac": masked_mean(jnp.broadcast_to(over_b[:, None], m_bt.shape), m_bt),
     }
     return loss, jax.lax.stop_gradient(metrics)
 
@@ -398,21 +568,25 @@ def value_loss_clipped(
     agg: str = "token-mean",
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped value loss: ``0.5 * agg(max((V - R)**2, (V_clip - R)**2))`` with
-    ``V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps)``.
+    ``V_clip = clip(V, V_old - clip_eps, V_old + clip_eps)``.
+
+    ``V`` is clipped directly rather than as ``V_old + clip(V - V_old)``: in float32 the latter
+    can differ from ``V`` by rounding when nothing is clipped, which counted such tokens as clipped
+    and (the max picking the rounded copy) dropped their gradient.
 
     Metrics (no gradient): ``vf_clipfrac`` (fraction of valid tokens where the clipped error is the
-    larger), ``vpred_mean``.
+    larger, which needs ``V_clip != V``), ``vpred_mean``.
     """
     values_bt = _f32(values_bt)
     old_values_bt = _f32(old_values_bt)
     returns_bt = _f32(returns_bt)
     m_bt = _mask_like(mask_bt, values_bt)
-    v_clip_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+    v_clip_bt = jnp.clip(values_bt, old_values_bt - clip_eps, old_values_bt + clip_eps)
     err1_bt = jnp.square(values_bt - returns_bt)
     err2_bt = jnp.square(v_clip_bt - returns_bt)
     loss = 0.5 * aggregate_loss(jnp.maximum(err1_bt, err2_bt), m_bt, agg)
     metrics = {
-        "vf_clipfrac": masked_mean(err2_bt > err1_bt, m_bt),
+        "vf_clipfrac": masked_mean((v_clip_bt != values_bt) & (err2_bt > err1_bt), m_bt),
         "vpred_mean": masked_mean(values_bt, m_bt),
     }
     return loss, jax.lax.stop_gradient(metrics)
@@ -469,12 +643,19 @@ def bradley_terry_loss(
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "ppo": policy_loss_ppo,
+    "gspo": policy_loss_gspo,
 }
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[Array, Array]]] = {
     "gae": gae_estimator,
     "grpo": grpo_estimator,
+    "drgrpo": drgrpo_estimator,
+    "rloo": rloo_estimator,
+    "reinforce++": reinforce_pp_estimator,
+    "reinforce++-baseline": reinforce_pp_baseline_estimator,
 }
+# Estimators that compare the samples of one prompt: they need RLConfig.samples_per_prompt >= 2.
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++-baseline")
 
 
 def _lookup(registry: dict[str, Any], what: str, name: str) -> Any:
@@ -495,15 +676,34 @@ def get_advantage_estimator(name: str) -> Callable[..., tuple[Array, Array]]:
 
 
 def check_algorithm_config(rl: Any, algorithm: str) -> None:
-    """One-line ValueError naming the RLConfig field whose loss or estimator no registry knows."""
+    """One-line ValueError naming the RLConfig field whose loss or estimator no registry knows,
+    or ``samples_per_prompt`` when a group estimator would have no group to compare."""
     try:
         get_policy_loss(rl.policy_loss)
     except ValueError as e:
         raise ValueError(f"RLConfig.policy_loss: {e}") from None
+    name = advantage_estimator_name(rl, algorithm)
     try:
-        get_advantage_estimator(advantage_estimator_name(rl, algorithm))
+        get_advantage_estimator(name)
     except ValueError as e:
         raise ValueError(f"RLConfig.advantage_estimator: {e}") from None
+    if name in GROUP_ESTIMATORS and rl.samples_per_prompt < 2:
+        raise ValueError(
+            f"RLConfig.samples_per_prompt: advantage estimator {name!r} compares the samples of a "
+            f"prompt and needs >= 2, got {rl.samples_per_prompt}"
+        )
+
+
+def kl_in_loss(rl: Any, algorithm: str) -> bool:
+    """Whether the KL to the reference is a loss term (GRPO, or RLConfig.kl_in_loss) rather than
+    a per-token reward penalty."""
+    return bool(rl.kl_in_loss) or algorithm == "grpo"
+
+
+def kl_estimator_name(rl: Any, algorithm: str) -> str:
+    """RLConfig.kl_estimator, or by default k3 where the KL is a loss term (k1's gradient is zero
+    in expectation there) and k1 where it is a reward penalty."""
+    return rl.kl_estimator or ("k3" if kl_in_loss(rl, algorithm) else "k1")
 
 
 def advantage_estimator_name(rl: Any, algorithm: str) -> str:

@@ -55,11 +55,16 @@ _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
 _EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
 
 
-def actor_loss(P: int, rl, kl_in_loss: bool):
+def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     """The actor's training loss on a minibatch: the configured policy loss
     (``RLConfig.policy_loss``, core_algos' registry), minus the entropy bonus, plus the KL term
-    when the KL is a loss term (GRPO)."""
+    (``kl_estimator``, default ``RLConfig.kl_estimator`` or k3) when the KL is a loss term (GRPO).
+
+    Its ``weight`` metric is what ``RLConfig.loss_agg`` averages over (tokens or sequences), so
+    gradient accumulation over micro-batches gives the minibatch's loss however it is split.
+    """
     policy_loss = algos.get_policy_loss(rl.policy_loss)
+    kl_estimator = kl_estimator or rl.kl_estimator or "k3"
 
     def loss_fn(module, batch):
         logp, entropy = rl_batch.response_logprobs(module, batch, P, with_entropy=True)
@@ -79,17 +84,20 @@ def actor_loss(P: int, rl, kl_in_loss: bool):
         if rl.entropy_coef:
             loss = loss - rl.entropy_coef * ent
         if kl_in_loss:
-            kl = algos.kl_penalty(logp, batch["ref_logprobs"], rl.kl_estimator)
+            kl = algos.kl_penalty(logp, batch["ref_logprobs"], kl_estimator)
             kl_term = algos.aggregate_loss(kl, mask, rl.loss_agg)
             loss = loss + batch["kl_coef"][0] * kl_term
             metrics["kl_loss"] = kl_term
-        return loss, dict(metrics, weight=mask.sum())
+            if kl_estimator == "k3":  # the only estimator that exponentiates, hence clamps
+                d = jnp.abs(logp - batch["ref_logprobs"]) > algos.LOG_RATIO_CLAMP
+                metrics["kl_clampfrac"] = jax.lax.stop_gradient(algos.masked_mean(d, mask))
+        return loss, dict(metrics, weight=algos.aggregation_weight(mask, rl.loss_agg))
 
     return loss_fn
 
 
 def critic_loss(P: int, rl):
-    """The critic's clipped value loss on a minibatch."""
+    """The critic's clipped value loss on a minibatch (``weight`` as in :func:`actor_loss`)."""
 
     def loss_fn(module, batch):
         values = rl_batch.response_values(module, batch, P)
@@ -101,7 +109,8 @@ def critic_loss(P: int, rl):
             rl.value_clip_eps,
             agg=rl.loss_agg,
         )
-        return loss, dict(metrics, value_loss=loss, weight=batch["mask"].sum())
+        weight = algos.aggregation_weight(batch["mask"], rl.loss_agg)
+        return loss, dict(metrics, value_loss=loss, weight=weight)
 
     return loss_fn
 
@@ -109,17 +118,21 @@ def critic_loss(P: int, rl):
 def make_advantage_fn(rl, algorithm: str, group_size: int):
     """A jitted pure function from scored rollouts to (advantages, returns).
 
-    The estimator comes from core_algos' registry: GAE over KL-shaped token rewards for PPO
-    (the score lands on the last response token), group-normalized scores for GRPO.
+    The estimator comes from core_algos' registry (``RLConfig.advantage_estimator``): by default
+    GAE over KL-shaped token rewards for PPO (the score lands on the last response token),
+    group-normalized scores for GRPO. Every estimator gets the same keywords and reads the ones it
+    needs: token rewards (KL-shaped unless the KL is a loss term), scores, values, the mask,
+    gamma, lambda and the group size (``samples_per_prompt``; samples are prompt-major).
     """
     estimator = algos.get_advantage_estimator(algos.advantage_estimator_name(rl, algorithm))
+    kl_estimator = algos.kl_estimator_name(rl, algorithm)
 
     def advantages(scores_b, logp_bt, ref_logp_bt, values_bt, mask_bt, kl_coef):
-        if rl.kl_in_loss or algorithm == "grpo":
+        if algos.kl_in_loss(rl, algorithm):
             rewards_bt = scores_b[:, None] * algos.last_token_onehot(mask_bt)
         else:
             rewards_bt = algos.apply_kl_to_rewards(
-                scores_b, logp_bt, ref_logp_bt, mask_bt, kl_coef, rl.kl_estimator
+                scores_b, logp_bt, ref_logp_bt, mask_bt, kl_coef, kl_estimator
             )
         adv, returns = estimator(
             rewards_bt=rewards_bt,
@@ -156,14 +169,15 @@ class RLTrainer:
         self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
         self.group = cfg.rl.samples_per_prompt
         self.use_critic = algorithm == "ppo"
-        self.kl_in_loss = cfg.rl.kl_in_loss or algorithm == "grpo"
+        self.kl_in_loss = algos.kl_in_loss(cfg.rl, algorithm)
+        self.kl_estimator = algos.kl_estimator_name(cfg.rl, algorithm)
         self.seed = seed = cfg.run.seed
         batch_size = self.rl.infer_batch_size
 
         # Trained roles: optimizer, sharded state and jitted step on their training mesh.
         self.trained = ["actor", "critic"] if self.use_critic else ["actor"]
         losses = {
-            "actor": actor_loss(self.P, self.rl, self.kl_in_loss),
+            "actor": actor_loss(self.P, self.rl, self.kl_in_loss, self.kl_estimator),
             "critic": critic_loss(self.P, self.rl),
         }
         self.opts, self.states, self.steps = {}, {}, {}
@@ -313,11 +327,19 @@ class RLTrainer:
             ph.block_on((self.gen_params, self.critic_infer_params))
 
         summary = self.scorer.summarize(arrays, rep_prompts, responses)
-        self.kl_ctl = self.kl_ctl.update(summary["kl_to_ref"], len(responses))
+        # The adaptive controller observes the configured estimator's per-token KL (see
+        # RLConfig.adaptive_kl_target); the reported "kl" stays the per-sequence sum of k1.
+        kl_token = float(
+            algos.observed_kl(
+                arrays["old_logprobs"], arrays["ref_logprobs"], mask, self.kl_estimator
+            )
+        )
+        self.kl_ctl = self.kl_ctl.update(kl_token, len(responses))
         lengths = mask.sum(axis=1)
         metrics = {
             "reward": summary["reward"],
             "kl": summary["kl_to_ref"],
+            "kl_token_mean": kl_token,
             "kl_coef": float(kl_coef),
             "response_len": summary["response_len"],
             "tokens_per_sec": float(lengths.sum() / max(timer.totals["generate"], 1e-9)),
