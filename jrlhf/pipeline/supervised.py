@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jrlhf import checkpoint
+from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
@@ -72,7 +72,7 @@ def _train_loop(
     for i in range(steps):
         state, metrics = step_fn(state, next(batches))
         if (i + 1) % 25 == 0 or i + 1 == steps:
-            values = {f"{tag}/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+            values = {f"{tag}/{k}": float(v) for k, v in to_host(metrics).items()}
             values[f"{tag}/steps_per_s"] = (i + 1) / (time.perf_counter() - start)
             logger.log(i + 1, values)
     return state.params
