@@ -1,4 +1,5 @@
-"""Several JAX processes (multi-controller) over one global mesh: who writes, and when to wait.
+"""Several JAX processes (multi-controller) over one global mesh: who writes, when to wait, and
+which processes own a sharding's devices.
 
 Every process runs the same program. Files outside Orbax checkpoints (configs, logs, summaries,
 model descriptions) are written by process 0 alone; a decision that depends on files on disk is
@@ -49,8 +50,8 @@ def host_barrier(name: str) -> None:
 
 def job_mesh(single: str, axis: str) -> str:
     """A command-line tool's default mesh: ``single`` for one process; with several, ``axis``
-    over every device of the job (a mesh must hold devices of every process: a process that owns
-    none of an array's shards cannot restore or compute it)."""
+    over every device of the job (the tools are tested on meshes over every process only; the
+    RL pipeline also runs plans that separate processes, see jrlhf.reshard.processes)."""
     return single if jax.process_count() == 1 else f"{axis}={jax.device_count()}"
 
 
