@@ -131,8 +131,8 @@ def test_every_entry_point_reports_a_partial_environment(main, argv, monkeypatch
 def transfer_address():
     """jax_cross_host_transfer_socket_address, restored after the test (it is read only when a
     backend starts, so setting it here changes nothing else)."""
-    before = jax.config.jax_cross_host_transfer_socket_address
-    yield lambda: jax.config.jax_cross_host_transfer_socket_address
+    before = jax.config.read("jax_cross_host_transfer_socket_address")
+    yield lambda: jax.config.read("jax_cross_host_transfer_socket_address")
     jax.config.update("jax_cross_host_transfer_socket_address", before)
 
 
