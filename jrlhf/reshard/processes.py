@@ -3,11 +3,11 @@
 With several JAX processes a plan may put a call on the devices of some processes only (e.g.
 ``separate`` on 2 processes x 4 devices: generation on process 0's, training on process 1's).
 Every process still runs the same program: a jitted call on a mesh without any of this process's
-devices is a no-op here and returns an array with no local shards. Two things need help and live
-here, beside the resharder that moves weights between such meshes:
+devices is a no-op here and returns an array with no local shards. Besides the weight transfer
+(the resharder's ``device_put+jit`` path) and reading a value on every process
+(``jrlhf.meshes.batch.to_host``: the owners replicate it on their mesh and the first one
+broadcasts it from host memory), two things need help and live here:
 
-* reading a value on every process: ``jrlhf.meshes.batch.to_host`` (the owners replicate it on
-  their mesh and the first one broadcasts it from host memory);
 * Orbax saves only arrays that span every process and restores only onto such shardings: an array
   is saved as a *copies* view (:func:`spanning`) -- its shards plus same-shape copies on the
   devices of the processes it lacks (cross-host ``jax.device_put`` to a twin sharding), one
