@@ -19,8 +19,11 @@ name and renames it once every item is committed, so an interrupted save is neve
 
 Restoring builds abstract arrays carrying the *target* mesh's shardings and hands them to Orbax
 as the restore target (:func:`restore_target`), so each device reads only its own shard, whatever
-mesh the checkpoint was written from. Everything about a trainer checkpoint is read through
-Orbax's API (``CheckpointManager.latest_step``, ``metadata``, ``restore``), never its file names.
+mesh the checkpoint was written from. An array on a mesh that lacks some process (a placement
+that separates processes) is saved and restored through its copies view
+(jrlhf.reshard.processes), since Orbax handles only arrays over every process. Everything
+about a trainer checkpoint is read through Orbax's API (``CheckpointManager.latest_step``,
+``metadata``, ``restore``), never its file names.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jrlhf.meshes.processes import all_processes, barrier, is_primary
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.reshard.processes import local_part, spanning, spanning_target
 
 log = logging.getLogger("jrlhf")
 
@@ -118,7 +122,7 @@ def save_model(directory: str | os.PathLike, model: ModelDef, params: Params) ->
     barrier(f"save_model:{directory}")  # every process has checked before any writes
     directory.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / PARAMS_DIR, params)
+    checkpointer.save(directory / PARAMS_DIR, spanning(params))
     checkpointer.wait_until_finished()
     # model.json last: a directory without it is an incomplete save, never mistaken for a good one.
     if is_primary():
@@ -134,11 +138,14 @@ def restore_params(
     damaged tree is a CheckpointError naming the directory."""
     target = restore_target(model.abstract_params, model.shardings(mesh, rules))
     try:
-        return ocp.StandardCheckpointer().restore(Path(params_dir).absolute(), target)
+        restored = ocp.StandardCheckpointer().restore(
+            Path(params_dir).absolute(), spanning_target(target)
+        )
     except Exception as e:  # Orbax and tensorstore raise many types for a damaged tree
         raise CheckpointError(
             f"{params_dir}: damaged parameters ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
         ) from None
+    return local_part(restored, target)
 
 
 def restore_model_params(
@@ -176,9 +183,9 @@ def save_trainer_state(
     meta = {**meta, MODELS_KEY: {role: model_entry(models[role]) for role in states}}
     args = {META_ITEM: ocp.args.JsonSave(meta)}
     for role, state in states.items():
-        args[params_item(role)] = ocp.args.StandardSave(state.params)
+        args[params_item(role)] = ocp.args.StandardSave(spanning(state.params))
         args[opt_state_item(role)] = ocp.args.StandardSave(
-            {"step": state.step, "opt_state": state.opt_state}
+            spanning({"step": state.step, "opt_state": state.opt_state})
         )
     manager.save(step, args=ocp.args.Composite(**args))
 
@@ -261,9 +268,9 @@ def restore_trainer_state(
     """
     args = {META_ITEM: ocp.args.JsonRestore()}
     for role, target in targets.items():
-        args[params_item(role)] = ocp.args.StandardRestore(target.params)
+        args[params_item(role)] = ocp.args.StandardRestore(spanning_target(target.params))
         args[opt_state_item(role)] = ocp.args.StandardRestore(
-            {"step": target.step, "opt_state": target.opt_state}
+            spanning_target({"step": target.step, "opt_state": target.opt_state})
         )
 
     def restore(step: int) -> dict[str, Any]:
@@ -277,9 +284,12 @@ def restore_trainer_state(
     _set_aside_newer(manager, step)
     states = {}
     for role, target in targets.items():
-        opt = restored[opt_state_item(role)]
+        opt = local_part(
+            restored[opt_state_item(role)], {"step": target.step, "opt_state": target.opt_state}
+        )
+        params = local_part(restored[params_item(role)], target.params)
         states[role] = dataclasses.replace(
-            target, step=opt["step"], params=restored[params_item(role)], opt_state=opt["opt_state"]
+            target, step=opt["step"], params=params, opt_state=opt["opt_state"]
         )
     return dict(restored[META_ITEM]), states
 
@@ -382,8 +392,8 @@ def load_model(
         model = model_from_entry(models[role])
         target = restore_target(model.abstract_params, model.shardings(mesh, rules))
         item = params_item(role)
-        args = ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
-        return model, manager.restore(step, args=args)[item]
+        args = ocp.args.Composite(**{item: ocp.args.StandardRestore(spanning_target(target))})
+        return model, local_part(manager.restore(step, args=args)[item], target)
 
     with _reader(base) as manager:
         if explicit:

@@ -44,7 +44,10 @@ def metric_rows(run_dir: Path, stage: str = "ppo") -> list[dict]:
             {
                 k: v
                 for k, v in row.items()
-                if not k.startswith("time") and k != "tokens_per_sec" and v is not None
+                # timings, and the bytes a plan's weight transition moves, differ between plans
+                if not k.startswith(("time", "reshard/"))
+                and k != "tokens_per_sec"
+                and v is not None
             }
         )
     return rows

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from jrlhf.cli import bench, calibrate, convert, evaluate, generate, launch, train
-from jrlhf.runtime import job_env
+from jrlhf.runtime import distributed, job_env
 from jrlhf.runtime.devices import with_host_device_count
 from jrlhf.runtime.job_env import DistributedError, JobSpec, Timeouts, job_spec_from_env
 
@@ -124,6 +125,29 @@ def test_every_entry_point_reports_a_partial_environment(main, argv, monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and job_env.PROCESS_ID in err
+
+
+@pytest.fixture
+def transfer_address():
+    """jax_cross_host_transfer_socket_address, restored after the test (it is read only when a
+    backend starts, so setting it here changes nothing else)."""
+    before = jax.config.read("jax_cross_host_transfer_socket_address")
+    yield lambda: jax.config.read("jax_cross_host_transfer_socket_address")
+    jax.config.update("jax_cross_host_transfer_socket_address", before)
+
+
+def test_cross_host_transfer_address_from_the_environment(transfer_address):
+    """Every process of a job of several gets its own transfer socket: a free port on loopback
+    by default (coordinator on loopback), JRLHF_TRANSFER_ADDRESS's host and port when given;
+    a bad port is one line naming the variable."""
+    info = distributed.ProcessInfo(process_id=1, num_processes=2, coordinator="127.0.0.1:1234")
+    distributed._use_cross_host_transfers(info, {})
+    host, port = transfer_address().split(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    distributed._use_cross_host_transfers(info, {distributed.TRANSFER_ADDRESS: "127.0.0.1:4567"})
+    assert transfer_address() == "127.0.0.1:4567"
+    with pytest.raises(DistributedError, match="JRLHF_TRANSFER_ADDRESS='h:x': the port"):
+        distributed._use_cross_host_transfers(info, {distributed.TRANSFER_ADDRESS: "h:x"})
 
 
 def test_unreachable_coordinator_fails_within_the_timeout():

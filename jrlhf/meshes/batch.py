@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from jrlhf.meshes.processes import owners, spans_all_processes
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 
 
@@ -64,7 +65,64 @@ def _leaf_to_host(x: Any) -> Any:
 def to_host(tree: Any) -> Any:
     """The global value of every array in ``tree`` as NumPy, on every process.
 
-    Arrays on this process's devices (or replicated) are fetched directly; an array with shards
-    on other processes' devices is all-gathered, which every process must do at the same point
-    of the program (SPMD)."""
-    return jax.tree.map(_leaf_to_host, tree)
+    Arrays on this process's devices are fetched directly; an array with shards on other
+    processes' devices is all-gathered (or, on a mesh that lacks some process, broadcast by its
+    first owner: :func:`to_host_many`), which every process must do at the same point of the
+    program (SPMD)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    # The same choice on every process (a mesh's owners see its arrays fully addressable).
+    apart = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not spans_all_processes(x.sharding)
+    ]
+    out = [None if i in apart else _leaf_to_host(x) for i, x in enumerate(leaves)]
+    if apart:
+        for i, v in zip(apart, to_host_many([leaves[i] for i in apart])):
+            out[i] = v
+    return treedef.unflatten(out)
+
+
+def to_host_many(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """The global values of ``arrays``, each on a mesh that lacks some process, on every process.
+
+    The first owner of each array broadcasts it (the owners first replicate it on its own mesh);
+    every process must make the same call at the same point of the program (SPMD).
+    """
+    me = jax.process_index()
+    values: list[Any] = [None] * len(arrays)
+    by_source: dict[int, list[int]] = {}
+    for i, x in enumerate(arrays):
+        s = x.sharding
+        source = min(owners(s))
+        by_source.setdefault(source, []).append(i)
+        if me in owners(s):
+            whole = _replicate(x)
+            values[i] = np.asarray(whole.addressable_data(0))
+        else:
+            values[i] = np.zeros(x.shape, x.dtype)
+    out: list[Any] = [None] * len(arrays)
+    for source, idx in sorted(by_source.items()):
+        # psum does not take booleans; a sum with zeros is exact for every other dtype.
+        sent = [values[i].view(np.uint8) if values[i].dtype == bool else values[i] for i in idx]
+        got = multihost_utils.broadcast_one_to_all(sent, is_source=me == source)
+        for i, v in zip(idx, got):
+            v = np.asarray(v)
+            out[i] = v.view(bool) if arrays[i].dtype == bool else v.astype(arrays[i].dtype)
+    return out
+
+
+_replicators: dict[Sharding, Any] = {}
+
+
+def _replicate(x: jax.Array) -> jax.Array:
+    """``x`` replicated over its own mesh (every owner then holds the whole value)."""
+    if x.is_fully_replicated:
+        return x
+    s = x.sharding
+    mesh = s.mesh if isinstance(s, NamedSharding) else Mesh(np.array(s._device_assignment), ("d",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    fn = _replicators.get(rep)
+    if fn is None:
+        fn = _replicators[rep] = jax.jit(lambda a: a, out_shardings=rep)
+    return fn(x)

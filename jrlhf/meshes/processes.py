@@ -1,4 +1,5 @@
-"""Several JAX processes (multi-controller) over one global mesh: who writes, and when to wait.
+"""Several JAX processes (multi-controller) over one global mesh: who writes, when to wait, and
+which processes own a sharding's devices.
 
 Every process runs the same program. Files outside Orbax checkpoints (configs, logs, summaries,
 model descriptions) are written by process 0 alone; a decision that depends on files on disk is
@@ -9,9 +10,13 @@ the others waiting in a collective). With one process both are no-ops.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed
 from jax.experimental import multihost_utils
+from jax.sharding import Sharding
 
 
 def is_primary() -> bool:
@@ -34,8 +39,37 @@ def all_processes(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
+# Bound on a host barrier: generous, since one side may be copying weights meanwhile; a process
+# that died is noticed sooner by the coordination service's heartbeat, which aborts the job.
+HOST_BARRIER_TIMEOUT_S = 600
+_host_barriers = itertools.count()
+
+
+def host_barrier(name: str) -> None:
+    """Wait until every process reaches this point, through JAX's coordination service alone.
+
+    Unlike :func:`barrier` (a collective on every device) it runs no device work, so it may
+    follow a cross-host transfer: a process whose devices sit in a collective cannot serve the
+    transfers other processes are waiting for. Every process must call it in the same order.
+    """
+    if jax.process_count() == 1:
+        return
+    client = _jax_distributed.global_state.client
+    client.wait_at_barrier(f"jrlhf:{name}:{next(_host_barriers)}", HOST_BARRIER_TIMEOUT_S * 1000)
+
+
 def job_mesh(single: str, axis: str) -> str:
     """A command-line tool's default mesh: ``single`` for one process; with several, ``axis``
-    over every device of the job (a mesh must hold devices of every process: a process that owns
-    none of an array's shards cannot restore or compute it)."""
+    over every device of the job (the tools are tested on meshes over every process only; the
+    RL pipeline also runs plans that separate processes, see jrlhf.reshard.processes)."""
     return single if jax.process_count() == 1 else f"{axis}={jax.device_count()}"
+
+
+def owners(sharding: Sharding) -> frozenset[int]:
+    """The processes that own devices of ``sharding``."""
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+def spans_all_processes(sharding: Sharding) -> bool:
+    """Whether every process of the job owns a device of ``sharding``."""
+    return len(owners(sharding)) == jax.process_count()

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrlhf import checkpoint
+from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import bradley_terry_loss, sft_loss
@@ -138,16 +139,16 @@ def _supervised_stage(
         if os.environ.get(EXIT_AT_STEP_ENV) == f"{name}:{step}":
             os._exit(137)  # test hook: a preempted job, no cleanup
         if step % 25 == 0 or step == steps:
-            skipped = guard.record(role, jax.device_get(pending), f"step {step}")
+            skipped = guard.record(role, to_host(pending), f"step {step}")
             pending = []
-            values = {f"{name}/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+            values = {f"{name}/{k}": float(v) for k, v in to_host(metrics).items()}
             values[f"{name}/skipped_updates"] = float(skipped)
             del values[f"{name}/skipped"]
             values[f"{name}/steps_per_s"] = (step - start_step) / (time.perf_counter() - start)
             logger.log(step, values)
         every = stage_cfg.checkpoint_every
         if every and step % every == 0 and step < steps:
-            guard.record(role, jax.device_get(pending), f"step {step}")
+            guard.record(role, to_host(pending), f"step {step}")
             pending = []
             check_finite(state, f"{name} {role} at step {step}")
             meta = {"step": step, "stage": name, "seed": seed}

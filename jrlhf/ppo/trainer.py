@@ -28,6 +28,7 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
+from jrlhf.meshes.batch import to_host
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
@@ -253,15 +254,19 @@ class RLTrainer:
             async_save=self.rl.async_checkpoint,
         )
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> int:
         """Follow the plan's reshard edges: each trained role's parameters move from its
-        training layout to the layout of the call that reads them next."""
+        training layout to the layout of the call that reads them next (between processes
+        when the plan separates them: jrlhf.reshard). Returns the bytes that crossed devices."""
+        moved = 0
         for edge in self.edges:
             setup = self.roles[edge.role]
             phase = "generate" if edge.dst.endswith("_generate") else "infer"
-            self.moved[edge.role] = self.resharder(
-                self.states[edge.role].params, setup.shardings(phase)
-            )
+            params = self.states[edge.role].params
+            transition = self.resharder.plan(params, setup.shardings(phase))
+            self.moved[edge.role] = transition.run(params)
+            moved += transition.bytes_moved
+        return moved
 
     @property
     def gen_params(self):
@@ -323,7 +328,7 @@ class RLTrainer:
             train_metrics = self.update(arrays, kl_coef)  # fetches its metrics: synchronous
 
         with timer.phase("reshard") as ph:
-            self.sync_weights()
+            moved = self.sync_weights()
             ph.block_on((self.gen_params, self.critic_infer_params))
 
         summary = self.scorer.summarize(arrays, rep_prompts, responses)
@@ -344,6 +349,11 @@ class RLTrainer:
             "response_len": summary["response_len"],
             "tokens_per_sec": float(lengths.sum() / max(timer.totals["generate"], 1e-9)),
             **timer.summary(),
+            # The weight transition after the update: its time is time/reshard (this
+            # process's wall time; process 0's is logged, which with separated processes
+            # receives the actor, so it includes the cross-host transfer); these are the bytes
+            # that crossed devices (shard-for-shard copies and layout changes).
+            "reshard/bytes": float(moved),
             **train_metrics,
         }
         if "gt_score" in summary:
@@ -381,7 +391,7 @@ class RLTrainer:
                     self.states["critic"], cm = self.steps["critic"](self.states["critic"], cbatch)
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
                 collected.append(m)
-        stacked = jax.device_get({k: [m[k] for m in collected] for k in collected[0]})
+        stacked = to_host({k: [m[k] for m in collected] for k in collected[0]})
         where = f"iteration {self.iteration + 1}"  # as metrics and checkpoints number it
         out = {
             "train/skipped_updates": float(self.guard.record("actor", stacked["skipped"], where))

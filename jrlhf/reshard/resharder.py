@@ -14,8 +14,13 @@ How a transition runs depends on the device sets:
   The source layout is copied shard-for-shard onto the target devices (``jax.device_put`` to a
   "twin" sharding with the same partitioning: a plain device-to-device copy, no compile, each
   byte crosses once), then a cached jit reshards there.
+  The same path moves weights between processes (a placement that separates processes):
+  ``jax.device_put`` between disjoint device sets of different processes is a cross-host transfer
+  (each process made the call; jrlhf.runtime.distributed configures its socket), which JAX
+  supports exactly for same-shape twin shardings; the jit then runs on the target processes only.
 * ``device_put``: anything else (different device counts, non-named shardings): JAX's own
-  ``jax.device_put`` to the target, which may stage through the host.
+  ``jax.device_put`` to the target, which may stage through the host. Between meshes of different
+  processes JAX cannot do this, and the transition is refused in one line.
 
 Before the first run, ``memory_report()`` gives the peak bytes per device (XLA's compiled memory
 analysis where it answers, else the shardings), and a configured budget refuses the transition.
@@ -32,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from jrlhf.meshes.processes import host_barrier
 from jrlhf.reshard import layout
 from jrlhf.reshard.memory import ParkedTree, park_to_host
 
@@ -164,6 +170,13 @@ class Transition:
         self._twins: list[NamedSharding] | None = None
         before = backend_compile_count()
         self.path = self._choose_path()
+        self.crosses_processes = self._crosses_processes()
+        if self.path == "device_put" and self.crosses_processes:
+            raise ValueError(
+                f"reshard {self.describe()}: the target's devices belong to other processes "
+                "and the layouts have different device counts; JAX moves arrays between "
+                "processes only shard for shard (give both meshes as many devices)"
+            )
         if self.path == "jit":
             self._build_jit()
         elif self.path == "device_put+jit":
@@ -195,6 +208,11 @@ class Transition:
         ):
             return "device_put+jit"
         return "device_put"
+
+    def _crosses_processes(self) -> bool:
+        src = {d.process_index for s in self.src for d in s.device_set}
+        dst = {d.process_index for s in self.dst for d in s.device_set}
+        return src != dst
 
     def _abstract(self, shardings) -> list[jax.ShapeDtypeStruct]:
         return [
@@ -327,8 +345,14 @@ class Transition:
             # No donate= here: donating into a cross-device device_put crashes the CPU client
             # (jax 0.10.2, segfault). The source is freed below, once the copy has landed.
             twins = jax.device_put(leaves, self._twins)
-            if self.donate:
+            if self.donate or self.crosses_processes:
                 jax.block_until_ready(twins)
+            if self.crosses_processes:
+                # The receivers have their copies once every process passes this barrier. It
+                # uses no device: a sender whose devices sat in a collective (the next
+                # all-gather) could not serve the transfer, and a sender may reuse (donate)
+                # its buffers only afterwards.
+                host_barrier("reshard")
             out = self._compiled(twins)
         else:
             out = jax.device_put(leaves, self.dst, donate=self.donate)

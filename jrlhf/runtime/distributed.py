@@ -28,6 +28,14 @@ Not bounded by JAX: a process that hangs while alive (its heartbeats go on) keep
 in their next collective (gloo did not give up within 180 s in a test); a launcher's or
 scheduler's time limit bounds that.
 
+Moving arrays between the devices of different processes (a placement that separates processes,
+jrlhf.reshard) uses JAX's cross-host transfers, which on backends without their own (CPU, GPU)
+go over a socket per process: :func:`initialize` gives every process of a job of more than one
+an address, ``JRLHF_TRANSFER_ADDRESS`` (``host`` or ``host:port``; default: 127.0.0.1 when the
+coordinator is on this machine's loopback, else this host's name as resolved here) with a free
+port unless one is named. On several machines it must be the address the others reach this
+process at.
+
 A process of a multi-process job that fails must not wait at that shutdown barrier for processes
 that are still working (it would wait the whole shutdown timeout, then JAX aborts it and its exit
 status is lost): the entry points pass their exit status through :func:`end_process`, and an
@@ -219,6 +227,37 @@ def _use_cpu_collectives() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+TRANSFER_ADDRESS = "JRLHF_TRANSFER_ADDRESS"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _use_cross_host_transfers(info: ProcessInfo, environ: Mapping[str, str]) -> None:
+    """Give this process the socket address JAX's cross-host transfers listen on (see the module
+    docstring); set before the backends start, after joining (the process count is known)."""
+    value = environ.get(TRANSFER_ADDRESS, "").strip()
+    host, sep, port = value.rpartition(":") if ":" in value else (value, "", "")
+    if not host:
+        coordinator_host = info.coordinator.rpartition(":")[0]
+        host = (
+            "127.0.0.1"
+            if coordinator_host in _LOOPBACK
+            else socket.gethostbyname(socket.gethostname())
+        )
+    if sep and not port.isdigit():
+        raise DistributedError(f"{TRANSFER_ADDRESS}={value!r}: the port must be an integer")
+    try:
+        number = int(port) if port and int(port) else _free_port(host)
+    except OSError as e:
+        raise DistributedError(f"{TRANSFER_ADDRESS}: cannot listen on {host} ({e})") from None
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{number}")
+
+
 def _whole_lines() -> None:
     """Write stdout and stderr a line at a time (one write per line, flushed at the newline).
 
@@ -287,6 +326,8 @@ def initialize(
         raise DistributedError(f"--distributed: {first}") from None
     sys.excepthook = _fail_fast_excepthook(sys.excepthook)
     info = _process_info(spec)
+    if info.num_processes > 1:
+        _use_cross_host_transfers(info, env)
     try:
         _check_process_count(info, timeouts)
     finally:

@@ -19,7 +19,8 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.mesh import make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.placement.plan import ExecutionPlan
+from jrlhf.placement.plan import ExecutionPlan, ReshardEdge
+from jrlhf.reshard.processes import check_separable
 from jrlhf.runtime.model_source import ModelSource, load_weights
 
 
@@ -57,21 +58,34 @@ def setup_role(cfg: Config, role: str, plan: ExecutionPlan, source: ModelSource)
             meshes[phase] = make_mesh(placement.mesh)
         except ValueError as e:
             raise ValueError(f"{role} {phase} mesh {placement.mesh}: {e}") from None
-        owners = {d.process_index for d in meshes[phase].devices.flat}
-        if len(owners) < jax.process_count():
-            # Orbax cannot restore onto, nor save from, a mesh that lacks some process's
-            # devices, and moving weights between such meshes needs JAX's cross-host
-            # transfers: not built yet, so refuse before any work.
-            raise ValueError(
-                f"{role} {phase} mesh {placement.mesh} holds devices of process(es) "
-                f"{sorted(owners)} only: with {jax.process_count()} processes every mesh must "
-                "span all of them (a placement that separates processes is not supported yet)"
-            )
+        # A mesh over some processes only (a placement that separates processes) must admit
+        # the copies view its checkpoints go through (jrlhf.reshard.processes).
+        try:
+            check_separable(meshes[phase])
+        except ValueError as e:
+            raise ValueError(f"{role} {phase} mesh {placement.mesh}: {e}") from None
         rules[phase] = get_rules(placement.rules)
+    for edge in plan.reshard_edges():
+        if edge.role == role:
+            _check_edge(edge, plan)
     setup = RoleSetup(role, cfg.roles[role], source, meshes, rules)
     for phase in meshes:
         setup.shardings(phase)
     return setup
+
+
+def _check_edge(edge: ReshardEdge, plan: ExecutionPlan) -> None:
+    """One-line error for weights that would move between meshes of different processes with
+    different device counts: JAX's cross-host transfer copies shard for shard only."""
+    src, dst = plan[edge.src].mesh, plan[edge.dst].mesh
+    devices = jax.devices()
+    procs = [{devices[i].process_index for i in m.device_ids()} for m in (src, dst)]
+    if procs[0] != procs[1] and len(src.device_ids()) != len(dst.device_ids()):
+        raise ValueError(
+            f"{edge.dst} mesh {dst} holds devices of process(es) {sorted(procs[1])} and "
+            f"{edge.src} mesh {src} of {sorted(procs[0])}: weights move between processes "
+            "shard for shard only, so both meshes need as many devices"
+        )
 
 
 class ChunkedOutput(list):
