@@ -181,6 +181,16 @@ def test_every_config_file_loads(path, monkeypatch):
     assert cfg.run.stages
 
 
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "configs" / "algorithms").glob("*.gin")), ids=lambda p: p.stem
+)
+def test_every_algorithm_fragment_loads_on_the_arithmetic_config(path, monkeypatch):
+    """The fragments README's algorithm table names, each on top of the config they are for."""
+    monkeypatch.chdir(ROOT)
+    cfg = config.load_config(["configs/arithmetic_grpo.gin", str(path)], [])
+    assert cfg.run.stages == ("sft", "grpo") and cfg.task.name == "arithmetic"
+
+
 def test_indivisible_mesh_fails_before_training(base_run, tmp_path, capsys):
     bindings = ppo_bindings(base_run, "actor/RoleConfig.train_mesh='tensor=8'")
     assert train.main(["--run-dir", str(tmp_path / "r"), "--quiet", *bindings]) == 2

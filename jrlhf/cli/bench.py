@@ -1,4 +1,4 @@
-"""``python -m jrlhf.bench {decode,reshard,interleave,plan} [options]``: one JSON object on stdout.
+"""``python -m jrlhf.bench {decode,reshard,interleave,plan,algorithms} [options]``: one JSON object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
 checkout (beside the ``jrlhf`` package) and run from there, e.g. after ``pip install -e .``.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jrlhf.runtime import distributed
 
-SUITES = ("decode", "reshard", "interleave", "plan")
+SUITES = ("decode", "reshard", "interleave", "plan", "algorithms")
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
