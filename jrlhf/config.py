@@ -357,6 +357,20 @@ class RLConfig:
     # RoleConfig.microbatches.
     loss_agg: str = "token-mean"
     reward_scale: float = 1.0
+    # DAPO (Yu et al. 2025; with clip_eps_high for clip-higher and loss_agg="token-mean").
+    # Soft overlong punishment (core_algos.overlong_penalty): a response longer than
+    # TaskConfig.max_response_len - overlong_buffer tokens loses up to overlong_penalty from its
+    # score, linearly over the buffer (a truncated response loses all of it); 0 turns it off.
+    # Advantages see the penalized score, the logged "reward" the unpenalized one.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # Dynamic sampling: groups (one prompt's samples_per_prompt samples) whose scores (penalty
+    # included) are all equal carry no group-relative advantage and are dropped; the iteration
+    # generates from the next prompts of the loader until it has prompts_per_iteration groups
+    # with signal, for at most max_sampling_rounds generation rounds, and then fills up with
+    # dropped groups (metrics sampling/*). Needs samples_per_prompt >= 2.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -401,6 +415,16 @@ class RLConfig:
         _check(0 <= self.gamma <= 1, "RLConfig.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "RLConfig.lam", "must be in [0, 1]")
         _check(self.adaptive_kl_horizon > 0, "RLConfig.adaptive_kl_horizon", "must be > 0")
+        _check(self.overlong_buffer >= 0, "RLConfig.overlong_buffer", "must be >= 0 (0: off)")
+        _check(self.overlong_penalty >= 0, "RLConfig.overlong_penalty", "must be >= 0")
+        _check(self.max_sampling_rounds >= 1, "RLConfig.max_sampling_rounds", "must be >= 1")
+        if self.dynamic_sampling:
+            _check(
+                self.samples_per_prompt >= 2,
+                "RLConfig.dynamic_sampling",
+                "drops groups of equal scores and needs RLConfig.samples_per_prompt >= 2, "
+                f"got {self.samples_per_prompt}",
+            )
         for name in ("checkpoint_every", "eval_every", "adaptive_kl_target"):
             _check(getattr(self, name) >= 0, f"RLConfig.{name}", "must be >= 0")
         # 0 would let Orbax delete every step, the newest included.
@@ -493,6 +517,11 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)
+    _check(
+        cfg.rl.overlong_buffer <= cfg.task.max_response_len,
+        "RLConfig.overlong_buffer",
+        f"{cfg.rl.overlong_buffer} exceeds TaskConfig.max_response_len {cfg.task.max_response_len}",
+    )
     return cfg
 
 

@@ -73,3 +73,11 @@ def train_subprocess(args, env_extra=None):
         text=True,
         timeout=600,
     )
+
+
+def parity_reward(prompt_ids, response_ids) -> float:
+    """A verifiable reward with no signal for about half the prompts: 0 for every sample of a
+    prompt whose ids sum to an even number, scores that vary with the response otherwise."""
+    if sum(prompt_ids) % 2 == 0:
+        return 0.0
+    return float(sum(response_ids) % 7)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrlhf.config import ConfigError, RLConfig
+from jrlhf.config import ConfigError, RLConfig, load_config
 from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
@@ -920,3 +920,102 @@ def test_group_estimators_need_a_group():
     ca.check_algorithm_config(dataclasses.replace(rl, advantage_estimator="reinforce++"), "ppo")
     with pytest.raises(ValueError, match=r"^RLConfig.policy_loss: unknown policy loss 'gpso'"):
         ca.check_algorithm_config(dataclasses.replace(rl, policy_loss="gpso"), "grpo")
+
+
+# ----------------------------------------------------------------------------- DAPO
+
+
+def np_extent(m):
+    """1 + the last valid position per row, 0 for an empty row."""
+    return np.array([np.nonzero(row)[0].max() + 1 if np.any(row) else 0 for row in m])
+
+
+def np_overlong(m, buffer, max_penalty, max_len):
+    """DAPO eq. 13 per row, as a penalty: 0 up to max_len - buffer, then linear to max_penalty
+    at max_len, max_penalty beyond."""
+    out = []
+    for length in np_extent(m):
+        start = max_len - buffer
+        if buffer == 0 or length <= start:
+            out.append(0.0)
+        elif length >= max_len:
+            out.append(max_penalty)
+        else:
+            out.append(max_penalty * (length - start) / buffer)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("buffer", [0, 1, 3, T])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_overlong_penalty_matches_numpy(mask_name, buffer):
+    m = MASKS[mask_name]()  # both have an empty row, a one-token row and a full (truncated) row
+    close(ca.response_extent(m), np_extent(m))
+    close(ca.overlong_penalty(m, buffer, 0.7), np_overlong(m, buffer, 0.7, T))
+    # A generation limit longer than the mask's width: nothing is truncated at the width.
+    close(ca.overlong_penalty(m, buffer, 0.7, max_len=T + 2), np_overlong(m, buffer, 0.7, T + 2))
+    # Under jit, with the penalty traced.
+    jitted = jax.jit(lambda mm, p: ca.overlong_penalty(mm, buffer, p))(m, jnp.float32(0.7))
+    close(jitted, np_overlong(m, buffer, 0.7, T))
+
+
+def test_overlong_penalty_boundaries():
+    R, buffer = 8, 4
+    lengths = np.array([0, 1, R - buffer, R - buffer + 1, R - 1, R])
+    m = (np.arange(R)[None, :] < lengths[:, None]).astype(np.float32)
+    # Exactly at the buffer's start: no penalty; one token past it: 1/buffer of it; a response
+    # cut off at the generation limit (no stop token) or ending there: all of it.
+    close(ca.overlong_penalty(m, buffer, 2.0), [0, 0, 0, 0.5, 1.5, 2.0])
+    np.testing.assert_array_equal(np.asarray(ca.overlong_penalty(np.zeros((3, R)), 2, 1.0)), 0)
+    # The buffer spans the whole length: a one-token response already pays 1/R of the penalty.
+    close(ca.overlong_penalty(m, R, 1.0), lengths / R)
+    for bad in (-1, R + 1):
+        with pytest.raises(ValueError, match="overlong buffer"):
+            ca.overlong_penalty(m, bad, 1.0)
+
+
+def np_groups_with_signal(scores, s):
+    return np.array([np.ptp(scores[g : g + s]) > 0 for g in range(0, len(scores), s)])
+
+
+def np_select(keep, n):
+    kept = [g for g in range(len(keep)) if keep[g]]
+    return (kept + [g for g in range(len(keep)) if not keep[g]])[:n]
+
+
+def test_group_filter_and_selection_match_numpy():
+    s = 4
+    scores = np.round(rand(60, 6 * s), 1)
+    scores[0:s] = 1.0  # all equal
+    scores[2 * s : 3 * s] = 0.0  # all equal, zero
+    scores[4 * s : 5 * s] = [0.5, 0.5, 0.5, 0.5 + 1e-6]  # one tie breaker is enough
+    keep = np_groups_with_signal(scores, s)
+    assert keep.tolist() == [False, True, False, True, True, True]
+    np.testing.assert_array_equal(np.asarray(ca.groups_with_signal(scores, s)), keep)
+    # The groups dropped are exactly those whose GRPO advantages are all zero.
+    adv = np.asarray(ca.grpo_advantages(scores, s)).reshape(-1, s)
+    np.testing.assert_array_equal(np.any(adv != 0, axis=1), keep)
+    for n in range(1, 7):  # enough kept groups, then short of them: fillers in order
+        np.testing.assert_array_equal(np.asarray(ca.select_groups(keep, n)), np_select(keep, n))
+    # Every group equal: nothing kept, the batch is the first groups as generated.
+    flat = np.full(3 * s, 0.25, np.float32)
+    assert not np.any(np.asarray(ca.groups_with_signal(flat, s)))
+    np.testing.assert_array_equal(np.asarray(ca.select_groups(np.zeros(3, bool), 2)), [0, 1])
+    # A group of one never has signal; too few groups or a ragged batch is an error.
+    assert not np.any(np.asarray(ca.groups_with_signal(scores, 1)))
+    with pytest.raises(ValueError, match="fewer than the 4"):
+        ca.select_groups(keep[:3], 4)
+    with pytest.raises(ValueError, match="group_size"):
+        ca.groups_with_signal(scores[:-1], s)
+
+
+def test_dapo_config_is_validated_in_one_line():
+    RLConfig(dynamic_sampling=True, samples_per_prompt=2).validate("grpo")
+    with pytest.raises(ConfigError, match=r"^RLConfig.dynamic_sampling: .*>= 2, got 1$"):
+        RLConfig(dynamic_sampling=True).validate("ppo")
+    for field, value in (("overlong_buffer", -1), ("overlong_penalty", -0.5)):
+        with pytest.raises(ConfigError, match=f"^RLConfig.{field}: must be >= 0"):
+            RLConfig(**{field: value}).validate()
+    with pytest.raises(ConfigError, match="^RLConfig.max_sampling_rounds: must be >= 1"):
+        RLConfig(max_sampling_rounds=0).validate()
+    with pytest.raises(ConfigError, match="^RLConfig.overlong_buffer: 17 exceeds TaskConfig.max_"):
+        load_config([], ["RLConfig.overlong_buffer=17", "TaskConfig.max_response_len=16"])

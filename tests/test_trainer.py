@@ -119,6 +119,53 @@ def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
             assert np.isfinite(v), (k, v)
 
 
+def test_dynamic_sampling_trains_full_batches_of_groups_with_signal(
+    base_run, tmp_path, monkeypatch
+):
+    """DAPO's dynamic sampling: groups of equal scores are dropped and the loader's next prompts
+    generated until 16 groups with signal are there, for at most 2 rounds, then dropped groups
+    fill up; the update always gets the compiled 16 x 4 rows."""
+    from jrlhf.ppo.trainer import RLTrainer
+
+    batches = []
+    update = RLTrainer.update
+
+    def recording_update(self, arrays, kl_coef):
+        batches.append({k: arrays[k].copy() for k in ("mask", "train_scores", "advantages")})
+        return update(self, arrays, kl_coef)
+
+    monkeypatch.setattr(RLTrainer, "update", recording_update)
+    run_dir = tmp_path / "dapo"
+    bindings = [
+        "RunConfig.stages=('grpo',)",
+        f"actor/RoleConfig.init='ckpt:{base_run}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base_run}/sft'",
+        "actor/RoleConfig.learning_rate=1e-3",
+        "TaskConfig.reward_fn='run_helpers:parity_reward'",  # no signal for about half
+        "RLConfig.iterations=1",
+        "RLConfig.samples_per_prompt=4",
+        "RLConfig.dynamic_sampling=True",
+        "RLConfig.max_sampling_rounds=2",
+        *SMALL,
+    ]
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    rows = [r for r in metric_rows(run_dir, "grpo") if "reward" in r]
+    assert len(rows) == len(batches) == 1
+    for row, batch in zip(rows, batches):
+        assert len(batch["mask"]) == 16 * 4
+        # Half the prompts have no signal, so one round never finds 16 groups.
+        assert row["sampling/rounds"] == 2 and row["sampling/groups_dropped"] > 0, row
+        assert row["sampling/groups_kept"] + row["sampling/groups_dropped"] == 32
+        # Groups with signal first, then fillers (equal scores, zero advantage).
+        signal = np.ptp(batch["train_scores"].reshape(16, 4), axis=1) > 0
+        kept = 16 - int(row["sampling/filler_groups"])
+        assert kept == min(16, row["sampling/groups_kept"])
+        assert signal[:kept].all() and not signal[kept:].any()
+        assert not batch["advantages"].reshape(16, -1)[kept:].any()
+    # The saved loader position counts every batch the rounds drew: a resume draws what follows.
+    assert checkpoint.read_trainer_meta(run_dir)["loader"]["index"] == 2 * 16
+
+
 def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
     from jrlhf.cli import convert, evaluate
 

@@ -132,10 +132,15 @@ def run_rl(
         disable=quiet or not cfg.run.progress_bar or not is_primary(),
         desc=stage,
     )
+
+    def next_prompts():
+        batch = loader.next_batch()
+        return [r.prompt_ids for r in batch], [r.meta for r in batch]
+
     try:
         while trainer.iteration < cfg.rl.iterations:
-            batch = loader.next_batch()
-            metrics = trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
+            # Dynamic sampling draws more batches from the loader through next_prompts.
+            metrics = trainer.run_iteration(*next_prompts(), refill=next_prompts)
             logger.log(trainer.iteration, metrics)
             bar.update(trainer.iteration, metrics)
             every = cfg.rl.checkpoint_every

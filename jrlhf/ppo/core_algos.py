@@ -329,6 +329,71 @@ def reinforce_pp_baseline_estimator(
     return adv_bt, adv_bt
 
 
+# ----------------------------------------------------------------------------- DAPO shaping
+
+
+def response_extent(mask_bt: Array) -> Array:
+    """Each row's length as generated: 1 + the position of its last valid token, 0 for a row
+    without any. Equal to the number of valid tokens for left-aligned masks; a ragged row's holes
+    (e.g. spliced tool output) count, as they fill the context too."""
+    m_bt = jnp.asarray(mask_bt) != 0
+    t = m_bt.shape[-1]
+    last_b = t - jnp.argmax(m_bt[:, ::-1], axis=-1)
+    return jnp.where(jnp.any(m_bt, axis=-1), last_b, 0).astype(jnp.int32)
+
+
+def overlong_penalty(
+    mask_bt: Array, buffer: int, max_penalty: float | Array, max_len: int | None = None
+) -> Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) as a penalty >= 0 per row, to be
+    subtracted from the row's score.
+
+    With ``L`` the response length (``response_extent``: the stop token included),
+    ``L_max = max_len`` (default ``mask_bt.shape[-1]``, the generation limit) and
+    ``L_cache = buffer``::
+
+        0                                          L <= L_max - buffer
+        max_penalty * (L - (L_max - buffer)) / buffer   L_max - buffer < L <= L_max
+        max_penalty                                L >= L_max
+
+    so the penalty grows linearly over the last ``buffer`` tokens. A truncated response (no stop
+    token: the generation limit cut it off) is ``L_max`` long and gets the full penalty, as the
+    paper gives -1 to every response of ``L_max`` or more; one that ends with its stop token
+    exactly at ``L_max`` gets it too (the paper's formula at ``|y| = L_max``). ``buffer == 0``
+    turns it off (0 everywhere); empty rows get 0.
+    """
+    max_len = jnp.shape(mask_bt)[-1] if max_len is None else max_len
+    if not 0 <= buffer <= max_len:
+        raise ValueError(f"overlong buffer {buffer} must be in [0, max_len={max_len}]")
+    length_b = response_extent(mask_bt).astype(jnp.float32)
+    if buffer == 0:
+        return jnp.zeros_like(length_b)
+    excess_b = jnp.clip((length_b - (max_len - buffer)) / buffer, 0.0, 1.0)
+    return _f32(max_penalty) * excess_b
+
+
+def groups_with_signal(scores_b: Array, group_size: int) -> Array:
+    """DAPO's dynamic-sampling filter: True for each prompt's group (prompt-major, as in
+    ``grpo_advantages``) whose scores are not all exactly equal.
+
+    An all-equal group has an advantage of exactly 0 under every group baseline (grpo, drgrpo,
+    rloo), so it adds no policy gradient while still counting in the loss's average. A group of
+    one is always all equal.
+    """
+    scores_gs = _groups(_f32(scores_b), group_size)
+    return jnp.max(scores_gs, axis=1) > jnp.min(scores_gs, axis=1)
+
+
+def select_groups(keep_g: Array, num_groups: int) -> Array:
+    """Indices of the ``num_groups`` groups a dynamically sampled batch trains on: the kept
+    groups in the order they were generated, then, when fewer than ``num_groups`` were kept, the
+    dropped ones in order (fillers, so the batch keeps its compiled shape)."""
+    keep_g = jnp.asarray(keep_g).astype(bool)
+    if keep_g.shape[0] < num_groups:
+        raise ValueError(f"{keep_g.shape[0]} groups, fewer than the {num_groups} to select")
+    return jnp.argsort(~keep_g, stable=True)[:num_groups]
+
+
 # ----------------------------------------------------------------------------- KL
 
 

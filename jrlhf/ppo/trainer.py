@@ -5,12 +5,15 @@ One iteration::
     prompts -> actor generate (generation mesh, paged-KV decode)
             -> reference log-probs, reward scores, critic values (inference; dispatched
                back to back so calls on disjoint devices overlap)
+            -> [DAPO: overlong penalty on the scores; dynamic sampling: groups of equal scores
+               dropped, more prompts generated and scored until the batch is full]
             -> advantages (GAE with a KL-shaped reward, or GRPO group baselines)
             -> epochs of minibatch updates of actor and critic (training meshes, donated state)
             -> actor weights resharded to the generation layout (jrlhf.reshard, cached)
 
-Everything random is a function of (seed, iteration), and the checkpoint holds the loader
-position and the KL controller, so a resumed run repeats the uninterrupted one exactly.
+Everything random is a function of (seed, iteration, generation round), and the checkpoint
+holds the loader position (past every prompt an iteration drew) and the KL controller, so a
+resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,9 @@ from jrlhf.runtime.steps import (
 from jrlhf.tasks.rewards import RewardFn
 
 log = logging.getLogger("jrlhf")
+
+# The next prompts and their meta, for another generation round (dynamic sampling).
+Refill = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
 
 # Test hooks: exit abruptly (no cleanup, like a preempted job) while this iteration is training;
 # with several processes, only the process whose index the second variable names (default: all).
@@ -292,40 +298,73 @@ class RLTrainer:
 
     # -- one iteration -------------------------------------------------------------------------
     def run_iteration(
-        self, prompts: list[list[int]], meta: Sequence[Mapping[str, Any]] | None = None
+        self,
+        prompts: list[list[int]],
+        meta: Sequence[Mapping[str, Any]] | None = None,
+        refill: Refill | None = None,
     ) -> dict[str, float]:
         """One iteration on ``prompts``; ``meta`` (one per prompt: the prompt records' extra
-        fields) reaches the reward function with each of the prompt's samples."""
+        fields) reaches the reward function with each of the prompt's samples.
+
+        With ``RLConfig.dynamic_sampling``, ``refill()`` gives the next prompts and their meta
+        (the trainer's loader advances, so the saved loader position covers them and a resumed
+        run draws the same) whenever fewer than ``prompts_per_iteration`` groups with unequal
+        scores have been generated; without ``refill`` the iteration has one round.
+        """
         it = self.iteration
         timer = PhaseTimer()
-        with timer.phase("generate"):
-            rep_prompts, result = self.rollout.generate(
-                self.gen_params, prompts, self.rollout.sampling(it)
-            )
-            responses = result.completion_ids
+        n_groups = len(prompts)
+        rounds: list[tuple[list[Sequence[int]], list[list[int]], dict[str, np.ndarray]]] = []
+        kept = 0
+        while True:
+            with timer.phase("generate"):
+                # Round 0 samples as an iteration without dynamic sampling does.
+                sampling = self.rollout.sampling(it, salt=len(rounds))
+                rep_prompts, result = self.rollout.generate(self.gen_params, prompts, sampling)
+            with timer.phase("score"):
+                rep_meta = sample_meta(meta, result.prompt_index)
+                arrays = self.scorer(
+                    rep_prompts, result.completion_ids, result.raw_logprobs, meta=rep_meta
+                )
+                arrays["train_scores"] = self._shaped_scores(arrays)
+            rounds.append((rep_prompts, result.completion_ids, arrays))
+            if not self.rl.dynamic_sampling:
+                break
+            kept += int(np.sum(algos.groups_with_signal(arrays["train_scores"], self.group)))
+            if kept >= n_groups or len(rounds) >= self.rl.max_sampling_rounds or refill is None:
+                break
+            prompts, meta = refill()
+
+        # Everything generated describes the policy (reward, KL, lengths); the groups selected
+        # from it are what the update trains on, always prompts_per_iteration groups.
+        if len(rounds) == 1:
+            rep_prompts, responses, arrays = rounds[0]
+        else:
+            rep_prompts = [p for r in rounds for p in r[0]]
+            responses = [c for r in rounds for c in r[1]]
+            arrays = {k: np.concatenate([r[2][k] for r in rounds]) for k in rounds[0][2]}
+        batch, sampling_metrics = self._select_groups(arrays, n_groups, len(rounds))
+        mask = arrays["mask"]
 
         with timer.phase("score"):
-            rep_meta = sample_meta(meta, result.prompt_index)
-            arrays = self.scorer(rep_prompts, responses, result.raw_logprobs, meta=rep_meta)
-            mask = arrays["mask"]
             kl_coef = np.float32(self.kl_ctl.value)
             adv, returns = self.advantages(
-                arrays["scores"],
-                arrays["old_logprobs"],
-                arrays["ref_logprobs"],
-                arrays["old_values"],
-                mask,
+                batch["train_scores"],
+                batch["old_logprobs"],
+                batch["ref_logprobs"],
+                batch["old_values"],
+                batch["mask"],
                 kl_coef,
             )
-            arrays["advantages"] = np.asarray(adv)
-            arrays["returns"] = np.asarray(returns)
+            batch["advantages"] = np.asarray(adv)
+            batch["returns"] = np.asarray(returns)
 
         me = str(jax.process_index())
         if os.environ.get(_EXIT_AT_ENV) == str(it) and os.environ.get(_EXIT_PROCESS_ENV, me) == me:
             os._exit(137)
 
         with timer.phase("train"):
-            train_metrics = self.update(arrays, kl_coef)  # fetches its metrics: synchronous
+            train_metrics = self.update(batch, kl_coef)  # fetches its metrics: synchronous
 
         with timer.phase("reshard") as ph:
             moved = self.sync_weights()
@@ -339,7 +378,7 @@ class RLTrainer:
                 arrays["old_logprobs"], arrays["ref_logprobs"], mask, self.kl_estimator
             )
         )
-        self.kl_ctl = self.kl_ctl.update(kl_token, len(responses))
+        self.kl_ctl = self.kl_ctl.update(kl_token, len(batch["mask"]))
         lengths = mask.sum(axis=1)
         metrics = {
             "reward": summary["reward"],
@@ -358,8 +397,44 @@ class RLTrainer:
         }
         if "gt_score" in summary:
             metrics["gt_score"] = summary["gt_score"]
+        if self.rl.overlong_buffer:
+            penalty = arrays["scores"] - arrays["train_scores"]
+            metrics["overlong/frac"] = float(np.mean(penalty > 0))
+            metrics["overlong/penalty_mean"] = float(np.mean(penalty))
+        metrics.update(sampling_metrics)
         self.iteration += 1
         return metrics
+
+    def _shaped_scores(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """The scores advantages see: the reward's, minus DAPO's overlong penalty when
+        ``RLConfig.overlong_buffer`` is set."""
+        if not self.rl.overlong_buffer:
+            return arrays["scores"]
+        penalty = algos.overlong_penalty(
+            arrays["mask"], self.rl.overlong_buffer, self.rl.overlong_penalty, self.R
+        )
+        return (arrays["scores"] - np.asarray(penalty)).astype(np.float32)
+
+    def _select_groups(
+        self, arrays: dict[str, np.ndarray], n_groups: int, rounds: int
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The ``n_groups`` groups to train on, and the sampling metrics (none without dynamic
+        sampling, which trains on everything generated)."""
+        if not self.rl.dynamic_sampling:
+            return arrays, {}
+        keep_g = np.asarray(algos.groups_with_signal(arrays["train_scores"], self.group))
+        chosen_g = np.asarray(algos.select_groups(keep_g, n_groups))
+        rows = (chosen_g[:, None] * self.group + np.arange(self.group)).reshape(-1)
+        kept = int(keep_g.sum())
+        metrics = {
+            "sampling/rounds": float(rounds),
+            "sampling/groups_kept": float(kept),
+            "sampling/groups_dropped": float(len(keep_g) - kept),
+            # Dropped groups trained on because max_sampling_rounds ran out (under a group
+            # baseline their advantage is 0: they add only the KL and entropy terms' gradients).
+            "sampling/filler_groups": float(max(n_groups - kept, 0)),
+        }
+        return {k: v[rows] for k, v in arrays.items()}, metrics
 
     def update(self, arrays: dict[str, np.ndarray], kl_coef) -> dict[str, float]:
         rows = arrays["mask"].shape[0]
