@@ -142,10 +142,11 @@ def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
     so 1 or 4 micro-batches give the same minibatch loss and update in every mode."""
     rl = RLConfig(loss_agg=agg, entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
     mesh = make_mesh("fsdp=1")
-    cases = [
-        ("lm", actor_loss(RL_P, rl, kl_in_loss=True), (1, 4)),
-        ("value", critic_loss(RL_P, rl), (1, 4)),
-    ]
+    cases = [("lm", actor_loss(RL_P, rl, kl_in_loss=True), (1, 4))]
+    # Both heads weigh micro-batches by the same aggregation_weight: the value head is checked in
+    # the mode furthest from a token mean, the policy head in every mode.
+    if agg == "seq-mean-token-sum-norm":
+        cases.append(("value", critic_loss(RL_P, rl), (1, 4)))
     for head, loss_fn, splits in cases:
         model = ModelDef(tiny_config(), head=head)
         results = []

@@ -27,12 +27,13 @@ def test_colocated_run_outputs(colocated_run):
     assert checkpoint.latest_step_dir(colocated_run).name == "4"
 
 
-@pytest.mark.parametrize("placement", ["separate", "interleave", "search", "flatten"])
+@pytest.mark.parametrize("placement", ["separate", "interleave", "search"])
 def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
     """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
-    numbers. The second flatten run scores in chunks of 8 rows (RLConfig.infer_batch_size)."""
+    numbers. The searched plan's run also scores in chunks of 8 rows
+    (RLConfig.infer_batch_size), which must not change a number either."""
     run_dir = tmp_path / placement
-    extra = ["RLConfig.infer_batch_size=8"] if placement == "flatten" else []
+    extra = ["RLConfig.infer_batch_size=8"] if placement == "search" else []
     bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'", *extra)
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     plan_text = (run_dir / "plan.gin").read_text()
@@ -57,8 +58,8 @@ def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):
     partial = run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123"
     (partial / "actor_params").mkdir(parents=True)
     assert checkpoint.latest_step_dir(run_dir).name == "2"
-    resumed = train_subprocess([*args, "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # The resume runs in this process (its compiled steps are the colocated run's).
+    assert train.main([*args, "--resume"]) == 0
     assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run), rtol=1e-5, atol=1e-6)
 
 
