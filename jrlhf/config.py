@@ -490,6 +490,15 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     cfg.sft.validate()
     cfg.rm.validate()
     cfg.decode.validate()
+    # A pair stage's batch holds two rows per pair; microbatches of whole pairs keep each pair's
+    # rows together (a split of the rows alone could tear a pair apart, silently).
+    m = cfg.roles["reward"].microbatches
+    _check(
+        "rm" not in cfg.run.stages or cfg.rm.batch_size % m == 0,
+        "RewardModelConfig.batch_size",
+        f"{cfg.rm.batch_size} pairs do not split into reward/RoleConfig.microbatches={m} "
+        "microbatches of whole pairs",
+    )
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)

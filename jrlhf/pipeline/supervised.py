@@ -14,7 +14,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +53,20 @@ def sft_loss_fn(max_prompt_len: int):
     return loss_fn
 
 
+def pack_pairs(pairs: Sequence[Any], max_prompt_len: int, max_response_len: int, pad_id: int):
+    """Preference pairs in the batch layout, each pair's chosen row followed by its rejected row
+    (chosen rows even, rejected rows odd): split into microbatches of whole pairs (the
+    batch size a multiple of RoleConfig.microbatches, checked at start-up), no pair is torn."""
+    prompts = [p.prompt_ids for p in pairs for _ in range(2)]
+    responses = [r for p in pairs for r in (p.chosen_ids, p.rejected_ids)]
+    return rl_batch.pack(prompts, responses, max_prompt_len, max_response_len, pad_id)
+
+
 def reward_loss_fn(module, batch):
-    """Bradley-Terry on a batch whose first half is chosen rows and second half rejected rows."""
+    """Bradley-Terry on a batch of pair rows (``pack_pairs``: chosen even, rejected odd)."""
     scores = rl_batch.sequence_scores(module, batch)
-    half = scores.shape[0] // 2
-    loss, metrics = bradley_terry_loss(scores[:half], scores[half:])
-    return loss, dict(metrics, weight=jnp.float32(half))
+    loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2])
+    return loss, dict(metrics, weight=jnp.float32(scores.shape[0] // 2))
 
 
 def _state_dir(run_dir: Path, name: str) -> Path:
@@ -184,10 +194,7 @@ def run_reward_model(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: i
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
 
     def make_batch(pairs):
-        # chosen rows first, rejected rows second: reward_loss_fn splits the batch in half.
-        prompts = [p.prompt_ids for p in pairs] * 2
-        responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
-        return rl_batch.pack(prompts, responses, P, R, data.pad_id)
+        return pack_pairs(pairs, P, R, data.pad_id)
 
     return _supervised_stage(
         "rm", setup, data.preference_records, make_batch, reward_loss_fn, cfg.rm, cfg,
