@@ -33,6 +33,8 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# jrlhf.ppo.core_algos.DPO_LOSSES (config does not import JAX).
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
 # reference scores, the reward model scores (RL) and trains (its supervised stage).
