@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jrlhf.config import RLConfig
+from jrlhf.config import DPOConfig, RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo.core_algos import AGG_MODES, sft_loss
@@ -162,18 +162,21 @@ def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
 
 
 def test_pair_losses_do_not_depend_on_the_microbatch_split():
-    """The reward-model loss reads a pair's chosen and rejected rows side by side
+    """The reward-model and DPO losses read a pair's chosen and rejected rows side by side
     (supervised.pack_pairs), so microbatches of whole pairs give the whole batch's loss and
-    update."""
+    update; one empty rejected response leaves its pair out of the DPO loss."""
     from jrlhf.data import PreferenceRecord
-    from jrlhf.pipeline.supervised import pack_pairs, reward_loss_fn
+    from jrlhf.pipeline.supervised import dpo_loss_fn, pack_pairs, reward_loss_fn
 
     rng = np.random.default_rng(0)
     ids = lambda n: rng.integers(4, 256, n).tolist()  # noqa: E731
     pairs = [PreferenceRecord(ids(1 + i % RL_P), ids(1 + i % RL_R), ids(i % 3)) for i in range(4)]
     batch = pack_pairs(pairs, RL_P, RL_R, pad_id=0)
+    batch["ref_logprobs"] = rng.normal(-8.0, 2.0, 8).astype(np.float32)
+    assert batch["mask"][1].sum() == 0  # the first pair's rejected response is empty
     mesh = make_mesh("fsdp=1")
-    for head, loss_fn in (("value", reward_loss_fn),):
+    dpo = DPOConfig(beta=0.5)
+    for head, loss_fn in (("value", reward_loss_fn), ("lm", dpo_loss_fn(RL_P, dpo))):
         model = ModelDef(tiny_config(), head=head)
         results = []
         for mb in (1, 2):
