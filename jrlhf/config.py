@@ -25,7 +25,9 @@ from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
 ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "value"}
-STAGES = ("sft", "rm", "ppo", "grpo")
+STAGES = ("sft", "rm", "dpo", "ppo", "grpo")
+# The stages whose output a role may start from (``stage:NAME``).
+MODEL_STAGES = ("sft", "rm", "dpo")
 # jrlhf.ppo.core_algos.AGG_MODES (config does not import JAX).
 LOSS_AGG_MODES = (
     "token-mean",
@@ -33,6 +35,8 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# jrlhf.ppo.core_algos.DPO_LOSSES (config does not import JAX).
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
 # reference scores, the reward model scores (RL) and trains (its supervised stage).
@@ -165,6 +169,10 @@ class TaskConfig:
     heldout_prompts: str = ""
     sft_data: str = ""
     preference_data: str = ""
+    # Preference pairs the dpo stage evaluates on and never trains on; built-in tasks draw
+    # num_heldout_pairs pairs on their held-out prompts. Without it, files runs evaluate on
+    # their first num_heldout_pairs training pairs (reported as training pairs).
+    heldout_preference_data: str = ""
     tokenizer: str = ""
     max_prompt_len: int = 16
     max_response_len: int = 16
@@ -174,6 +182,7 @@ class TaskConfig:
     num_heldout: int = 64
     num_sft_examples: int = 2048
     num_preference_pairs: int = 2048
+    num_heldout_pairs: int = 256
 
     def validate(self) -> None:
         check_types(self, "TaskConfig")
@@ -186,7 +195,12 @@ class TaskConfig:
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
         _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")
         _check(self.max_response_len > 0, "TaskConfig.max_response_len", "must be > 0")
-        for name in ("num_heldout", "num_sft_examples", "num_preference_pairs"):
+        for name in (
+            "num_heldout",
+            "num_sft_examples",
+            "num_preference_pairs",
+            "num_heldout_pairs",
+        ):
             _check(getattr(self, name) >= 1, f"TaskConfig.{name}", "must be >= 1")
 
 
@@ -196,10 +210,11 @@ class RoleConfig:
     """One role's model, meshes and optimizer; bind per role with a gin scope (``actor/...``).
 
     ``init``: ``tiny`` (a small random Llama), ``hf:DIR``, ``ckpt:DIR``, ``stage:sft`` (the SFT
-    stage's output) or ``stage:rm`` (the reward-model stage's output). Meshes left empty come
-    from ``RunConfig.placement``; a mesh given here replaces the plan's for that role and phase,
-    laid out by the phase's ``*_rules`` (default: jrlhf.meshes.PHASE_RULES). A ``*_rules`` without
-    its ``*_mesh`` is an error: rules alone would silently not apply.
+    stage's output), ``stage:rm`` (the reward-model stage's output) or ``stage:dpo`` (the DPO
+    stage's output). Meshes left empty come from ``RunConfig.placement``; a mesh given here
+    replaces the plan's for that role and phase, laid out by the phase's ``*_rules`` (default:
+    jrlhf.meshes.PHASE_RULES). A ``*_rules`` without its ``*_mesh`` is an error: rules alone
+    would silently not apply.
     """
 
     init: str = "tiny"
@@ -227,7 +242,9 @@ class RoleConfig:
         _check(ok_init, f"{f}.init", f"{self.init!r} (use tiny, hf:DIR, ckpt:DIR or stage:NAME)")
         if self.init.startswith("stage:"):
             _check(
-                self.init[6:] in ("sft", "rm"), f"{f}.init", "stage must be stage:sft or stage:rm"
+                self.init[6:] in MODEL_STAGES,
+                f"{f}.init",
+                f"{self.init!r}: use one of {', '.join('stage:' + s for s in MODEL_STAGES)}",
             )
         for phase in PHASES:
             mesh, rules = getattr(self, f"{phase}_mesh"), getattr(self, f"{phase}_rules")
@@ -299,6 +316,66 @@ class RewardModelConfig:
 
     def validate(self) -> None:
         _check_supervised(self, "RewardModelConfig")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimization of the actor on preference pairs (the dpo stage).
+
+    The policy starts from ``actor/RoleConfig.init`` unless that names the DPO stage's own
+    output (``stage:dpo``, what a later RL stage starts from), when it starts from the SFT
+    stage's output if the run has one before dpo, else ``tiny``. The frozen reference is
+    ``reference`` (any RoleConfig.init source, with reference/RoleConfig's dtypes and
+    overrides), by default the policy's own start. Its log-probs of every pair are computed
+    once, before training, on the actor's training mesh.
+    """
+
+    steps: int = 100
+    batch_size: int = 32  # preference pairs per step
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    checkpoint_every: int = 100  # steps; 0 saves only the stage's output at the end
+    beta: float = 0.1  # implicit reward = beta * (log policy - log reference)
+    # jrlhf.ppo.core_algos.DPO_LOSSES: "sigmoid" (DPO) or "ipo" (IPO: per-token mean log-probs,
+    # the margin regressed to 1 / (2 beta)).
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0  # conservative DPO: labels wrong with this probability
+    reference: str = ""  # "" is the policy's start
+    infer_batch_size: int = 128  # pairs (two rows each) per reference or evaluation call
+
+    def validate(self) -> None:
+        _check_supervised(self, "DPOConfig")
+        _check(self.beta > 0, "DPOConfig.beta", "must be > 0")
+        _check(
+            self.loss_type in DPO_LOSS_TYPES,
+            "DPOConfig.loss_type",
+            f"unknown loss type {self.loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}",
+        )
+        _check(
+            0 <= self.label_smoothing < 0.5,
+            "DPOConfig.label_smoothing",
+            "must be in [0, 0.5)",
+        )
+        _check(
+            self.label_smoothing == 0 or self.loss_type == "sigmoid",
+            "DPOConfig.label_smoothing",
+            f"applies to loss_type 'sigmoid' only, not {self.loss_type!r}",
+        )
+        if self.reference:
+            kind = self.reference.split(":", 1)[0]
+            _check(
+                self.reference == "tiny" or kind in ("hf", "ckpt", "stage"),
+                "DPOConfig.reference",
+                f"{self.reference!r} (use '', tiny, hf:DIR, ckpt:DIR or stage:NAME)",
+            )
+            if kind == "stage":
+                _check(
+                    self.reference == "stage:sft",
+                    "DPOConfig.reference",
+                    f"{self.reference!r}: the only stage a reference can come from is stage:sft",
+                )
+        _check(self.infer_batch_size >= 1, "DPOConfig.infer_batch_size", "must be >= 1")
 
 
 @gin.configurable
@@ -456,6 +533,7 @@ class Config:
     roles: dict[str, RoleConfig]
     sft: SFTConfig
     rm: RewardModelConfig
+    dpo: DPOConfig
     rl: RLConfig
     decode: DecodeConfig
 
@@ -504,6 +582,7 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         roles={role: build(RoleConfig, role) for role in ROLES},
         sft=build(SFTConfig),
         rm=build(RewardModelConfig),
+        dpo=build(DPOConfig),
         rl=build(RLConfig),
         decode=build(DecodeConfig),
     )
@@ -513,7 +592,21 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         rc.validate(role)
     cfg.sft.validate()
     cfg.rm.validate()
+    cfg.dpo.validate()
     cfg.decode.validate()
+    # A pair stage's batch holds two rows per pair; microbatches of whole pairs keep each pair's
+    # rows together (a split of the rows alone could tear a pair apart, silently).
+    for stage, section, name, role in (
+        ("rm", cfg.rm, "RewardModelConfig", "reward"),
+        ("dpo", cfg.dpo, "DPOConfig", "actor"),
+    ):
+        m = cfg.roles[role].microbatches
+        _check(
+            stage not in cfg.run.stages or section.batch_size % m == 0,
+            f"{name}.batch_size",
+            f"{section.batch_size} pairs do not split into {role}/RoleConfig.microbatches={m} "
+            "microbatches of whole pairs",
+        )
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)

@@ -18,6 +18,7 @@ from jrlhf.cli import train as train_cli
 from jrlhf.config import (
     ROLES,
     DecodeConfig,
+    DPOConfig,
     RewardModelConfig,
     RLConfig,
     RoleConfig,
@@ -31,6 +32,7 @@ SECTIONS = {
     "TaskConfig": TaskConfig,
     "SFTConfig": SFTConfig,
     "RewardModelConfig": RewardModelConfig,
+    "DPOConfig": DPOConfig,
     "RLConfig": RLConfig,
     "DecodeConfig": DecodeConfig,
 }
@@ -56,10 +58,10 @@ ANY_LITERAL = st.sampled_from(
     [
         "0", "1", "-1", "3", "32", "1000000000", "2.5", "32.5", "-0.5", "1e-5", "1e8", "nan",
         "inf", "True", "False", "None", "'3'", "'ten'", "''", "'fsdp=4,tensor=2'",
-        "'fsdp=3'", "'tiny'", "'stage:sft'", "'ckpt:/nonexistent'", "'synthetic'", "'files'",
-        "('sft', 'rm', 'ppo')", "('grpo',)", "('nope',)", "()", "(('vocab_size', 64),)",
-        "(('nope', 1),)", "(('hidden_size', 'x'),)", "[1, 2]", "{'a': 1}", "@nothing()",
-        "%MACRO", "(", "'unterminated", "1 2",
+        "'fsdp=3'", "'tiny'", "'stage:sft'", "'stage:dpo'", "'ckpt:/nonexistent'", "'synthetic'",
+        "'files'", "'ipo'", "('sft', 'rm', 'ppo')", "('sft', 'dpo')", "('grpo',)", "('nope',)",
+        "()", "(('vocab_size', 64),)", "(('nope', 1),)", "(('hidden_size', 'x'),)", "[1, 2]",
+        "{'a': 1}", "@nothing()", "%MACRO", "(", "'unterminated", "1 2",
     ]
 )  # fmt: skip
 

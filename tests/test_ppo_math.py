@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrlhf.config import ConfigError, RLConfig, load_config
+from jrlhf.config import DPO_LOSS_TYPES, ConfigError, RLConfig, load_config
 from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
@@ -1019,3 +1019,107 @@ def test_dapo_config_is_validated_in_one_line():
         RLConfig(max_sampling_rounds=0).validate()
     with pytest.raises(ConfigError, match="^RLConfig.overlong_buffer: 17 exceeds TaskConfig.max_"):
         load_config([], ["RLConfig.overlong_buffer=17", "TaskConfig.max_response_len=16"])
+
+
+# ----------------------------------------------------------------------------- DPO
+
+
+def np_sequence_logprobs(logp, m, mean):
+    sums = np.where(m != 0, np.asarray(logp, np.float64) * m, 0.0).sum(-1)
+    n = np.asarray(m, np.float64).sum(-1)
+    return np.where(n > 0, sums / np.maximum(n, 1), 0.0) if mean else sums
+
+
+def np_dpo(pc, pr, rc, rr, valid, beta, loss_type, smoothing):
+    h = (pc - rc) - (pr - rr)
+    if loss_type == "sigmoid":  # -log sigmoid(x) = log(1 + exp(-x))
+        losses = (1 - smoothing) * np.logaddexp(0.0, -beta * h) + smoothing * np.logaddexp(
+            0.0, beta * h
+        )
+    else:
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    pick = lambda x: float(np.mean(x[valid])) if valid.any() else 0.0  # noqa: E731
+    return pick(losses), {
+        "accuracy": pick(chosen > rejected),
+        "reward_margin": pick(beta * h),
+        "chosen_reward": pick(chosen),
+        "rejected_reward": pick(rejected),
+        "chosen_logp": pick(pc),
+    }
+
+
+def dpo_inputs():
+    """Per-token log-probs of B pairs: chosen rows masked like left_aligned_mask (lengths 7, 5,
+    3, 1, 0, 6: a length-1 row and an all-masked one), rejected rows like the ragged mask read
+    backwards (an all-masked row at 1, a single token at 2); NaN wherever a mask is 0."""
+    mc, mr = left_aligned_mask(), ragged_mask()[::-1].copy()
+    tokens = [
+        np.where(m != 0, -np.abs(rand(60 + i, B, T)), np.nan) for i, m in enumerate((mc, mr) * 2)
+    ]
+    return (*tokens, mc, mr)
+
+
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_dpo_loss_matches_numpy(loss_type, smoothing):
+    pc_t, pr_t, rc_t, rr_t, mc, mr = dpo_inputs()
+    mean = loss_type in ca.DPO_MEAN_LOGPROBS
+    beta = 0.3
+    seqs = [
+        ca.sequence_logprobs(x, m, mean=mean)
+        for x, m in ((pc_t, mc), (pr_t, mr), (rc_t, mc), (rr_t, mr))
+    ]
+    expected = [
+        np_sequence_logprobs(x, m, mean)
+        for x, m in ((pc_t, mc), (pr_t, mr), (rc_t, mc), (rr_t, mr))
+    ]
+    for got, want in zip(seqs, expected):
+        close(got, want)
+    valid = (mc.sum(-1) > 0) & (mr.sum(-1) > 0)
+    assert valid.tolist() == [True, False, True, True, False, True]  # pairs 1 and 4 left out
+    loss, metrics = ca.dpo_loss(*seqs, beta, loss_type, smoothing, valid)
+    ref_loss, ref_metrics = np_dpo(*expected, valid, beta, loss_type, smoothing)
+    close(loss, ref_loss)
+    for k, v in ref_metrics.items():
+        close(metrics[k], v, err_msg=k, **TOL)
+    # The gradient reaches only the kept pairs' log-probs; for sigmoid DPO it is
+    # -beta * sigmoid(-beta * h) / n per chosen log-prob (+ for the rejected one).
+    grad = np.asarray(
+        jax.grad(lambda pc: ca.dpo_loss(pc, *seqs[1:], beta, loss_type, smoothing, valid)[0])(
+            seqs[0]
+        )
+    )
+    assert np.all(np.isfinite(grad)) and np.all(grad[~valid] == 0)
+    if loss_type == "sigmoid" and smoothing == 0.0:
+        h = (expected[0] - expected[2]) - (expected[1] - expected[3])
+        close(grad[valid], (-beta / (1 + np.exp(beta * h)) / valid.sum())[valid])
+
+
+def test_dpo_loss_edge_cases_and_registry():
+    pc_t, pr_t, rc_t, rr_t, mc, mr = dpo_inputs()
+    seqs = [ca.sequence_logprobs(x, m) for x, m in ((pc_t, mc), (pr_t, mr), (rc_t, mc), (rr_t, mr))]
+    # Every pair left out: 0, with finite (zero) gradients, though every log-prob is there.
+    none = np.zeros(B, bool)
+    loss, metrics = ca.dpo_loss(*seqs, 0.1, "sigmoid", 0.0, none)
+    grad = jax.grad(lambda pc: ca.dpo_loss(pc, *seqs[1:], 0.1, "sigmoid", 0.0, none)[0])(seqs[0])
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+    # Length-1 responses: the sequence log-prob is the token's, summed or averaged alike.
+    one = np.zeros((2, T), np.float32)
+    one[:, 3] = 1.0
+    lp = rand(70, 2, T)
+    close(ca.sequence_logprobs(lp, one), lp[:, 3])
+    close(ca.sequence_logprobs(lp, one, mean=True), lp[:, 3])
+    # A policy equal to its reference: loss log 2 (sigmoid), margin 0, accuracy 0 (ties lose);
+    # IPO's loss there is (1 / (2 beta))^2.
+    x = rand(71, B)
+    loss, metrics = ca.dpo_loss(x, x + 1, x, x + 1, 0.5)
+    close(loss, np.log(2.0))
+    assert float(metrics["accuracy"]) == 0.0 and float(metrics["reward_margin"]) == 0.0
+    close(ca.dpo_loss(x, x + 1, x, x + 1, 0.5, "ipo")[0], 1.0)
+    # The registry, and the config's list of loss types, name the same losses.
+    assert ca.get_dpo_loss("sigmoid") is ca.dpo_sigmoid_loss
+    assert ca.get_dpo_loss("ipo") is ca.dpo_ipo_loss
+    assert tuple(ca.DPO_LOSSES) == DPO_LOSS_TYPES
+    with pytest.raises(ValueError, match=r"unknown DPO loss type 'kto'.*\['ipo', 'sigmoid'\]"):
+        ca.dpo_loss(x, x, x, x, 0.1, "kto")

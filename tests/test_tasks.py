@@ -82,6 +82,10 @@ def test_heldout_disjoint_and_deterministic(task):
     assert task.prompts(50) == task.prompts(80)[:50]
     assert SyntheticTask(seed=0).sft_examples(20) == task.sft_examples(20)
     assert SyntheticTask(seed=0).preference_pairs(20) == task.preference_pairs(20)
+    # Held-out pairs (what the dpo stage evaluates on) are on held-out prompts only.
+    held_pairs = task.preference_pairs(50, "heldout")
+    assert all(task.split_of(r.prompt_ids) == "heldout" for r in held_pairs)
+    assert all(task.split_of(r.prompt_ids) == "train" for r in task.preference_pairs(50))
     with pytest.raises(ValueError, match="split 'test' unknown"):
         task.prompts(1, "test")
 
@@ -212,10 +216,13 @@ def test_arithmetic_splits_demos_pairs_and_jsonl(tmp_path):
     task = ArithmeticTask(seed=0)
     train, held = task.prompts(500), task.prompts(100, "heldout")
     assert not {tuple(p) for p in train} & {tuple(p) for p in held}
+    assert all(
+        task.split_of(r.prompt_ids) == "heldout" for r in task.preference_pairs(9, "heldout")
+    )
     demos = task.sft_examples(2000)
     right = np.mean([task.score(r.prompt_ids, r.response_ids) for r in demos])
     assert abs(right - task.demo_good_frac) < 0.05
-    for pair in task.preference_pairs(50):
+    for pair in [*task.preference_pairs(25), *task.preference_pairs(25, "heldout")]:
         assert task.score(pair.prompt_ids, pair.chosen_ids) == 1.0
         assert task.score(pair.prompt_ids, pair.rejected_ids) == 0.0
     # answer_match on each prompt's reference answer is the task's own score.

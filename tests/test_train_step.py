@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jrlhf.config import RLConfig
+from jrlhf.config import DPOConfig, RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo.core_algos import AGG_MODES, sft_loss
@@ -160,3 +160,33 @@ def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
             np.testing.assert_allclose(loss, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_pair_losses_do_not_depend_on_the_microbatch_split():
+    """The reward-model and DPO losses read a pair's chosen and rejected rows side by side
+    (supervised.pack_pairs), so microbatches of whole pairs give the whole batch's loss and
+    update; one empty rejected response leaves its pair out of the DPO loss."""
+    from jrlhf.data import PreferenceRecord
+    from jrlhf.pipeline.supervised import dpo_loss_fn, pack_pairs, reward_loss_fn
+
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(4, 256, n).tolist()  # noqa: E731
+    pairs = [PreferenceRecord(ids(1 + i % RL_P), ids(1 + i % RL_R), ids(i % 3)) for i in range(4)]
+    batch = pack_pairs(pairs, RL_P, RL_R, pad_id=0)
+    batch["ref_logprobs"] = rng.normal(-8.0, 2.0, 8).astype(np.float32)
+    assert batch["mask"][1].sum() == 0  # the first pair's rejected response is empty
+    mesh = make_mesh("fsdp=1")
+    dpo = DPOConfig(beta=0.5)
+    for head, loss_fn in (("value", reward_loss_fn), ("lm", dpo_loss_fn(RL_P, dpo))):
+        model = ModelDef(tiny_config(), head=head)
+        results = []
+        for mb in (1, 2):
+            state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
+            step = make_train_step(model, optax.sgd(0.5), loss_fn, mesh, "fsdp_tp", microbatches=mb)
+            state, metrics = step(state, batch)
+            results.append((float(metrics["loss"]), float(metrics["accuracy"]), state.params))
+        (loss1, acc1, params1), (loss2, acc2, params2) = results
+        np.testing.assert_allclose(loss2, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
+        assert acc1 == acc2
+        for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params1)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -201,7 +201,7 @@ def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
     [
         ("RLConfig.bogus=1", "RLConfig' doesn't have a parameter named 'bogus'"),
         ("NoSuchThing.x=1", "No configurable matching 'NoSuchThing'"),
-        ("RunConfig.stages=('sft','dpo')", "unknown stage 'dpo'"),
+        ("RunConfig.stages=('sft','kto')", "unknown stage 'kto'"),
         ("actor/RoleConfig.train_mesh='fsdp:2'", "actor/RoleConfig.train_mesh"),
         ("RLConfig.minibatch_size=7", "RLConfig.minibatch_size: 7 does not divide"),
         ("actor/RoleConfig.train_rules='nope'", "unknown rule set 'nope'"),

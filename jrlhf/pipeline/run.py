@@ -1,4 +1,5 @@
-"""A run: every configured stage in order (SFT, reward model, PPO/GRPO), in one run directory.
+"""A run: every configured stage in order (SFT, reward model, DPO, PPO/GRPO), in one run
+directory.
 
 ``run`` is what ``python -m jrlhf.train`` executes once the config is valid and the run directory
 is prepared: it writes the operative config, builds the task data, places the roles, runs the
@@ -18,9 +19,9 @@ import jax
 from jrlhf import metrics as metrics_lib
 from jrlhf.config import Config
 from jrlhf.data import PromptLoader
-from jrlhf.meshes.processes import barrier, is_primary
-from jrlhf.pipeline.run_dir import write_start_files
-from jrlhf.pipeline.supervised import run_reward_model, run_sft
+from jrlhf.meshes.processes import is_primary
+from jrlhf.pipeline.run_dir import before_training, write_start_files
+from jrlhf.pipeline.supervised import run_dpo, run_reward_model, run_sft
 from jrlhf.pipeline.task_data import TaskData, build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
 from jrlhf.ppo.trainer import RLTrainer
@@ -65,6 +66,7 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
         )
 
     summary: dict[str, Any] = {}
+    dpo_summary: dict[str, Any] = {}
     for stage in cfg.run.stages:
         logger = logger_for(stage)
         try:
@@ -74,10 +76,27 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
             elif stage == "rm":
                 reward = setup("reward", init=stage_start(cfg, "rm"))
                 run_reward_model(reward, data, cfg, run_dir, logger, cfg.run.seed)
+            elif stage == "dpo":
+                start = stage_start(cfg, "dpo")
+                actor = setup("actor", init=start)
+                init = cfg.dpo.reference or start
+                reference = resolve_model(
+                    cfg, "reference", data.model_overrides, run_dir, init=init
+                )
+                log.info("dpo: policy from %s, reference from %s", start, init)
+                dpo_summary = run_dpo(actor, reference, data, cfg, run_dir, logger, cfg.run.seed)
             else:
                 summary = run_rl(cfg, stage, run_dir, data, logger, setup, plan, quiet)
         finally:
             logger.close()
+    if dpo_summary and primary:
+        before, after = dpo_summary["before"], dpo_summary["after"]
+        print(
+            f"{dpo_summary['split']} preference accuracy (chosen log-prob margin > 0, "
+            f"{after['pairs']} pairs): before dpo {before['logp_accuracy']:.3f} -> after dpo "
+            f"{after['logp_accuracy']:.3f} (implicit-reward accuracy {before['accuracy']:.3f} -> "
+            f"{after['accuracy']:.3f})"
+        )
     if summary and primary:
         stage_logs = run_dir / "logs" / summary["stage"]
         png = metrics_lib.plot_run(stage_logs / "metrics.jsonl", run_dir / "run.png")
@@ -117,15 +136,11 @@ def run_rl(
         loader.load_state_dict(resumed)
         logger.truncate_after(trainer.iteration)
         log.info("resumed %s at iteration %d", stage, trainer.iteration)
-    summary_path = run_dir / f"{stage}_before.json"
-    evaluated = summary_path.exists()
-    barrier(f"{stage}:before")  # every process has looked before process 0 writes it
-    if evaluated:
-        before = json.loads(summary_path.read_text())
-    else:
-        before = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
-        if is_primary():
-            summary_path.write_text(json.dumps(before))
+    before = before_training(
+        run_dir,
+        stage,
+        lambda: trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta),
+    )
     bar = metrics_lib.ProgressBar(
         cfg.rl.iterations,
         initial=trainer.iteration,

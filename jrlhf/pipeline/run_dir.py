@@ -10,8 +10,9 @@ anything else is refused in one line before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,10 @@ PLAN_GIN = "plan.gin"  # the execution plan the run used (jrlhf.placement)
 
 # Written by a run before its first stage; what a stage writes (its output, checkpoints, logs)
 # is progress.
-PROGRESS = ("sft", "rm", "sft_checkpoints", "rm_checkpoints", "checkpoints", "logs")
+PROGRESS = (
+    "sft", "rm", "dpo", "sft_checkpoints", "rm_checkpoints", "dpo_checkpoints", "checkpoints",
+    "logs",
+)  # fmt: skip
 
 # Fields a resume may change: the run's length and its bookkeeping, never what it computes.
 MAY_CHANGE_ON_RESUME = frozenset(
@@ -42,6 +46,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "RLConfig.eval_every",
         "SFTConfig.checkpoint_every",
         "RewardModelConfig.checkpoint_every",
+        "DPOConfig.checkpoint_every",
     }
 )
 
@@ -50,6 +55,7 @@ _SECTIONS = {
     "task": "TaskConfig",
     "sft": "SFTConfig",
     "rm": "RewardModelConfig",
+    "dpo": "DPOConfig",
     "rl": "RLConfig",
     "decode": "DecodeConfig",
 }
@@ -114,6 +120,21 @@ def write_start_files(run_dir: Path, cfg: Config, plan_gin: str) -> None:
         path = run_dir / name
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
+
+
+def before_training(run_dir: Path, stage: str, evaluate: Callable[[], dict]) -> dict:
+    """A stage's held-out evaluation before it trains: ``evaluate()``, kept by process 0 in
+    ``<stage>_before.json`` so that a resumed stage, whose model has moved on, reads it instead.
+    Every process calls it."""
+    path = run_dir / f"{stage}_before.json"
+    evaluated = path.exists()
+    barrier(f"{stage}:before")  # every process has looked before process 0 writes it
+    if evaluated:
+        return json.loads(path.read_text())
+    before = evaluate()
+    if is_primary():
+        path.write_text(json.dumps(before))
+    return before
 
 
 def discard_failed_start(run_dir: Path) -> bool:

@@ -23,6 +23,8 @@ class TaskData:
 
     ``train_meta[i]`` / ``heldout_meta[i]`` are the extra fields of prompt i's record (what a
     reward function reads, e.g. a reference answer); ``{}`` for every prompt when not given.
+    ``heldout_preference_records`` are pairs no stage trains on (what the dpo stage evaluates
+    on): built only for a run with a dpo stage, or read from TaskConfig.heldout_preference_data.
     """
 
     train_prompts: list[list[int]]
@@ -37,6 +39,7 @@ class TaskData:
     train_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     decode: Callable[[Sequence[int]], str] | None = None  # ids -> text, for reward functions
+    heldout_preference_records: list[Any] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         # Every prompt gets a meta entry, so prompts and meta always index alike.
@@ -86,6 +89,9 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout_prompts = task.prompts(t.num_heldout, "heldout")
         # Tasks with reference answers give each prompt its answer (what answer_match reads).
         meta_of = getattr(task, "prompt_meta", lambda prompts: [])
+        heldout_pairs = []
+        if "dpo" in cfg.run.stages:
+            heldout_pairs = task.preference_pairs(t.num_heldout_pairs, "heldout")
         builtin = TaskData(
             train_prompts=train_prompts,
             heldout_prompts=heldout_prompts,
@@ -99,6 +105,7 @@ def build_task_data(cfg: Config) -> TaskData:
             train_meta=meta_of(train_prompts),
             heldout_meta=meta_of(heldout_prompts),
             decode=task.tokenizer().decode,
+            heldout_preference_records=heldout_pairs,
         )
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
         return builtin
@@ -116,13 +123,17 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout = train.records[:64]  # without held-out prompts, evaluate on the first ones
     full = dict(lens, max_response_len=t.max_response_len)
     sft = data_lib.load_sft(t.sft_data, tokenizer, **full) if t.sft_data else []
-    prefs = (
-        data_lib.load_preferences(t.preference_data, tokenizer, **full) if t.preference_data else []
+    prefs, heldout_prefs = (
+        data_lib.load_preferences(path, tokenizer, **full) if path else []
+        for path in (t.preference_data, t.heldout_preference_data)
     )
     if "sft" in cfg.run.stages and not sft:
         raise ConfigError("TaskConfig.sft_data: the sft stage needs demonstrations")
-    if "rm" in cfg.run.stages and not prefs:
-        raise ConfigError("TaskConfig.preference_data: the rm stage needs preference pairs")
+    for stage in ("rm", "dpo"):
+        if stage in cfg.run.stages and not prefs:
+            raise ConfigError(
+                f"TaskConfig.preference_data: the {stage} stage needs preference pairs"
+            )
     overrides = tokenizer_model_overrides(tokenizer)
     pad = tokenizer.pad_id if tokenizer and tokenizer.pad_id is not None else 0
     eos = tokenizer.eos_id if tokenizer else None
@@ -147,6 +158,7 @@ def build_task_data(cfg: Config) -> TaskData:
         train_meta=[r.meta for r in train],
         heldout_meta=[r.meta for r in heldout],
         decode=tokenizer.decode if tokenizer else None,
+        heldout_preference_records=list(heldout_prefs),
     )
 
 

@@ -704,6 +704,94 @@ def bradley_terry_loss(
     return loss, jax.lax.stop_gradient(metrics)
 
 
+# ----------------------------------------------------------------------------- DPO
+
+
+def sequence_logprobs(logprobs_bt: Array, mask_bt: Array, mean: bool = False) -> Array:
+    """Each row's response log-probability: the sum of its valid tokens' log-probs, or with
+    ``mean=True`` their mean (the length-normalized form IPO compares). A row without a valid
+    token gives 0; masked NaN/inf do not leak."""
+    logprobs_bt = _f32(logprobs_bt)
+    if mean:
+        return masked_mean(logprobs_bt, mask_bt, axis=-1)
+    return masked_sum(logprobs_bt, mask_bt, axis=-1)
+
+
+def dpo_sigmoid_loss(logits_b: Array, beta: float | Array, label_smoothing: float | Array = 0.0):
+    """DPO (Rafailov et al. 2023): ``-log sigmoid(beta * h)`` per pair, ``h`` the log-ratio
+    margin. With ``label_smoothing = eps`` (conservative DPO) each label is taken to be wrong
+    with probability ``eps``: ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``."""
+    z_b = _f32(beta) * logits_b
+    eps = _f32(label_smoothing)
+    return -(1.0 - eps) * jax.nn.log_sigmoid(z_b) - eps * jax.nn.log_sigmoid(-z_b)
+
+
+def dpo_ipo_loss(logits_b: Array, beta: float | Array, label_smoothing: float | Array = 0.0):
+    """IPO (Azar et al. 2023): ``(h - 1 / (2 beta))**2`` per pair: the margin is regressed to a
+    finite target instead of pushed to infinity, so deterministic preferences cannot drive the
+    policy arbitrarily far from the reference. ``h`` compares per-token mean log-probs (the
+    paper's and TRL's choice, ``DPO_MEAN_LOGPROBS``); label smoothing does not apply."""
+    del label_smoothing
+    return jnp.square(logits_b - 1.0 / (2.0 * _f32(beta)))
+
+
+DPO_LOSSES: dict[str, Callable[..., Array]] = {
+    "sigmoid": dpo_sigmoid_loss,
+    "ipo": dpo_ipo_loss,
+}
+# Loss types whose sequence log-probs are per-token means (sequence_logprobs(mean=True)).
+DPO_MEAN_LOGPROBS = ("ipo",)
+
+
+def dpo_loss(
+    policy_chosen_b: Array,
+    policy_rejected_b: Array,
+    ref_chosen_b: Array,
+    ref_rejected_b: Array,
+    beta: float | Array,
+    loss_type: str = "sigmoid",
+    label_smoothing: float | Array = 0.0,
+    pair_mask_b: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Direct preference optimization on per-sequence log-probs (``sequence_logprobs``: sums,
+    or per-token means for the types in ``DPO_MEAN_LOGPROBS``) under the policy and the frozen
+    reference.
+
+    Each response's implicit reward is ``beta * (log pi - log ref)``; the pair's log-ratio
+    margin is ``h = (pi_c - ref_c) - (pi_r - ref_r)`` and the loss is the mean over pairs of
+    ``DPO_LOSSES[loss_type](h, beta, label_smoothing)``. ``pair_mask_b`` (1 on pairs to count)
+    leaves out pairs, e.g. those whose chosen or rejected response has no valid token: the
+    loss and metrics average over the pairs it keeps, and are 0 (with finite gradients) when it
+    keeps none.
+
+    Metrics (no gradient, over the kept pairs): ``accuracy`` (fraction whose chosen reward
+    exceeds the rejected one; ties count as wrong, so a policy equal to its reference scores 0),
+    ``reward_margin`` (mean ``beta * h``), ``chosen_reward`` and ``rejected_reward`` (mean
+    implicit rewards), ``chosen_logp`` and ``rejected_logp`` (mean policy log-probs, in the form
+    given).
+    """
+    loss_of = get_dpo_loss(loss_type)
+    pi_c, pi_r = _f32(policy_chosen_b), _f32(policy_rejected_b)
+    ref_c, ref_r = _f32(ref_chosen_b), _f32(ref_rejected_b)
+    m_b = jnp.ones_like(pi_c) if pair_mask_b is None else _mask_like(pair_mask_b, pi_c)
+    valid_b = m_b != 0
+    # Invalid pairs (e.g. an empty response's log-prob) are zeroed before the loss so that
+    # neither a NaN there nor its gradient can reach the result.
+    logits_b = jnp.where(valid_b, (pi_c - ref_c) - (pi_r - ref_r), 0.0)
+    loss = masked_mean(loss_of(logits_b, beta, label_smoothing), m_b)
+    beta = _f32(beta)
+    chosen_b, rejected_b = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
+    metrics = {
+        "accuracy": masked_mean(chosen_b > rejected_b, m_b),
+        "reward_margin": masked_mean(beta * logits_b, m_b),
+        "chosen_reward": masked_mean(chosen_b, m_b),
+        "rejected_reward": masked_mean(rejected_b, m_b),
+        "chosen_logp": masked_mean(pi_c, m_b),
+        "rejected_logp": masked_mean(pi_r, m_b),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
 # ----------------------------------------------------------------------------- registries
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
@@ -733,6 +821,11 @@ def _lookup(registry: dict[str, Any], what: str, name: str) -> Any:
 def get_policy_loss(name: str) -> Callable[..., tuple[Array, dict[str, Array]]]:
     """Looks up a policy loss by name; raises ValueError listing the valid names."""
     return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+def get_dpo_loss(name: str) -> Callable[..., Array]:
+    """Looks up a DPO loss type by name; raises ValueError listing the valid names."""
+    return _lookup(DPO_LOSSES, "DPO loss type", name)
 
 
 def get_advantage_estimator(name: str) -> Callable[..., tuple[Array, Array]]:

@@ -3,9 +3,10 @@ the planner and evaluation alike.
 
 A role's ``RoleConfig.init`` names the source: ``tiny`` (a small random Llama sized for the
 task), ``hf:DIR`` (a HF checkpoint), ``ckpt:DIR`` (a jrlhf model checkpoint) or ``stage:sft`` /
-``stage:rm`` (this run's supervised-stage output). The role's ``model_overrides`` and dtypes
-apply on top. Before a stage has run (planning, or choosing the placement at start-up), a
-``stage:NAME`` role resolves to the model that stage starts from: the same architecture.
+``stage:rm`` / ``stage:dpo`` (this run's training-stage output). The role's ``model_overrides``
+and dtypes apply on top. Before a stage has run (planning, or choosing the placement at
+start-up), a ``stage:NAME`` role resolves to the model that stage starts from: the same
+architecture.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from jrlhf.models.config import ModelConfig, tiny_config
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.presets import get_preset
 
-# The supervised stage that produces each stage:NAME source, and the role it trains.
-STAGE_ROLES = {"sft": "actor", "rm": "reward"}
+# The training stage that produces each stage:NAME source, and the role it trains.
+STAGE_ROLES = {"sft": "actor", "rm": "reward", "dpo": "actor"}
 _ROLE_DTYPE_FIELDS = ("param_dtype", "dtype", "remat_policy")
 
 
@@ -45,10 +46,22 @@ def model_overrides(rc: RoleConfig) -> dict[str, Any]:
 
 
 def stage_start(cfg: Config, stage: str) -> str:
-    """The init a supervised stage starts from: its role's init, or ``tiny`` when that init names
-    the stage's own output."""
-    init = cfg.roles[STAGE_ROLES[stage]].init
-    return "tiny" if init.startswith("stage:") else init
+    """The init a training stage starts from: its role's init, unless that names the output of
+    a stage that has not run before this one (its own, or a later stage's, as when the actor's
+    init is what RL starts from): then the output of the last earlier stage that trains the same
+    role (SFT for DPO), or ``tiny``.
+
+    E.g. with stages ``('sft', 'dpo', 'ppo')`` and ``actor/RoleConfig.init = 'stage:dpo'``,
+    SFT starts from ``tiny``, DPO from ``stage:sft`` and PPO from ``stage:dpo``.
+    """
+    role = STAGE_ROLES[stage]
+    init = cfg.roles[role].init
+    stages = list(cfg.run.stages)
+    earlier = stages[: stages.index(stage)] if stage in stages else []
+    if not init.startswith("stage:") or init[6:] in earlier:
+        return init
+    same_role = [s for s in earlier if STAGE_ROLES.get(s) == role]
+    return f"stage:{same_role[-1]}" if same_role else "tiny"
 
 
 def _bound(role: str, field: str) -> bool:
@@ -93,7 +106,10 @@ def resolve_model(
     kind, _, where = (init or rc.init).partition(":")
     if kind == "stage":
         if run_dir is None:
-            kind, _, where = stage_start(cfg, where).partition(":")
+            # Before any stage has run: the model the named stage starts from, which may be an
+            # earlier stage's output in turn (DPO from SFT): follow the chain to a real source.
+            while kind == "stage":  # each step names a stage earlier in the run: it ends
+                kind, _, where = stage_start(cfg, where).partition(":")
         else:
             kind, where = "ckpt", str(Path(run_dir) / where)
     if kind == "tiny":

@@ -165,10 +165,10 @@ class ArithmeticTask:
             out.append(SFTRecord(p, self.answer(p) if good else self.mistaken_answer(p, rng)))
         return out
 
-    def preference_pairs(self, n: int) -> list[PreferenceRecord]:
-        """``n`` (problem, right answer, mistaken answer) triples."""
+    def preference_pairs(self, n: int, split: str = "train") -> list[PreferenceRecord]:
+        """``n`` (problem, right answer, mistaken answer) triples on problems of ``split``."""
         rng = np.random.default_rng([self.seed, _STREAM_PAIRS])
-        stream = self._stream(rng, "train")
+        stream = self._stream(rng, split)
         return [
             PreferenceRecord(p, self.answer(p), self.mistaken_answer(p, rng))
             for p in (next(stream) for _ in range(n))

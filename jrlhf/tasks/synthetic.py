@@ -257,14 +257,15 @@ class SyntheticTask:
             length = int(rng.integers(max(1, self.response_len - 3), self.max_response_len))
         return self._mixed_response(rng, focus, q, (1.0 - q) / 2, length, eos)
 
-    def preference_pairs(self, n: int) -> list[PreferenceRecord]:
-        """``n`` (prompt, chosen, rejected) triples ranked by the true score.
+    def preference_pairs(self, n: int, split: str = "train") -> list[PreferenceRecord]:
+        """``n`` (prompt, chosen, rejected) triples on prompts of ``split``, ranked by the true
+        score.
 
         Pairs with equal scores are redrawn. With ``label_noise_beta`` set, the order is kept with
         probability ``sigmoid(beta * (score_hi - score_lo))`` (Bradley-Terry noise).
         """
         rng = np.random.default_rng([self.seed, _STREAM_PAIRS])
-        stream = self._prompt_stream(rng, "train")
+        stream = self._prompt_stream(rng, split)
         out = []
         while len(out) < n:
             p = next(stream)
