@@ -216,6 +216,8 @@ def test_arithmetic_splits_demos_pairs_and_jsonl(tmp_path):
     task = ArithmeticTask(seed=0)
     train, held = task.prompts(500), task.prompts(100, "heldout")
     assert not {tuple(p) for p in train} & {tuple(p) for p in held}
+    with pytest.raises(ValueError, match="split 'test' unknown"):
+        task.prompts(1, "test")
     assert all(
         task.split_of(r.prompt_ids) == "heldout" for r in task.preference_pairs(9, "heldout")
     )

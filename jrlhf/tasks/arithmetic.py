@@ -122,6 +122,9 @@ class ArithmeticTask:
         return "heldout" if h < self.heldout_frac * 2**32 else "train"
 
     def _stream(self, rng: np.random.Generator, split: str):
+        if split not in ("train", "heldout"):
+            # No prompt would ever match: the stream would never yield.
+            raise ValueError(f"split {split!r} unknown (use 'train' or 'heldout')")
         top = 10**self.digits
         while True:
             op = self.ops[int(rng.integers(len(self.ops)))]
