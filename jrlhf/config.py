@@ -37,6 +37,8 @@ LOSS_AGG_MODES = (
 )
 # jrlhf.ppo.core_algos.DPO_LOSSES (config does not import JAX).
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
+# jrlhf.ppo.core_algos.OFF_POLICY_CORRECTIONS (config does not import JAX).
+OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
 # reference scores, the reward model scores (RL) and trains (its supervised stage).
@@ -448,6 +450,16 @@ class RLConfig:
     # dropped groups (metrics sampling/*). Needs samples_per_prompt >= 2.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
+    # Off-policy correction (core_algos.behaviour_importance_weights) for samples whose
+    # behaviour policy differs from the one the update starts from (a generation engine with
+    # other numerics, e.g. bf16 decode and fp32 training; stale weights). "none": the PPO ratio
+    # is taken against the behaviour (generation) log-probs, as always. "tis" / "decoupled": the
+    # actor's own forward recomputes the proximal log-probs before the update (one more actor
+    # pass over the batch), the ratio and its clip are taken against them, and each token's loss
+    # is weighted by pi_prox / pi_behaviour, truncated at is_cap ("tis") or not ("decoupled").
+    # Metrics offpolicy/*: mismatch (mean |log-prob difference|, k3 KL), IS clip fraction.
+    off_policy_correction: str = "none"
+    is_cap: float = 2.0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -495,6 +507,13 @@ class RLConfig:
         _check(self.overlong_buffer >= 0, "RLConfig.overlong_buffer", "must be >= 0 (0: off)")
         _check(self.overlong_penalty >= 0, "RLConfig.overlong_penalty", "must be >= 0")
         _check(self.max_sampling_rounds >= 1, "RLConfig.max_sampling_rounds", "must be >= 1")
+        _check(
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS,
+            "RLConfig.off_policy_correction",
+            f"unknown correction {self.off_policy_correction!r}; valid: "
+            f"{', '.join(OFF_POLICY_CORRECTIONS)}",
+        )
+        _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
         if self.dynamic_sampling:
             _check(
                 self.samples_per_prompt >= 2,

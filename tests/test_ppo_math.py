@@ -1123,3 +1123,86 @@ def test_dpo_loss_edge_cases_and_registry():
     assert tuple(ca.DPO_LOSSES) == DPO_LOSS_TYPES
     with pytest.raises(ValueError, match=r"unknown DPO loss type 'kto'.*\['ipo', 'sigmoid'\]"):
         ca.dpo_loss(x, x, x, x, 0.1, "kto")
+
+
+# ----------------------------------------------------------------------------- off-policy
+
+
+def np_importance_weights(prox, behav, m, correction, cap):
+    log_w = np.where(m != 0, np.float64(1) * prox - behav, 0.0)
+    w = np.exp(log_w)
+    capped = (w > cap) & (m != 0) if correction == "tis" else np.zeros(w.shape, bool)
+    if correction == "tis":
+        w = np.minimum(w, cap)
+    elif correction == "none":
+        w = np.ones_like(w)
+    return np.where(m != 0, w, 0.0), capped, log_w
+
+
+@pytest.mark.parametrize("correction", ca.OFF_POLICY_CORRECTIONS)
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_behaviour_importance_weights_match_numpy(mask_name, correction):
+    m = MASKS[mask_name]()
+    prox = rand(60, B, T, scale=0.5)
+    behav = (prox + rand(61, B, T, scale=0.6)).astype(np.float32)
+    cap = 1.5
+    w, metrics = ca.behaviour_importance_weights(prox, behav, m, correction, cap)
+    ew, capped, log_w = np_importance_weights(prox, behav, m, correction, cap)
+    close(w, ew)
+    sel = m != 0
+    close(metrics["is_clipfrac"], capped[sel].mean())
+    close(metrics["mismatch_abs"], np.abs(log_w)[sel].mean())
+    r = np.exp(log_w)  # pi_prox / pi_behaviour on the behaviour's samples: k3 = r - 1 - log r
+    close(metrics["mismatch_k3"], (r - 1 - log_w)[sel].mean())
+    close(metrics["is_weight_max"], ew[sel].max())
+    if correction == "tis":
+        assert 0 < capped[sel].mean() < 1  # the cap binds on some tokens, not all
+    # The empty row (index 4 in both masks) has weight 0 everywhere; nothing is NaN.
+    assert not np.any(np.asarray(w)[4]) and np.all(np.isfinite(np.asarray(w)))
+
+
+def test_importance_weights_edge_cases_and_errors():
+    m = np.zeros((2, 3), np.float32)
+    w, metrics = ca.behaviour_importance_weights(np.zeros((2, 3)), np.zeros((2, 3)), m, "tis")
+    assert not np.any(np.asarray(w)) and all(np.isfinite(float(v)) for v in metrics.values())
+    # On-policy (prox == behaviour): weight 1 on every valid token, no mismatch, nothing capped.
+    m = left_aligned_mask()
+    lp = rand(62, B, T)
+    for correction in ("tis", "decoupled"):
+        w, metrics = ca.behaviour_importance_weights(lp, lp, m, correction)
+        close(w, m)
+        assert float(metrics["mismatch_abs"]) == 0 == float(metrics["is_clipfrac"])
+    # A huge log-ratio is clamped before exp: a finite weight.
+    big = np.full((1, 2), 100.0, np.float32)
+    w, _ = ca.behaviour_importance_weights(big, -big, np.ones((1, 2)), "decoupled")
+    assert np.all(np.isfinite(np.asarray(w)))
+    with pytest.raises(ValueError, match="unknown off-policy correction 'is'"):
+        ca.behaviour_importance_weights(lp, lp, m, "is")
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        ca.behaviour_importance_weights(lp, lp, m, "tis", cap=0.5)
+    with pytest.raises(ConfigError, match="^RLConfig.off_policy_correction: unknown correction"):
+        RLConfig(off_policy_correction="is").validate()
+    with pytest.raises(ConfigError, match="^RLConfig.is_cap: must be >= 1"):
+        RLConfig(is_cap=0.5).validate()
+
+
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo"])
+@pytest.mark.parametrize("agg", AGGS)
+def test_policy_losses_weight_each_token_by_the_importance_weight(loss_name, agg):
+    """The weighted loss is agg(w * token loss), with no gradient through w; w = 1 gives the
+    unweighted loss exactly."""
+    logp, old, adv, m = ppo_inputs("ragged")
+    w = np.abs(rand(63, B, T)) + 0.1
+    fn = ca.get_policy_loss(loss_name)
+    loss_w, _ = fn(logp, old, adv, m, 0.2, None, 3.0, agg, is_weights_bt=w)
+    if loss_name == "ppo":
+        tok, _, _ = np_ppo_token_losses(logp, old, adv, 0.2, 0.2, 3.0)
+        close(loss_w, np_agg(w * tok, m, agg))
+    loss_1, _ = fn(logp, old, adv, m, 0.2, None, 3.0, agg, is_weights_bt=np.ones_like(w))
+    loss_0, _ = fn(logp, old, adv, m, 0.2, None, 3.0, agg)
+    assert float(loss_1) == float(loss_0)
+
+    def weighted(lp, weights):
+        return fn(lp, old, adv, m, 0.2, None, 3.0, agg, is_weights_bt=weights)[0]
+
+    assert not np.any(np.asarray(jax.grad(weighted, argnums=1)(jnp.asarray(logp), w)))

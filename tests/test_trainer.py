@@ -89,15 +89,18 @@ def test_grpo_with_verifiable_reward_improves(base_run, tmp_path):
 @pytest.mark.parametrize(
     "extra",
     [
-        ["RLConfig.advantage_estimator='rloo'"],
+        ["RLConfig.advantage_estimator='rloo'", "RLConfig.off_policy_correction='tis'"],
         ["RLConfig.policy_loss='gspo'", "RLConfig.loss_agg='seq-mean-token-mean'",
          "RLConfig.clip_eps=3e-3", "RLConfig.advantage_estimator='drgrpo'"],
     ],
-    ids=["rloo", "gspo-drgrpo"],
+    ids=["rloo-tis", "gspo-drgrpo"],
 )  # fmt: skip
 def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
-    """A few GRPO-stage iterations with RLOO advantages and with the GSPO loss: the trainer
-    reaches them through RLConfig, and every metric stays finite."""
+    """A few GRPO-stage iterations with RLOO advantages (and the truncated-IS correction) and
+    with the GSPO loss: the trainer reaches them through RLConfig, and every metric stays
+    finite. Synchronous generation samples from the policy the update starts from, so the
+    recomputed proximal log-probs equal the generation's up to float rounding: no mismatch, no
+    weight capped."""
     run_dir = tmp_path / "run"
     bindings = [
         "RunConfig.stages=('grpo',)",
@@ -118,6 +121,11 @@ def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
         assert {"train/policy_loss", "train/kl_loss", "train/clipfrac", "kl_token_mean"} <= set(row)
         for k, v in row.items():
             assert np.isfinite(v), (k, v)
+        if "RLConfig.off_policy_correction='tis'" in extra:
+            assert row["offpolicy/mismatch_abs"] < 1e-4 and row["offpolicy/is_clipfrac"] == 0
+            assert abs(row["offpolicy/is_weight_mean"] - 1) < 1e-4
+        else:
+            assert not any(k.startswith("offpolicy/") for k in row)
 
 
 def test_dynamic_sampling_trains_full_batches_of_groups_with_signal(

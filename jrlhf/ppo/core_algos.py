@@ -524,6 +524,7 @@ def policy_loss_ppo(
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
     agg: str = "token-mean",
+    is_weights_bt: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped PPO surrogate loss (to minimise).
 
@@ -533,6 +534,8 @@ def policy_loss_ppo(
     With ``dual_clip_c`` (Ye et al. 2020, must be > 1) tokens with ``A < 0`` are further bounded by
     ``-A * c``, so a huge ratio on a bad action cannot blow up the loss. The log-ratio is clamped
     to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp`` so the ratio stays finite.
+    ``is_weights_bt`` (no gradient; :func:`behaviour_importance_weights`) multiplies each token's
+    clipped term: ``old_logp`` is then the proximal policy's, not the behaviour policy's.
 
     Metrics (no gradient): ``clipfrac`` (fraction of valid tokens where the clipped term is active),
     ``clipfrac_dual`` (where the dual clip is active), ``approx_kl`` (mean of ``old_logp - logp``,
@@ -558,6 +561,8 @@ def policy_loss_ppo(
         loss3_bt = -adv_bt * dual_clip_c
         dual_bt = (adv_bt < 0) & (loss3_bt < loss_bt)
         loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, loss3_bt), loss_bt)
+    if is_weights_bt is not None:  # off-policy correction (behaviour_importance_weights)
+        loss_bt = jax.lax.stop_gradient(_f32(is_weights_bt)) * loss_bt
 
     loss = aggregate_loss(loss_bt, m_bt, agg)
     metrics = {
@@ -579,6 +584,7 @@ def policy_loss_gspo(
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
     agg: str = "seq-mean-token-mean",
+    is_weights_bt: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """GSPO (Zheng et al. 2025): PPO clipping on the sequence-level importance ratio
     ``s_i = exp(mean_t(logp - old_logp))`` over each response's valid tokens.
@@ -613,6 +619,8 @@ def policy_loss_gspo(
     loss1_bt = -adv_bt * ratio_bt
     loss2_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
     loss_bt = jnp.maximum(loss1_bt, loss2_bt)
+    if is_weights_bt is not None:  # token-level off-policy correction, as in policy_loss_ppo
+        loss_bt = jax.lax.stop_gradient(_f32(is_weights_bt)) * loss_bt
     loss = aggregate_loss(loss_bt, m_bt, agg)
     row_valid_b = jnp.sum(m_bt, axis=-1) > 0
     metrics = {
@@ -622,6 +630,67 @@ def policy_loss_gspo(
         "log_ratio_clampfrac": masked_mean(jnp.broadcast_to(over_b[:, None], m_bt.shape), m_bt),
     }
     return loss, jax.lax.stop_gradient(metrics)
+
+
+# Off-policy correction (RLConfig.off_policy_correction): how the loss accounts for samples drawn
+# from a behaviour policy other than the one the update starts from (stale weights, a
+# generation engine whose numerics differ from training's).
+OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
+
+
+def behaviour_importance_weights(
+    prox_logprobs_bt: Array,
+    behaviour_logprobs_bt: Array,
+    mask_bt: Array,
+    correction: str,
+    cap: float = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """Per-token importance weights ``w = pi_prox / pi_behaviour`` of the sampled tokens, and
+    metrics of how far the two policies are apart.
+
+    ``prox`` is the proximal policy the PPO ratio is taken against (the trainer's own forward
+    with the weights the update starts from); ``behaviour`` the policy that sampled (the
+    generation engine's log-probs). ``correction``:
+
+    - ``"none"``: ``w = 1`` (the PPO ratio is then usually taken against the behaviour
+      log-probs themselves);
+    - ``"tis"``: token-level truncated importance sampling, ``w = min(w, cap)``: bounded
+      variance, biased when the cap binds;
+    - ``"decoupled"``: the decoupled PPO objective (Hilton et al. 2022), ``w`` untruncated: the
+      clip keeps the update near the proximal policy while ``w`` corrects for the behaviour one.
+
+    The log-ratio is clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp``; masked
+    tokens get ``w = 0``. Metrics: ``is_clipfrac`` (valid tokens whose weight the cap cut),
+    ``mismatch_abs`` (mean ``|log pi_prox - log pi_behaviour|``), ``mismatch_k3`` (the k3
+    estimate of KL(behaviour || prox) per token), ``is_weight_mean`` and ``is_weight_max``.
+    """
+    if correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"unknown off-policy correction {correction!r}; valid: {list(OFF_POLICY_CORRECTIONS)}"
+        )
+    if correction == "tis" and not cap >= 1.0:
+        raise ValueError(f"the truncated IS cap must be >= 1, got {cap}")
+    prox_bt = _f32(prox_logprobs_bt)
+    m_bt = _mask_like(mask_bt, prox_bt)
+    valid_bt = m_bt != 0
+    log_w_bt = jnp.where(valid_bt, prox_bt - _f32(behaviour_logprobs_bt), 0.0)
+    w_bt = jnp.exp(jnp.clip(log_w_bt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    capped_bt = jnp.zeros_like(valid_bt)
+    if correction == "tis":
+        capped_bt = w_bt > cap
+        w_bt = jnp.minimum(w_bt, cap)
+    elif correction == "none":
+        w_bt = jnp.ones_like(w_bt)
+    w_bt = jnp.where(valid_bt, w_bt, 0.0)
+    metrics = {
+        "is_clipfrac": masked_mean(capped_bt, m_bt),
+        "mismatch_abs": masked_mean(jnp.abs(log_w_bt), m_bt),
+        # k3 with log r = log pi_prox - log pi_behaviour on tokens the behaviour policy sampled.
+        "mismatch_k3": masked_mean(kl_penalty(-log_w_bt, jnp.zeros_like(log_w_bt), "k3"), m_bt),
+        "is_weight_mean": masked_mean(w_bt, m_bt),
+        "is_weight_max": jnp.max(jnp.where(valid_bt, w_bt, 0.0)),
+    }
+    return w_bt, jax.lax.stop_gradient(metrics)
 
 
 def value_loss_clipped(

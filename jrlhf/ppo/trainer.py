@@ -85,6 +85,7 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
             clip_eps_high=rl.clip_eps_high or None,
             dual_clip_c=rl.dual_clip_c or None,
             agg=rl.loss_agg,
+            is_weights_bt=batch.get("is_weights"),
         )
         ent = algos.entropy_bonus(entropy, mask, rl.loss_agg)
         metrics = dict(metrics, policy_loss=loss, entropy=ent)
@@ -205,6 +206,19 @@ class RLTrainer:
             setup = roles[role]
             return frozen_infer(
                 setup.source, setup.meshes["infer"], setup.rules["infer"], fn, seed, batch_size
+            )
+
+        # Off-policy correction: the actor's proximal log-probs, recomputed on its training mesh
+        # with the weights the update starts from.
+        self.prox_logprobs = None
+        if self.rl.off_policy_correction != "none":
+            actor = roles["actor"]
+            self.prox_logprobs = make_infer(
+                actor.model,
+                actor.meshes["train"],
+                actor.rules["train"],
+                lambda m, b: rl_batch.response_logprobs(m, b, self.P),
+                batch_size,
             )
 
         critic_fn = None
@@ -358,6 +372,7 @@ class RLTrainer:
             )
             batch["advantages"] = np.asarray(adv)
             batch["returns"] = np.asarray(returns)
+            offpolicy_metrics = self._correct_off_policy(batch)
 
         me = str(jax.process_index())
         if os.environ.get(_EXIT_AT_ENV) == str(it) and os.environ.get(_EXIT_PROCESS_ENV, me) == me:
@@ -402,8 +417,28 @@ class RLTrainer:
             metrics["overlong/frac"] = float(np.mean(penalty > 0))
             metrics["overlong/penalty_mean"] = float(np.mean(penalty))
         metrics.update(sampling_metrics)
+        metrics.update(offpolicy_metrics)
         self.iteration += 1
         return metrics
+
+    def _correct_off_policy(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """With ``RLConfig.off_policy_correction``: recompute the proximal log-probs with the
+        actor's training weights, make them the ``old_logprobs`` the PPO ratio is taken against,
+        keep the generation's as ``behaviour_logprobs``, and add the per-token importance
+        weights (``is_weights``). Returns the ``offpolicy/*`` metrics (none when off)."""
+        if self.prox_logprobs is None:
+            return {}
+        keys = ("tokens", "positions", "segment_ids", "response_tokens", "mask")
+        prox = self.prox_logprobs(self.states["actor"].params, {k: batch[k] for k in keys})
+        prox = np.asarray(to_host(prox), np.float32)
+        weights, m = algos.behaviour_importance_weights(
+            prox, batch["old_logprobs"], batch["mask"], self.rl.off_policy_correction,
+            self.rl.is_cap,
+        )  # fmt: skip
+        batch["behaviour_logprobs"] = batch["old_logprobs"]
+        batch["old_logprobs"] = prox
+        batch["is_weights"] = np.asarray(weights, np.float32)
+        return {f"offpolicy/{k}": float(v) for k, v in to_host(m).items()}
 
     def _shaped_scores(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
         """The scores advantages see: the reward's, minus DAPO's overlong penalty when
@@ -448,7 +483,7 @@ class RLTrainer:
             "old_logprobs",
             "advantages",
             "ref_logprobs",
-        )
+        ) + (("is_weights",) if "is_weights" in arrays else ())
         critic_fields = ("tokens", "positions", "segment_ids", "mask", "old_values", "returns")
         rng = np.random.default_rng([self.seed, self.iteration, 7])
         # Metrics stay on device until the end, so actor and critic steps (which may run on
