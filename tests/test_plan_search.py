@@ -381,6 +381,7 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
         (["--exhaustive-limit", "-1"], "--exhaustive-limit must be >= 0"),
         (["--top", "0"], "--top must be >= 1"),
         (["--critic", "llama2_70"], "unknown model preset 'llama2_70'"),
+        (["--devices", "8", "--actor", "llama2_70b", "--critic", "llama2_70b"], "no plan can fit"),
     ],
 )
 def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extra, needle):

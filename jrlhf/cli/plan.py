@@ -28,6 +28,7 @@ from jrlhf.placement.plan import CALLS, STAGE_CALLS
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.search import (
     check_device_count,
+    check_fits_somewhere,
     local_device_kind,
     peak_memory_bytes,
     search,
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         models = role_models(cfg, lambda: task_model_overrides(cfg), presets)
         workload = Workload.from_config(cfg, models)
+        check_fits_somewhere(workload, num_devices, profile)
         result = search(
             workload,
             num_devices,

@@ -46,10 +46,10 @@ from jrlhf.placement.candidates import (
     slot_problem,
     slots_of,
 )
-from jrlhf.placement.estimator import estimate
+from jrlhf.placement.estimator import MOMENT_BYTES, estimate
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
 from jrlhf.placement.profile import DeviceProfile
-from jrlhf.placement.workload import Workload
+from jrlhf.placement.workload import Workload, num_params, param_bytes
 
 CostFn = Callable[[ExecutionPlan], Any]  # returns a PlanEstimate (duck-typed: see _energy)
 
@@ -557,6 +557,27 @@ def check_device_count(num_devices: int, profile: Any) -> None:
     if not shared and num_devices > per_node and num_devices % per_node:
         raise ValueError(
             f"{num_devices} {profile.name} devices is not a whole number of {per_node}-device nodes"
+        )
+
+
+def check_fits_somewhere(workload: Any, num_devices: int, profile: Any) -> None:
+    """One-line error when no plan can fit: the parameters of every model, the AdamW moments of
+    the trained ones and the actor's generation copy exist in every plan, so even spread evenly
+    over all ``num_devices`` devices they need at least this much per device (working memory,
+    the KV pool and uneven shards only add to it)."""
+    total = 0
+    for role, (cfg, head) in workload.models().items():
+        total += param_bytes(cfg, head)
+        if role in ("actor", "critic"):
+            total += num_params(cfg, head) * MOMENT_BYTES
+    total += param_bytes(workload.actor, "lm")  # the generation copy
+    floor, capacity = total / num_devices, profile.memory_bytes
+    if floor > capacity:
+        raise ValueError(
+            f"no plan can fit: the models' weights, AdamW moments and the actor's generation copy "
+            f"alone need {floor / 2**30:.1f} GiB per device on {num_devices} devices "
+            f"({profile.name} has {capacity / 2**30:.1f} GiB); plan for at least "
+            f"{math.ceil(total / capacity)} devices (more for working memory) or smaller models"
         )
 
 
