@@ -146,8 +146,9 @@ def gin_header(argv: list[str], result, profile, num_devices: int) -> str:
             f"Written by `{cmd}`.",
             f"Best of {result.evaluated} plans evaluated of {result.total} ({result.method} "
             f"search) for {num_devices} x {profile.name} devices; {result.ranking_rule()}:",
-            f"estimated iteration {_fmt_s(best.cost)} s (an estimate from the "
-            f"{profile.name} profile, not a measurement).",
+            f"estimated iteration {_fmt_s(best.estimate.iteration_seconds)} s (an estimate from "
+            f"the {profile.name} profile, not a measurement)"
+            + ("." if best.estimate.fits else "; it does not fit in memory."),
             f"Runs only where jax sees {num_devices} devices of that kind: include it after the "
             "base config,",
             "  python -m jrlhf.train --config BASE.gin --config THIS.gin",
