@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import random
+import types
 
 import pytest
 
@@ -161,7 +162,7 @@ def test_exhaustive_search_finds_the_known_optimum_and_skips_plans_that_do_not_f
     cost = distance_cost(target, 2, infeasible)
     result = search(wl, 2, cost_fn=cost, top=5000)
     assert result.method == "exhaustive"
-    assert result.evaluated >= space.size
+    assert result.evaluated == result.total == space.size + result.outside
     assert slots_of(result.best.plan) == target
     assert result.best.cost == 1.0
     losers = [r for r in result.ranked if not r.estimate.fits]
@@ -202,6 +203,75 @@ def test_search_names_strategy_plans_and_ties_absent_roles():
     assert best.name.startswith("flatten(")
     for call in space.tied:
         assert best[call] == best["actor_train"]
+
+
+def test_count_is_what_was_evaluated_and_never_above_the_total():
+    # GRPO with a function reward: interleave's reward/critic slices used to make extra plans
+    # (the same plan, counted and listed twice), so 'evaluated' exceeded the space.
+    m = tiny_config()
+    wl = FakeWorkload(actor=m, critic=None, reference=m, reward=None)
+    seen = []
+
+    def cost(plan):
+        seen.append(plan)
+        return FakeEstimate(plan, 1.0 + len(plan["actor_train"].devices))
+
+    space = SearchSpace(wl, 4)
+    result = search(wl, 4, cost_fn=cost, top=10**6)
+    assert result.method == "exhaustive"
+    assert result.evaluated == len(seen) == result.total == space.size + result.outside
+    assert result.outside > 0  # separate on 3 of the 4 devices is outside the slot space
+    for plan in seen:  # absent models "run" where the actor trains, in every plan
+        assert all(plan[c] == plan["actor_train"] for c in space.tied)
+    seen.clear()
+    mcmc = search(wl, 4, cost_fn=cost, exhaustive_limit=10, steps=30, restarts=2)
+    assert mcmc.method == "mcmc" and mcmc.evaluated == len(seen) <= mcmc.total
+
+
+def test_ranked_rows_are_distinct_plans():
+    # A cost blind to device ids: shifted copies of a plan tie and are listed once.
+    wl = tiny_workload()
+    cost = lambda plan: FakeEstimate(plan, float(len(plan["actor_train"].devices)))  # noqa: E731
+    result = search(wl, 2, cost_fn=cost, top=10**6)
+    shapes = [search_mod._shape(r.plan, r.estimate) for r in result.ranked]
+    assert len(shapes) == len(set(shapes))
+    assert len({r.plan.placements for r in result.ranked}) == len(result.ranked)
+    assert len(result.ranked) < result.evaluated  # the shifted copies were dropped
+
+
+def _memory_cost(fits):
+    """Time falls as the actor's training slice grows, memory rises with it (fits or not)."""
+
+    def cost(plan):
+        n = len(plan["actor_train"].devices)
+        est = FakeEstimate(plan, 10.0 / n, memory_bytes={"actor_train": n * 2**30})
+        if not fits(n):
+            est.fits, est.reasons = False, ["fake: does not fit"]
+        return est
+
+    return cost
+
+
+def test_ranking_rule_is_time_when_plans_fit_and_memory_when_none_does():
+    wl = tiny_workload()
+    profile = types.SimpleNamespace(memory_bytes=2**30 // 2)  # only for the statement
+    some = search(wl, 2, profile, cost_fn=_memory_cost(lambda n: n == 1), top=10**6)
+    assert some.best.estimate.fits
+    assert some.ranking_rule().startswith("ranked by estimated iteration time, fastest first")
+    assert "least over memory first" in some.ranking_rule()
+    fitting = [r.estimate.iteration_seconds for r in some.ranked if r.estimate.fits]
+    assert fitting == sorted(fitting)
+
+    none = search(wl, 2, profile, cost_fn=_memory_cost(lambda n: False), top=10**6)
+    rule = none.ranking_rule()
+    assert rule.startswith("no plan fits in memory (0.50 GiB per device): ranked by how far")
+    assert "not by time" in rule
+    peaks = [search_mod.peak_memory_bytes(r.estimate) for r in none.ranked]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    # the least memory wins though it is the slowest plan
+    assert none.best.estimate.iteration_seconds == max(
+        r.estimate.iteration_seconds for r in none.ranked
+    )
 
 
 def test_space_respects_batch_and_head_divisibility():
@@ -303,11 +373,23 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
         (["--devices", "0"], "--devices must be >= 1"),
         (["--devices", "12", "--device-kind", "PROFILE"], "not a whole number of 8-device"),
         (["RLConfig.minibatch_size=7"], "RLConfig.minibatch_size"),
+        (["--devices", "-3"], "--devices must be >= 1"),
+        (["--device-kind", "/nonexistent/gpu.json"], "does not exist"),
+        (["--device-kind", "NOTOBJECT"], "a profile is a JSON object"),
+        (["--steps", "-1"], "--steps must be >= 0"),
+        (["--restarts", "-2"], "--restarts must be >= 0"),
+        (["--exhaustive-limit", "-1"], "--exhaustive-limit must be >= 0"),
+        (["--top", "0"], "--top must be >= 1"),
+        (["--critic", "llama2_70"], "unknown model preset 'llama2_70'"),
+        (["--devices", "8", "--actor", "llama2_70b", "--critic", "llama2_70b"], "no plan can fit"),
     ],
 )
 def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extra, needle):
     out = tmp_path / "plan.gin"
-    extra = [fake_profile if x == "PROFILE" else x for x in extra]
+    not_object = tmp_path / "list.json"
+    not_object.write_text("5")
+    swap = {"PROFILE": fake_profile, "NOTOBJECT": str(not_object)}
+    extra = [swap.get(x, x) for x in extra]
     base = ["--config", "configs/ppo_tiny.gin", "--output", str(out)]
     if "--device-kind" not in extra:
         base += ["--device-kind", fake_profile]
@@ -315,6 +397,34 @@ def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extr
     assert rc == 2
     assert needle in err and err.count("\n") == 1, err
     assert not out.exists() and stdout == ""
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_cli_states_its_ranking_rule_and_lists_each_call_once(
+    tmp_path, capsys, fake_profile, monkeypatch, fits
+):
+    def make(workload, profile):
+        return _memory_cost(lambda n: fits)
+
+    monkeypatch.setattr(search_mod, "default_cost_fn", make)
+    out = tmp_path / "plan.gin"
+    args = ["--config", "configs/grpo_tiny.gin", "--devices", "4", "--device-kind", fake_profile]
+    rc, stdout, err = _run_cli([*args, "--output", str(out)], capsys)
+    assert rc == (0 if fits else 1), err
+    lines = stdout.splitlines()
+    evaluated, total = lines[1].split(" search, ")[1].split(" plans evaluated of ")
+    assert int(evaluated) == int(total.split()[0])  # exhaustive: every plan, none twice
+    if fits:
+        assert lines[2] == "ranked by estimated iteration time, fastest first:"
+    else:
+        assert lines[2].startswith("no plan fits in memory (80.00 GiB per device): ranked by")
+        assert "not by time" in lines[2] and "the one least over it" in stdout
+    assert lines[2].rstrip(":") in out.read_text().replace("\n# ", " ")
+    chosen = stdout.split("chosen plan")[1].splitlines()
+    for call in (*plans.CALLS, *plans.STAGE_CALLS):
+        assert sum(line.split()[0] == call for line in chosen[1:] if line.strip()) == 1, call
+    assert "  critic_infer     not run (no critic model)" in chosen
+    assert "  reward_infer     not run (no reward model)" in chosen
 
 
 def test_cli_plans_big_models_for_other_hardware(tmp_path, capsys, fake_profile, fake_cost):

@@ -24,9 +24,11 @@ import jax
 from jrlhf.config import ROLES, load_config
 from jrlhf.models.presets import get_preset
 from jrlhf.pipeline.task_data import task_model_overrides
+from jrlhf.placement.plan import CALLS, STAGE_CALLS
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.search import (
     check_device_count,
+    check_fits_somewhere,
     local_device_kind,
     peak_memory_bytes,
     search,
@@ -108,13 +110,19 @@ def format_table(result) -> str:
     return "\n".join(lines)
 
 
-def describe_best(result) -> str:
-    """The chosen plan's placements and estimated per-call and per-phase timeline."""
+def describe_best(result, absent: dict[str, str] | None = None) -> str:
+    """The chosen plan's placements and estimated per-call and per-phase timeline. ``absent``
+    maps the calls this workload does not make to the missing role: they are marked, not timed
+    (their meshes are written only so the gin file is complete)."""
+    absent = absent or {}
     best = result.best
     est = best.estimate
     lines = [f"chosen plan {best.plan.name!r}:"]
     for call, mesh, rules in best.plan.rows():
         secs = est.call_seconds.get(call)
+        if call in absent:
+            lines.append(f"  {call:16s} not run (no {absent[call]} model)")
+            continue
         when = f"  {_fmt_s(secs)} s" if secs is not None else ""
         lines.append(f"  {call:16s} {mesh} [{rules}]{when}")
     for edge, secs in est.reshard_seconds.items():
@@ -136,10 +144,11 @@ def gin_header(argv: list[str], result, profile, num_devices: int) -> str:
     return "\n".join(
         [
             f"Written by `{cmd}`.",
-            f"Best of {result.evaluated} plans evaluated ({result.method} search over a space "
-            f"of {result.space_size}) for {num_devices} x {profile.name} devices:",
-            f"estimated iteration {_fmt_s(best.cost)} s (an estimate from the "
-            f"{profile.name} profile, not a measurement).",
+            f"Best of {result.evaluated} plans evaluated of {result.total} ({result.method} "
+            f"search) for {num_devices} x {profile.name} devices; {result.ranking_rule()}:",
+            f"estimated iteration {_fmt_s(best.estimate.iteration_seconds)} s (an estimate from "
+            f"the {profile.name} profile, not a measurement)"
+            + ("." if best.estimate.fits else "; it does not fit in memory."),
             f"Runs only where jax sees {num_devices} devices of that kind: include it after the "
             "base config,",
             "  python -m jrlhf.train --config BASE.gin --config THIS.gin",
@@ -165,7 +174,10 @@ def result_json(result) -> dict:
     return {
         "method": result.method,
         "space_size": result.space_size,
+        "outside_space": result.outside,
+        "total": result.total,
         "evaluated": result.evaluated,
+        "ranking": result.ranking_rule(),
         "ranked": [entry(r) for r in result.ranked],
         "baselines": {k: entry(v) for k, v in result.baselines.items()},
         "speedup": {k: result.speedup(k) for k in result.baselines},
@@ -193,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--devices must be >= 1, got {args.devices}")
     if args.top < 1:
         return fail(f"--top must be >= 1, got {args.top}")
+    for flag in ("steps", "restarts", "exhaustive_limit"):
+        if getattr(args, flag) < 0:
+            name = "--" + flag.replace("_", "-")
+            return fail(f"{name} must be >= 0, got {getattr(args, flag)}")
 
     try:
         kind = args.device_kind or local_device_kind()
@@ -211,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         models = role_models(cfg, lambda: task_model_overrides(cfg), presets)
         workload = Workload.from_config(cfg, models)
+        check_fits_somewhere(workload, num_devices, profile)
         result = search(
             workload,
             num_devices,
@@ -252,18 +269,41 @@ def main(argv: list[str] | None = None) -> int:
             f"samples, prompt {workload.prompt_len} + gen {workload.gen_len} tokens, "
             f"{workload.epochs} epoch(s), minibatch {workload.minibatch_size}"
         )
-        print(
-            f"{num_devices} x {profile.name}: {result.method} search, {result.evaluated} plans "
-            f"evaluated of {result.space_size}"
-        )
+        print(f"{num_devices} x {profile.name}: {result.method} search, {count_line(result)}")
+        print(f"{result.ranking_rule()}:")
         print(format_table(result))
-        print(describe_best(result))
+        print(describe_best(result, absent_calls(workload)))
         if not best.estimate.fits:
-            print("warning: no plan fits in memory; the written plan is the least bad")
+            print(
+                f"warning: no plan fits in memory; the written plan is the one least over it "
+                f"(peak {peak_memory_bytes(best.estimate) / 2**30:.1f} GiB per device, "
+                f"{profile.name} has {profile.memory_bytes / 2**30:.1f} GiB)"
+            )
             print(f"wrote {out}")
             return 1
         print(f"wrote {out}")
     return 0
+
+
+def count_line(result) -> str:
+    """'N plans evaluated of M', M being the candidate space plus the strategy variants outside
+    it (so N <= M, with N == M when the search was exhaustive)."""
+    line = f"{result.evaluated} plans evaluated of {result.total}"
+    if result.outside:
+        line += (
+            f" ({result.space_size} in the candidate space + {result.outside} strategy "
+            "variant(s) outside it)"
+        )
+    return line
+
+
+def absent_calls(workload) -> dict[str, str]:
+    """Calls whose role has no model in this workload (GRPO's critic, a function reward)."""
+    return {
+        call: role
+        for call, (role, _) in (*CALLS.items(), *STAGE_CALLS.items())
+        if getattr(workload, role, None) is None
+    }
 
 
 def _count(n: int) -> str:

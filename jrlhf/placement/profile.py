@@ -77,6 +77,8 @@ class DeviceProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "profile") -> DeviceProfile:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a profile is a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

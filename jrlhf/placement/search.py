@@ -11,9 +11,15 @@ evaluated: they are the baselines the result is compared against and the MCMC's 
 The search never looks inside the cost: it calls ``cost_fn(plan) -> PlanEstimate``, by default
 ``jrlhf.placement.estimator.estimate`` with the workload and device profile, so tests can inject a
 cost function with a known optimum. A plan that does not fit in memory costs infinity in the
-ranking but keeps its estimate (and so its reasons); inside the MCMC it gets a large finite energy
-that grows with its memory overflow, so a chain that starts outside the feasible region walks
-towards it instead of drifting.
+ranking but keeps its estimate (and so its reasons); such plans rank after every plan that fits,
+least over memory first (``SearchResult.ranking_rule`` says which order a result is in). Inside
+the MCMC a plan that does not fit gets a large finite energy that grows with its memory overflow,
+so a chain that starts outside the feasible region walks towards it instead of drifting.
+
+Strategy variants are put in the space's canonical form (calls of absent models on the actor's
+training devices), so a plan is counted, evaluated and listed once; the variants that are not in
+the candidate space (separate on three quarters of the devices, say) are counted in
+``SearchResult.total``, so ``evaluated`` never exceeds it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 import jax
 
+from jrlhf.meshes.rules import PHASE_RULES
 from jrlhf.models.config import ModelConfig
 from jrlhf.placement import plan as plans
 from jrlhf.placement.candidates import (
@@ -39,10 +46,10 @@ from jrlhf.placement.candidates import (
     slot_problem,
     slots_of,
 )
-from jrlhf.placement.estimator import estimate
-from jrlhf.placement.plan import CALLS, ExecutionPlan
+from jrlhf.placement.estimator import MOMENT_BYTES, estimate
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
 from jrlhf.placement.profile import DeviceProfile
-from jrlhf.placement.workload import Workload
+from jrlhf.placement.workload import Workload, num_params, param_bytes
 
 CostFn = Callable[[ExecutionPlan], Any]  # returns a PlanEstimate (duck-typed: see _energy)
 
@@ -76,7 +83,28 @@ class SearchResult:
     baselines: dict[str, Ranked]
     method: str  # 'exhaustive' or 'mcmc'
     space_size: int  # number of plans in the candidate space
-    evaluated: int  # distinct plans whose cost was computed
+    evaluated: int  # distinct plans whose cost was computed (at most ``total``)
+    outside: int = 0  # strategy variants outside the candidate space (also evaluated)
+    capacity: int | None = None  # the profile's memory per device, for the ranking statement
+
+    @property
+    def total(self) -> int:
+        """Distinct plans the search could evaluate: the space and the strategy variants
+        outside it."""
+        return self.space_size + self.outside
+
+    def ranking_rule(self) -> str:
+        """How ``ranked`` is ordered, in one sentence (the CLI prints it above the table)."""
+        cap = f" ({self.capacity / 2**30:.2f} GiB per device)" if self.capacity else ""
+        if self.best.estimate.fits:
+            rule = "ranked by estimated iteration time, fastest first"
+            if not all(r.estimate.fits for r in self.ranked):
+                rule += f"; plans that do not fit in memory{cap} follow, least over memory first"
+            return rule
+        return (
+            f"no plan fits in memory{cap}: ranked by how far over it each plan's peak memory "
+            "per device is, least first, not by time (iteration time only breaks ties)"
+        )
 
     @property
     def best(self) -> Ranked:
@@ -183,6 +211,24 @@ class SearchSpace:
     def plan(self, slots: Mapping[str, Slot], name: str = "searched") -> ExecutionPlan:
         return build_plan(name, self.complete(slots))
 
+    def canonical(self, plan: ExecutionPlan) -> ExecutionPlan:
+        """``plan`` with every tied call on the actor's training devices, as the space builds
+        it: plans that differ only where an absent model would run are the same plan."""
+        if not self.tied:
+            return plan
+        train = plan["actor_train"].mesh
+        placements = dict(plan.placements)
+        for call in self.tied:
+            placements[call] = CallPlacement(train, PHASE_RULES[CALLS[call][1]])
+        return dataclasses.replace(plan, placements=tuple((c, placements[c]) for c in CALLS))
+
+    def contains(self, plan: ExecutionPlan) -> bool:
+        """Whether ``plan`` (canonical) is one of the space's plans."""
+        slots = slots_of(plan)
+        if slots is None or any(slots[c] not in self._members[c] for c in self.free):
+            return False
+        return self.plan(slots).placements == plan.placements
+
     def valid(self, slots: Mapping[str, Slot]) -> bool:
         return all(self.problem(c, slots[c]) is None for c in self.free)
 
@@ -259,6 +305,7 @@ def strategy_variants(space: SearchSpace) -> dict[str, list[ExecutionPlan]]:
             plan = plans.strategy(strategy, n, **kwargs)
         except ValueError:
             return
+        plan = space.canonical(plan)
         if not _plan_valid(space, plan) or plan.placements in seen:
             return
         seen.add(plan.placements)
@@ -358,7 +405,9 @@ def search(
 
     baselines: dict[str, Ranked] = {}
     seeds: list[dict[str, Slot]] = []
-    for strategy, variants in strategy_variants(space).items():
+    variants_of = strategy_variants(space)
+    outside = sum(not space.contains(p) for v in variants_of.values() for p in v)
+    for strategy, variants in variants_of.items():
         scored = sorted(((evaluate(p), i, p) for i, p in enumerate(variants)), key=lambda x: x[:2])
         if scored:
             best = scored[0][2]
@@ -377,7 +426,7 @@ def search(
         _anneal(space, evaluate, seeds, random.Random(seed), steps, restarts)
 
     ranked = _rank(evaluated.values(), baselines, top)
-    return SearchResult(ranked, baselines, method, space.size, len(evaluated))
+    return SearchResult(ranked, baselines, method, space.size, len(evaluated), outside, capacity)
 
 
 def _anneal(
@@ -422,8 +471,21 @@ def _anneal(
                     best_slots, best_e = current, e
 
 
+def _shape(plan: ExecutionPlan, est: Any) -> tuple:
+    """A plan up to a shift of all its device ids, with its estimate's time and memory: equal
+    for copies of one plan on other devices that the estimate cannot tell apart."""
+    base = min(min(p.mesh.device_ids()) for _, p in plan.placements)
+    layout = tuple(
+        (call, p.mesh.axes, p.rules, tuple(d - base for d in p.mesh.device_ids()))
+        for call, p in plan.placements
+    )
+    return (layout, float(est.iteration_seconds), peak_memory_bytes(est), bool(est.fits))
+
+
 def _rank(entries: Any, baselines: Mapping[str, Ranked], top: int) -> list[Ranked]:
-    """Fitting plans first, fastest first; names say which strategy a plan is, if any."""
+    """Fitting plans first, fastest first; then the others, least over memory first (a plan
+    that does not fit has no iteration time to compare: its peak memory decides, then its time).
+    Names say which strategy a plan is, if any."""
     names = {b.plan.placements: b.plan.name for b in baselines.values()}
     # Among equally fast plans prefer the simpler one (fewer distinct placements: fewer meshes
     # to compile and fewer reshards), and a named strategy's over an anonymous one.
@@ -431,7 +493,8 @@ def _rank(entries: Any, baselines: Mapping[str, Ranked], top: int) -> list[Ranke
         entries,
         key=lambda x: (
             not x[2].fits,
-            x[0],
+            0 if x[2].fits else peak_memory_bytes(x[2]),
+            float(x[2].iteration_seconds),
             len({p for _, p in x[1].placements}),
             x[1].placements not in names,
             # then the plan on the lowest device ids (equal-cost plans are mostly shifted copies)
@@ -439,8 +502,18 @@ def _rank(entries: Any, baselines: Mapping[str, Ranked], top: int) -> list[Ranke
             x[1].name,
         ),
     )
+    # A plan moved to other devices with the same estimate is the same row to the reader
+    # (searched-1..10 on devices 0, 1, 2, ...): list it once, on its lowest devices.
+    kept, shapes = [], set()
+    for entry in order:
+        shape = _shape(entry[1], entry[2])
+        if shape not in shapes:
+            shapes.add(shape)
+            kept.append(entry)
+            if len(kept) >= max(top, 1):
+                break
     out = []
-    for i, (_, plan, est) in enumerate(order[: max(top, 1)]):
+    for i, (_, plan, est) in enumerate(kept):
         name = names.get(plan.placements, plan.name if plan.name != "searched" else "")
         name = name or f"searched-{i + 1}"
         out.append(Ranked(dataclasses.replace(plan, name=name), est))
@@ -484,6 +557,27 @@ def check_device_count(num_devices: int, profile: Any) -> None:
     if not shared and num_devices > per_node and num_devices % per_node:
         raise ValueError(
             f"{num_devices} {profile.name} devices is not a whole number of {per_node}-device nodes"
+        )
+
+
+def check_fits_somewhere(workload: Any, num_devices: int, profile: Any) -> None:
+    """One-line error when no plan can fit: the parameters of every model, the AdamW moments of
+    the trained ones and the actor's generation copy exist in every plan, so even spread evenly
+    over all ``num_devices`` devices they need at least this much per device (working memory,
+    the KV pool and uneven shards only add to it)."""
+    total = 0
+    for role, (cfg, head) in workload.models().items():
+        total += param_bytes(cfg, head)
+        if role in ("actor", "critic"):
+            total += num_params(cfg, head) * MOMENT_BYTES
+    total += param_bytes(workload.actor, "lm")  # the generation copy
+    floor, capacity = total / num_devices, profile.memory_bytes
+    if floor > capacity:
+        raise ValueError(
+            f"no plan can fit: the models' weights, AdamW moments and the actor's generation copy "
+            f"alone need {floor / 2**30:.1f} GiB per device on {num_devices} devices "
+            f"({profile.name} has {capacity / 2**30:.1f} GiB); plan for at least "
+            f"{math.ceil(total / capacity)} devices (more for working memory) or smaller models"
         )
 
 
