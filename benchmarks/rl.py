@@ -13,12 +13,14 @@ Per algorithm, one JSON object on stdout reports:
 * per phase (generate, score, train, reshard: the trainer's own ``time/*`` metrics) the median
   seconds over the timed iterations, and their sum;
 * generated tokens/s (response tokens / generate time);
-* the actor's train step FLOPs: XLA's cost analysis of the compiled step and the analytic
+* the train steps' FLOPs, analytic per trained role (actor; PPO's critic too):
   ``(6 x params + 12 x layers x hidden x sequence) x trained tokens`` (params without the
-  input embedding, a gather; every prompt + response position of every row is trained on);
+  input embedding, a gather; every prompt + response position of every row is trained on), and
+  XLA's cost analysis of the actor's compiled step for comparison (it counts the scanned layer
+  loop's body once, so it undercounts);
 * the machine's matmul peak (the best of a few large fp32 ``jnp.dot`` in this process, default
-  precision like the model) and the train phase's achieved FLOP/s as a fraction of it (the
-  train phase includes the critic's step under PPO, and the host sync for the metrics);
+  precision like the model) and the train phase's achieved FLOP/s (all trained roles' FLOPs /
+  its median time, which includes the host sync for the metrics) as a fraction of it;
 * the XLA compilations during the timed iterations (0 when warm-up compiled everything).
 """
 
@@ -111,6 +113,15 @@ def _step_flops(trainer, batch) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
+def _analytic_flops(model, seq: int, trained_tokens: int) -> float:
+    """Forward + backward FLOPs of one step over ``trained_tokens`` tokens of ``seq``-long rows:
+    6 per matmul parameter per token (not the input embedding, a gather) plus attention's QK^T
+    and AV (12 x layers x hidden x sequence per token, the causal half not subtracted)."""
+    c = model.config
+    matmul_params = model.num_params() - c.vocab_size * c.hidden_size
+    return float(trained_tokens * (6 * matmul_params + 12 * c.num_layers * c.hidden_size * seq))
+
+
 def _matmul_peak(n: int, repeats: int) -> float:
     """FLOP/s of the best of ``repeats`` (n x n) @ (n x n) fp32 products on the first device."""
     import jax
@@ -157,18 +168,13 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         trainer.wait_for_checkpoints()
 
     phases = {k: statistics.median(r[f"time/{k}"] for r in rows) for k in PHASES}
-    model = trainer.roles["actor"].model
-    c = model.config
-    n_params = model.num_params()
     seq = cfg.task.max_prompt_len + cfg.task.max_response_len
     trained_tokens = args.prompts * args.samples * seq * cfg.rl.epochs
-    # The input embedding is a gather, not a matmul: its parameters do no FLOPs.
-    matmul_params = n_params - c.vocab_size * c.hidden_size
-    attention = 12 * c.num_layers * c.hidden_size * seq  # QK^T and AV, forward and backward
-    flops_analytic = trained_tokens * (6 * matmul_params + attention)
-    flops = flops_xla or flops_analytic
+    analytic = {role: _analytic_flops(trainer.roles[role].model, seq, trained_tokens)
+                for role in trainer.trained}  # fmt: skip
+    train_flops = sum(analytic.values())  # the train phase runs every trained role's step
     train_s = phases["train"]
-    achieved = flops / train_s if train_s > 0 else float("nan")
+    achieved = train_flops / train_s if train_s > 0 else float("nan")
     return {
         "roles": sorted(trainer.roles),
         "reward": "verifiable (synthetic_ground_truth)" if algorithm == "grpo" else "reward model",
@@ -181,10 +187,12 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         "generated_tokens_per_s": round(statistics.median(r["tokens_per_sec"] for r in rows), 1),
         "response_len_mean": round(statistics.mean(r["response_len"] for r in rows), 2),
         "train_step": {
-            "params": n_params,
+            "params": {role: trainer.roles[role].model.num_params() for role in trainer.trained},
             "trained_tokens": trained_tokens,
-            "flops_xla_cost_analysis": flops_xla,
-            "flops_analytic": float(flops_analytic),
+            "flops_analytic": {role: float(f) for role, f in analytic.items()},
+            # XLA counts a loop body once: the layers are a lax.scan, so this is about one
+            # layer's share plus embedding and head, an undercount by about the layer count.
+            "actor_flops_xla_cost_analysis": flops_xla,
             "achieved_flops_per_s": round(achieved, 1),
             "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
         },
