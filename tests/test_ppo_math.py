@@ -1123,3 +1123,12 @@ def test_dpo_loss_edge_cases_and_registry():
     assert tuple(ca.DPO_LOSSES) == DPO_LOSS_TYPES
     with pytest.raises(ValueError, match=r"unknown DPO loss type 'kto'.*\['ipo', 'sigmoid'\]"):
         ca.dpo_loss(x, x, x, x, 0.1, "kto")
+
+
+def test_the_reference_is_used_only_with_a_kl_term():
+    rl = RLConfig()
+    assert ca.uses_reference(rl)  # kl_coef 0.05 by default
+    off = dataclasses.replace(rl, kl_coef=0.0)
+    assert not ca.uses_reference(off)
+    assert not ca.uses_reference(dataclasses.replace(off, kl_in_loss=True))  # 0 x the term
+    assert ca.uses_reference(dataclasses.replace(off, adaptive_kl_target=6.0))  # it observes KL
