@@ -98,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             runs[name][str(seed)] = {
                 "before": summary["before"]["gt_score"],
                 "after": summary["after"]["gt_score"],
-                "kl_to_ref": summary["after"]["kl_to_ref"],
                 "seconds": round(seconds, 1),
             }
+            if "kl_to_ref" in summary["after"]:  # only a run with a KL term has a reference
+                runs[name][str(seed)]["kl_to_ref"] = summary["after"]["kl_to_ref"]
             print(f"seed {seed} {name}: {runs[name][str(seed)]}", file=sys.stderr)
 
     def mean(name: str, key: str) -> float:

@@ -1206,3 +1206,12 @@ def test_policy_losses_weight_each_token_by_the_importance_weight(loss_name, agg
         return fn(lp, old, adv, m, 0.2, None, 3.0, agg, is_weights_bt=weights)[0]
 
     assert not np.any(np.asarray(jax.grad(weighted, argnums=1)(jnp.asarray(logp), w)))
+
+
+def test_the_reference_is_used_only_with_a_kl_term():
+    rl = RLConfig()
+    assert ca.uses_reference(rl)  # kl_coef 0.05 by default
+    off = dataclasses.replace(rl, kl_coef=0.0)
+    assert not ca.uses_reference(off)
+    assert not ca.uses_reference(dataclasses.replace(off, kl_in_loss=True))  # 0 x the term
+    assert ca.uses_reference(dataclasses.replace(off, adaptive_kl_target=6.0))  # it observes KL

@@ -128,6 +128,52 @@ def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
             assert not any(k.startswith("offpolicy/") for k in row)
 
 
+def test_grpo_without_kl_skips_the_reference_and_matches_the_run_with_it(
+    base_run, tmp_path, monkeypatch, capsys
+):
+    """With RLConfig.kl_coef=0 the reference reaches no loss: it is not built or scored, no KL
+    metric is reported, and rewards and updates are bit-identical to a run that scores it."""
+    from jrlhf.ppo import core_algos, trainer
+
+    built = []
+    frozen_infer = trainer.frozen_infer
+
+    def counting_frozen_infer(*args, **kwargs):
+        built.append(args[0])  # GRPO with a Python reward: the reference is the only frozen role
+        return frozen_infer(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "frozen_infer", counting_frozen_infer)
+    bindings = [
+        "RunConfig.stages=('grpo',)",
+        f"actor/RoleConfig.init='ckpt:{base_run}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base_run}/sft'",
+        "actor/RoleConfig.learning_rate=1e-3",
+        "TaskConfig.reward_fn='synthetic_ground_truth'",
+        "RLConfig.iterations=1",  # the held-out evaluation after it samples the updated policy
+        "RLConfig.samples_per_prompt=4",
+        "RLConfig.kl_coef=0.0",
+        *SMALL,
+    ]
+    skipped = tmp_path / "skipped"
+    assert train.main(["--run-dir", str(skipped), "--quiet", *bindings]) == 0
+    assert built == []
+    assert "KL to reference" not in capsys.readouterr().out
+    assert "kl_to_ref" not in json.loads((skipped / "summary.json").read_text())["after"]
+
+    with monkeypatch.context() as m:  # today's behaviour: the reference is scored regardless
+        m.setattr(core_algos, "uses_reference", lambda rl: True)
+        scored = tmp_path / "scored"
+        assert train.main(["--run-dir", str(scored), "--quiet", *bindings]) == 0
+    assert len(built) == 1
+
+    reference_kl = {"kl", "kl_token_mean", "train/kl_loss", "train/kl_clampfrac", "eval/kl_to_ref"}
+    rows, reference_rows = metric_rows(skipped, "grpo"), metric_rows(scored, "grpo")
+    assert {"kl", "train/kl_loss", "eval/kl_to_ref"} <= {k for r in reference_rows for k in r}
+    # exact, not close
+    assert rows == [{k: v for k, v in r.items() if k not in reference_kl} for r in reference_rows]
+    assert len(rows) == 2 and rows[0]["kl_coef"] == 0.0 and "eval/gt_score" in rows[1]
+
+
 def test_dynamic_sampling_trains_full_batches_of_groups_with_signal(
     base_run, tmp_path, monkeypatch
 ):

@@ -17,6 +17,7 @@ from jrlhf.meshes.rules import get_rules
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.task_data import build_task_data
 from jrlhf.ppo import batch as rl_batch
+from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.runtime.model_source import resolve_model
@@ -63,7 +64,10 @@ def evaluate_checkpoint(
         P,
         cfg.task.max_response_len,
         data.pad_id,
-        frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, P)),
+        # As the run did: without a KL term it had no reference, and reports no KL.
+        frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, P))
+        if algos.uses_reference(cfg.rl)
+        else None,
         reward_model=None if reward_fn else frozen("reward", rl_batch.sequence_scores),
         reward_fn=reward_fn,
         reward_scale=cfg.rl.reward_scale,

@@ -24,6 +24,7 @@ from jrlhf.pipeline.run_dir import before_training, write_start_files
 from jrlhf.pipeline.supervised import run_dpo, run_reward_model, run_sft
 from jrlhf.pipeline.task_data import TaskData, build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
+from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.trainer import RLTrainer
 from jrlhf.runtime.model_source import resolve_model, role_models, stage_start
 from jrlhf.runtime.roles import RoleSetup, setup_role
@@ -104,9 +105,10 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
         before, after = summary["before"], summary["after"]
         key = "gt_score" if "gt_score" in after else "reward"
         label = "ground-truth score" if key == "gt_score" else "reward-model score"
+        kl = f" (KL to reference {after['kl_to_ref']:.3f})" if "kl_to_ref" in after else ""
         print(
             f"held-out {label}: before RL {before[key]:.3f} -> after {summary['stage']} "
-            f"{after[key]:.3f} (KL to reference {after['kl_to_ref']:.3f}); plot: {png}"
+            f"{after[key]:.3f}{kl}; plot: {png}"
         )
     return 0
 
@@ -123,7 +125,9 @@ def run_rl(
 ) -> dict[str, Any]:
     """The PPO or GRPO stage: build the trainer, resume if a checkpoint exists, iterate,
     evaluate before and after; returns the run summary."""
-    needed = ["actor", "reference"] + (["critic"] if stage == "ppo" else [])
+    # Roles whose output reaches the loss: no reference without a KL term, no critic in GRPO.
+    needed = ["actor"] + (["reference"] if algos.uses_reference(cfg.rl) else [])
+    needed += ["critic"] if stage == "ppo" else []
     reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
     if reward_fn is None:
         needed.append("reward")

@@ -927,6 +927,13 @@ def kl_in_loss(rl: Any, algorithm: str) -> bool:
     return bool(rl.kl_in_loss) or algorithm == "grpo"
 
 
+def uses_reference(rl: Any) -> bool:
+    """Whether the reference model's log-probs reach the loss: a KL coefficient above 0 (as a
+    reward penalty or a loss term), or an adaptive controller (which observes the KL). Otherwise
+    the reference is neither built nor scored, and no KL metric is reported."""
+    return rl.kl_coef > 0 or rl.adaptive_kl_target > 0
+
+
 def kl_estimator_name(rl: Any, algorithm: str) -> str:
     """RLConfig.kl_estimator, or by default k3 where the KL is a loss term (k1's gradient is zero
     in expectation there) and k1 where it is a reward penalty."""

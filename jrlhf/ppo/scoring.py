@@ -36,7 +36,9 @@ class Scorer:
     ``reward_model`` (a learned reward, scored at each row's last token) and ``reward_fn`` (a
     verifiable Python reward, per sample ``(prompt_ids, response_ids, meta)`` or per batch of a
     :class:`~jrlhf.tasks.RewardBatch`, see jrlhf.tasks.rewards; ``decode`` gives the batch its
-    text, ``reward_name`` names it in errors) are alternatives; ``critic`` is optional (GRPO).
+    text, ``reward_name`` names it in errors) are alternatives; ``critic`` is optional (GRPO), and
+    so is ``reference`` (a run without a KL term): without one, ``ref_logprobs`` and the KL to it
+    are left out rather than reported as 0.
     """
 
     def __init__(
@@ -44,7 +46,7 @@ class Scorer:
         max_prompt_len: int,
         max_response_len: int,
         pad_id: int,
-        reference: InferFn,
+        reference: InferFn | None,
         *,
         reward_model: InferFn | None = None,
         reward_fn: RewardFn | None = None,
@@ -70,7 +72,8 @@ class Scorer:
         rollout_logprobs: Sequence[np.ndarray],
         meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, np.ndarray]:
-        """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs``,
+        """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs`` (with a
+        reference),
         ``old_values`` (zeros without a critic) and ``scores`` (B,).
 
         ``meta``: one prompt-record meta per row (row i is sample i, so a prompt's meta repeats
@@ -80,7 +83,7 @@ class Scorer:
             raise ValueError(f"{len(meta)} meta entries for {len(prompts)} rows")
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
         # Dispatch every device call before fetching any result.
-        ref_lp = self.reference(arrays)
+        ref_lp = self.reference(arrays) if self.reference is not None else None
         values = self.critic(arrays) if self.critic is not None else None
         if self.reward_model is not None:
             scores = self.reward_model(arrays)
@@ -92,7 +95,8 @@ class Scorer:
             old_lp[i, : len(lp)] = lp
         arrays["old_logprobs"] = old_lp
         ref_lp, values, scores = to_host((ref_lp, values, scores))
-        arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)
+        if ref_lp is not None:
+            arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)
         arrays["old_values"] = (
             np.asarray(values, np.float32) if values is not None else np.zeros_like(old_lp)
         )
@@ -100,16 +104,15 @@ class Scorer:
         return arrays
 
     def summarize(self, arrays, prompts, responses) -> dict[str, float]:
-        """Mean reward, KL to the reference (per-sequence sum of log pi - log ref), response
-        length, and the ground-truth score when the task knows it."""
+        """Mean reward, KL to the reference (per-sequence sum of log pi - log ref; only with a
+        reference), response length, and the ground-truth score when the task knows it."""
         mask = arrays["mask"]
-        kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
-        out = {
-            "reward": float(np.mean(arrays["scores"])),
-            "kl_to_ref": float(np.mean(kl)),
-            "response_len": float(np.mean(mask.sum(axis=1))),
-            "num_samples": float(len(responses)),
-        }
+        out = {"reward": float(np.mean(arrays["scores"]))}
+        if "ref_logprobs" in arrays:
+            kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
+            out["kl_to_ref"] = float(np.mean(kl))
+        out["response_len"] = float(np.mean(mask.sum(axis=1)))
+        out["num_samples"] = float(len(responses))
         if self.ground_truth is not None:
             truth = [self.ground_truth(p, r) for p, r in zip(prompts, responses)]
             out["gt_score"] = float(np.mean(truth))

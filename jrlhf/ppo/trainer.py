@@ -177,6 +177,8 @@ class RLTrainer:
         self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
         self.group = cfg.rl.samples_per_prompt
         self.use_critic = algorithm == "ppo"
+        # Without a KL term (algos.uses_reference) the reference is neither built nor scored.
+        self.use_reference = algos.uses_reference(cfg.rl)
         self.kl_in_loss = algos.kl_in_loss(cfg.rl, algorithm)
         self.kl_estimator = algos.kl_estimator_name(cfg.rl, algorithm)
         self.seed = seed = cfg.run.seed
@@ -236,7 +238,9 @@ class RLTrainer:
             self.P,
             self.R,
             data.pad_id,
-            frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, self.P)),
+            frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, self.P))
+            if self.use_reference
+            else None,
             reward_model=None if reward_fn else frozen("reward", rl_batch.sequence_scores),
             reward_fn=reward_fn,
             critic=critic_fn,
@@ -358,6 +362,11 @@ class RLTrainer:
             responses = [c for r in rounds for c in r[1]]
             arrays = {k: np.concatenate([r[2][k] for r in rounds]) for k in rounds[0][2]}
         batch, sampling_metrics = self._select_groups(arrays, n_groups, len(rounds))
+        if not self.use_reference:
+            # The rollout's own log-probs stand in for the reference's: the KL is exactly 0 and
+            # so is its coefficient, and advantages and the compiled step stay those of a run
+            # that scores the reference (the same programs give bit-identical updates).
+            batch = dict(batch, ref_logprobs=batch["old_logprobs"])
         mask = arrays["mask"]
 
         with timer.phase("score"):
@@ -386,19 +395,21 @@ class RLTrainer:
             ph.block_on((self.gen_params, self.critic_infer_params))
 
         summary = self.scorer.summarize(arrays, rep_prompts, responses)
-        # The adaptive controller observes the configured estimator's per-token KL (see
-        # RLConfig.adaptive_kl_target); the reported "kl" stays the per-sequence sum of k1.
-        kl_token = float(
-            algos.observed_kl(
-                arrays["old_logprobs"], arrays["ref_logprobs"], mask, self.kl_estimator
+        kl_metrics = {}  # none without a reference, rather than a made-up 0
+        if self.use_reference:
+            # The adaptive controller observes the configured estimator's per-token KL (see
+            # RLConfig.adaptive_kl_target); the reported "kl" stays the per-sequence sum of k1.
+            kl_token = float(
+                algos.observed_kl(
+                    arrays["old_logprobs"], arrays["ref_logprobs"], mask, self.kl_estimator
+                )
             )
-        )
-        self.kl_ctl = self.kl_ctl.update(kl_token, len(batch["mask"]))
+            self.kl_ctl = self.kl_ctl.update(kl_token, len(batch["mask"]))
+            kl_metrics = {"kl": summary["kl_to_ref"], "kl_token_mean": kl_token}
         lengths = mask.sum(axis=1)
         metrics = {
             "reward": summary["reward"],
-            "kl": summary["kl_to_ref"],
-            "kl_token_mean": kl_token,
+            **kl_metrics,
             "kl_coef": float(kl_coef),
             "response_len": summary["response_len"],
             "tokens_per_sec": float(lengths.sum() / max(timer.totals["generate"], 1e-9)),
@@ -510,6 +521,8 @@ class RLTrainer:
             skipped = self.guard.record("critic", stacked["critic/skipped"], where)
             out["train/critic/skipped_updates"] = float(skipped)
         skip = {"weight", "critic/weight", "num_tokens", "skipped", "critic/skipped"}
+        if not self.use_reference:  # the KL loss term against the stand-in is 0 by construction
+            skip |= {"kl_loss", "kl_clampfrac"}
         out.update({f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip})
         return out
 

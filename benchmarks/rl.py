@@ -1,0 +1,271 @@
+"""``python -m jrlhf.bench rl``: where an RL iteration's time goes, against the machine's limits.
+
+One GRPO and one PPO trainer, each built as ``python -m jrlhf.train`` builds it (the task data,
+the placement, the roles and ``RLTrainer`` of jrlhf.pipeline / jrlhf.ppo), run for one warm-up
+iteration (it compiles) and then ``--iterations`` timed ones. The setting by default: random
+Llama roles (hidden 256, 4 layers, 8 heads / 4 KV heads, MLP 704, vocab 512), 8 prompts x 4
+samples of up to 64 new tokens on the synthetic task, 1 epoch of one minibatch, learning rate
+1e-5, no KL (so no reference model is built: jrlhf.ppo.core_algos.uses_reference), on 1 device.
+GRPO scores with the task's verifiable reward, PPO with a (random) reward model and a critic.
+
+Per algorithm, one JSON object on stdout reports:
+
+* per phase (generate, score, train, reshard: the trainer's own ``time/*`` metrics) the median
+  seconds over the timed iterations, and their sum;
+* generated tokens/s (response tokens / generate time);
+* the train steps' FLOPs, analytic per trained role (actor; PPO's critic too):
+  ``(6 x params + 12 x layers x hidden x sequence) x trained tokens`` (params without the
+  input embedding, a gather; every prompt + response position of every row is trained on), and
+  XLA's cost analysis of the actor's compiled step for comparison (it counts the scanned layer
+  loop's body once, so it undercounts);
+* the machine's matmul peak (the best of a few large fp32 ``jnp.dot`` in this process, default
+  precision like the model) and the train phase's achieved FLOP/s (all trained roles' FLOPs /
+  its median time, which includes the host sync for the metrics) as a fraction of it;
+* the XLA compilations during the timed iterations (0 when warm-up compiled everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("generate", "score", "train", "reshard")
+
+
+def _bindings(args, algorithm: str) -> list[str]:
+    overrides = (
+        f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.mlp}), "
+        f"('num_layers', {args.layers}), ('num_heads', {args.heads}), "
+        f"('num_kv_heads', {args.kv_heads}), ('vocab_size', {args.vocab}))"
+    )
+    rows = args.prompts * args.samples
+    out = [
+        f"RunConfig.stages=('{algorithm}',)",
+        "RunConfig.placement='flatten'",
+        f"RunConfig.host_devices={args.devices}",
+        "RunConfig.tensorboard=False",
+        "RunConfig.progress_bar=False",
+        f"RoleConfig.model_overrides={overrides}",
+        f"TaskConfig.max_response_len={args.new_tokens}",
+        "TaskConfig.num_heldout=8",
+        f"RLConfig.prompts_per_iteration={args.prompts}",
+        f"RLConfig.samples_per_prompt={args.samples}",
+        f"RLConfig.minibatch_size={rows}",
+        "RLConfig.epochs=1",
+        f"RLConfig.kl_coef={args.kl_coef}",
+        "RLConfig.checkpoint_every=0",
+        "RLConfig.async_checkpoint=False",
+    ]
+    for role in ("actor", "critic", "reference", "reward"):
+        out += [f"{role}/RoleConfig.init='tiny'", f"{role}/RoleConfig.learning_rate={args.lr}"]
+    if algorithm == "grpo":
+        out.append("TaskConfig.reward_fn='synthetic_ground_truth'")
+    return out
+
+
+def _trainer(args, algorithm: str, run_dir: Path):
+    """The trainer and prompt loader, built as jrlhf.pipeline.run builds them."""
+    import jax
+
+    from jrlhf.config import DEFAULT_CONFIG, load_config
+    from jrlhf.data import PromptLoader
+    from jrlhf.pipeline.task_data import build_task_data
+    from jrlhf.placement import effective_plan
+    from jrlhf.ppo import core_algos as algos
+    from jrlhf.ppo.trainer import RLTrainer
+    from jrlhf.runtime.model_source import resolve_model
+    from jrlhf.runtime.roles import setup_role
+    from jrlhf.tasks import get_reward_fn
+
+    cfg = load_config([str(DEFAULT_CONFIG)], _bindings(args, algorithm))
+    data = build_task_data(cfg)
+    plan = effective_plan(cfg, jax.device_count(), None)
+    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    needed = ["actor"] + (["reference"] if algos.uses_reference(cfg.rl) else [])
+    needed += (["critic"] if algorithm == "ppo" else []) + ([] if reward_fn else ["reward"])
+    roles = {
+        role: setup_role(cfg, role, plan, resolve_model(cfg, role, data.model_overrides, run_dir))
+        for role in needed
+    }
+    trainer = RLTrainer(cfg, algorithm, roles, plan, data, run_dir, reward_fn=reward_fn)
+    loader = PromptLoader(data.train_records(), cfg.rl.prompts_per_iteration, seed=cfg.run.seed)
+    return trainer, loader, cfg
+
+
+def _step_flops(trainer, batch) -> float | None:
+    """FLOPs of the actor's compiled train step on ``batch``, from XLA's cost analysis."""
+    from jrlhf.runtime.steps import shard_batch
+
+    setup = trainer.roles["actor"]
+    mesh, rules = setup.meshes["train"], setup.rules["train"]
+    step = trainer.steps["actor"].jitted
+    compiled = step.lower(trainer.states["actor"], shard_batch(batch, mesh, rules)).compile()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+def _analytic_flops(model, seq: int, trained_tokens: int) -> float:
+    """Forward + backward FLOPs of one step over ``trained_tokens`` tokens of ``seq``-long rows:
+    6 per matmul parameter per token (not the input embedding, a gather) plus attention's QK^T
+    and AV (12 x layers x hidden x sequence per token, the causal half not subtracted)."""
+    c = model.config
+    matmul_params = model.num_params() - c.vocab_size * c.hidden_size
+    return float(trained_tokens * (6 * matmul_params + 12 * c.num_layers * c.hidden_size * seq))
+
+
+def _matmul_peak(n: int, repeats: int) -> float:
+    """FLOP/s of the best of ``repeats`` (n x n) @ (n x n) fp32 products on the first device."""
+    import jax
+    import jax.numpy as jnp
+
+    dot = jax.jit(jnp.dot)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    jax.block_until_ready(dot(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(dot(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def measure(args, algorithm: str, peak_flops: float) -> dict:
+    from jrlhf.reshard import backend_compile_count
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, loader, cfg = _trainer(args, algorithm, Path(tmp))
+        batches = []
+        step = trainer.steps["actor"]
+
+        def recording_step(state, batch):
+            batches.append(batch)
+            return step(state, batch)
+
+        trainer.steps["actor"] = recording_step
+
+        def iteration() -> dict:
+            records = loader.next_batch()
+            return trainer.run_iteration([r.prompt_ids for r in records], [r.meta for r in records])
+
+        t0 = time.perf_counter()
+        iteration()  # warm-up: compiles every program of the iteration
+        warmup_s = time.perf_counter() - t0
+        compiles_before = backend_compile_count()
+        rows = [iteration() for _ in range(args.iterations)]
+        compiles = backend_compile_count() - compiles_before
+        trainer.steps["actor"] = step
+        flops_xla = _step_flops(trainer, batches[-1])
+        trainer.wait_for_checkpoints()
+
+    phases = {k: statistics.median(r[f"time/{k}"] for r in rows) for k in PHASES}
+    seq = cfg.task.max_prompt_len + cfg.task.max_response_len
+    trained_tokens = args.prompts * args.samples * seq * cfg.rl.epochs
+    analytic = {role: _analytic_flops(trainer.roles[role].model, seq, trained_tokens)
+                for role in trainer.trained}  # fmt: skip
+    train_flops = sum(analytic.values())  # the train phase runs every trained role's step
+    train_s = phases["train"]
+    achieved = train_flops / train_s if train_s > 0 else float("nan")
+    return {
+        "roles": sorted(trainer.roles),
+        "reward": "verifiable (synthetic_ground_truth)" if algorithm == "grpo" else "reward model",
+        "warmup_iteration_s": round(warmup_s, 3),
+        "phase_median_s": {k: round(v, 4) for k, v in phases.items()},
+        "iteration_median_s": round(
+            statistics.median(sum(r[f"time/{k}"] for k in PHASES) for r in rows), 4
+        ),
+        "phase_runs_s": {k: [round(r[f"time/{k}"], 4) for r in rows] for k in PHASES},
+        "generated_tokens_per_s": round(statistics.median(r["tokens_per_sec"] for r in rows), 1),
+        "response_len_mean": round(statistics.mean(r["response_len"] for r in rows), 2),
+        "train_step": {
+            "params": {role: trainer.roles[role].model.num_params() for role in trainer.trained},
+            "trained_tokens": trained_tokens,
+            "flops_analytic": {role: float(f) for role, f in analytic.items()},
+            # XLA counts a loop body once: the layers are a lax.scan, so this is about one
+            # layer's share plus embedding and head, an undercount by about the layer count.
+            "actor_flops_xla_cost_analysis": flops_xla,
+            "achieved_flops_per_s": round(achieved, 1),
+            "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
+        },
+        "compilations_during_timed_iterations": compiles,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jrlhf.bench rl",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--algorithms", default="grpo,ppo")
+    p.add_argument("--devices", type=int, default=1, help="fake CPU devices without a GPU")
+    p.add_argument("--iterations", type=int, default=3, help="timed, after one warm-up")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--mlp", type=int, default=704)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--matmul-size", type=int, default=0, help="0: 4096 on GPU, 2048 otherwise")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    from jrlhf.runtime.devices import ensure_host_devices
+
+    ensure_host_devices(args.devices)
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    n = args.matmul_size or (4096 if gpu else 2048)
+    peak = _matmul_peak(n, repeats=5)
+    out: dict = {
+        "benchmark": "rl",
+        "backend": jax.default_backend(),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "model": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "mlp": args.mlp,
+            "vocab": args.vocab,
+        },
+        "workload": {
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "max_new_tokens": args.new_tokens,
+            "epochs": 1,
+            "minibatches": 1,
+            "lr": args.lr,
+            "kl_coef": args.kl_coef,
+            "timed_iterations": args.iterations,
+        },
+        "matmul_peak": {"size": n, "dtype": "float32", "flops_per_s": round(peak, 1)},
+    }
+    # The trainer logs its result lines on stdout's neighbours; keep stdout for the JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        for algorithm in args.algorithms.split(","):
+            out[algorithm] = measure(args, algorithm, peak)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""python -m jrlhf.bench rl on a tiny setting: one JSON object with the phase, throughput, FLOP
+and compile keys."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import rl as bench
+from jrlhf.cli import bench as bench_cli
+
+
+def test_bench_rl_prints_json(capsys):
+    assert "rl" in bench_cli.SUITES
+    tiny = ["--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--mlp", "64"]
+    rc = bench.main(
+        [*tiny, "--new-tokens", "12", "--prompts", "2", "--iterations", "1",
+         "--algorithms", "grpo", "--matmul-size", "128"]
+    )  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
+    assert out["matmul_peak"]["flops_per_s"] > 0
+    grpo = out["grpo"]
+    assert grpo["roles"] == ["actor"]  # no KL: no reference; GRPO: no critic
+    assert set(grpo["phase_median_s"]) == {"generate", "score", "train", "reshard"}
+    assert grpo["generated_tokens_per_s"] > 0
+    step = grpo["train_step"]
+    assert step["flops_analytic"]["actor"] > 0 and step["fraction_of_matmul_peak"] > 0
+    assert {"actor_flops_xla_cost_analysis", "achieved_flops_per_s"} <= set(step)
+    assert grpo["compilations_during_timed_iterations"] == 0
