@@ -61,14 +61,18 @@ def check_separable(mesh: Mesh) -> None:
         _copy_groups(mesh)
 
 
-def twin(s: NamedSharding, devices: Iterable[jax.Device]) -> NamedSharding:
-    """``s``'s partitioning on other devices: same mesh shape and axes, devices in order."""
+def twin(
+    s: NamedSharding, devices: Iterable[jax.Device], memory_kind: str | None = "same"
+) -> NamedSharding:
+    """``s``'s partitioning on other devices: same mesh shape and axes, devices in order, in
+    ``memory_kind`` (``"same"``: ``s``'s; None: the devices' default)."""
     mesh = Mesh(
         np.array(list(devices), dtype=object).reshape(s.mesh.devices.shape),
         s.mesh.axis_names,
         axis_types=s.mesh.axis_types,
     )
-    return NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
+    kind = s.memory_kind if memory_kind == "same" else memory_kind
+    return NamedSharding(mesh, s.spec, memory_kind=kind)
 
 
 def copies_sharding(s: NamedSharding) -> NamedSharding:

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jrlhf.meshes.processes import host_barrier
 from jrlhf.reshard import layout
 from jrlhf.reshard.memory import ParkedTree, park_to_host
+from jrlhf.reshard.processes import twin
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_events = 0
@@ -90,16 +91,6 @@ def _relabel(s: NamedSharding, order: tuple) -> NamedSharding:
         axis_types=s.mesh.axis_types,
     )
     return NamedSharding(mesh, s.spec, memory_kind=s.memory_kind, _logical_device_ids=ids)
-
-
-def _twin(s: NamedSharding, order: tuple, memory_kind: str | None) -> NamedSharding:
-    """``s``'s partitioning on other devices (same mesh shape, devices taken from ``order``)."""
-    mesh = Mesh(
-        np.array(order, dtype=object).reshape(s.mesh.devices.shape),
-        s.mesh.axis_names,
-        axis_types=s.mesh.axis_types,
-    )
-    return NamedSharding(mesh, s.spec, memory_kind=memory_kind)
 
 
 def _compile(fn, abstract_args):
@@ -243,7 +234,7 @@ class Transition:
 
     def _build_twin(self) -> None:
         order = _order(self.dst[0])
-        self._twins = [_twin(s, order, d.memory_kind) for s, d in zip(self.src, self.dst)]
+        self._twins = [twin(s, order, d.memory_kind) for s, d in zip(self.src, self.dst)]
         # The twin is our own temporary: always donate it to the jit that finishes the move.
         fn = jax.jit(
             _identity, in_shardings=(self._twins,), out_shardings=self.dst, donate_argnums=0
