@@ -25,7 +25,9 @@ against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices.
 
 Memory per device is what lives there for the whole iteration (train states with fp32 AdamW
 moments, the actor's generation copy, frozen models, the KV pool) plus what the running call needs
-transiently (gradients, activations under the remat policy, gathered FSDP weights, logits).
+transiently (gradients, activations under the remat policy, FSDP-gathered weights of one scanned
+layer at a time plus the embedding and head, logits); ``tests/test_plan_estimator.py`` compares
+the transient bytes with XLA's memory analysis of the trainer's compiled steps.
 """
 
 from __future__ import annotations
@@ -242,10 +244,54 @@ def _bucket(n: int, lo: int) -> int:
 
 # ------------------------------------------------------------------------------- call costs
 def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
-    """FSDP: bytes of weights a device must fetch to compute (its tensor shard, minus what it
-    holds)."""
+    """FSDP: bytes of weights a device must fetch over one forward (its tensor shard of every
+    layer, minus what it holds): the all-gather traffic, not the memory it occupies at once
+    (``_gather_buffer_bytes``)."""
     full = sum(math.prod(s) * size for _, _, s, size in _param_table(cfg, head))
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathered_parts(cfg: ModelConfig, head: str, placement: CallPlacement) -> tuple[int, int]:
+    """(one scanned layer, the unscanned rest): bytes per device of the FSDP-sharded weights
+    once gathered, i.e. split over every mesh axis but ``fsdp``. Weights not split over fsdp
+    are used in place and count zero."""
+    spec = placement.mesh
+    layer = rest = 0
+    for _path, logical, shape, size in _param_table(cfg, head):
+        axes = _dim_axes(logical, spec, placement.rules)
+        if not any("fsdp" in a for a in axes) or spec.shape.get("fsdp", 1) <= 1:
+            continue
+        kept = [tuple(x for x in a if x != "fsdp") for a in axes]
+        dims = list(shape)
+        if logical and logical[0] == "layers":
+            dims[0] = 1
+        n = math.prod(-(-d // axis_size(spec, a)) for d, a in zip(dims, kept)) * size
+        if logical and logical[0] == "layers":
+            layer += n
+        else:
+            rest += n
+    return layer, rest
+
+
+def _gather_buffer_bytes(
+    cfg, head: str, p: CallPlacement, profile: DeviceProfile, train: bool
+) -> float:
+    """Memory the FSDP all-gathers occupy at a call's peak (per device).
+
+    The layers run under ``lax.scan`` and XLA gathers each layer's weights inside the loop, one
+    layer at a time (benchmarks/fsdp_memory.py: XLA's temp memory of the scoring forward does
+    not grow with depth; the train step's grows only by gradients and saved activations), so
+    this is one layer's gathered weights, not the model's. Training also holds the layer's
+    full-size gradient before its reduce-scatter (x2). On accelerators the latency-hiding
+    scheduler prefetches the next layer's gather while this one computes (one more layer); the
+    CPU backend runs collectives in order. The embedding and output head (outside the scan) are
+    gathered whole, and in training their full-size gradients too.
+    """
+    layer, rest = _gathered_parts(cfg, head, p)
+    copies = 2 if train else 1
+    prefetch = 0 if profile.shared_host else 1
+    return layer * (copies + prefetch) + rest * copies
 
 
 def _head_tokens(w: Workload, head: str, role: str, rows: int) -> int:
@@ -444,7 +490,6 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     a = itemsize(cfg.dtype)
-    gathered = _gathered_weight_bytes(cfg, head, p, g)
     if phase == "generate":
         plen = _bucket(w.prompt_len, min(16, w.prompt_len))
         slots = _engine_slots(w, g)
@@ -467,7 +512,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             + 2 * cfg.hidden_size * a
         )
         logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
-        return act + logits + gathered
+        return act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=False)
     # train: gradients (and their accumulator with micro-batches), saved activations of one
     # micro-batch per the remat policy, logits and their gradient
     rows = -(-w.microbatch_rows(role) // g.batch)
@@ -484,7 +529,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             cfg.num_layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + tokens * saved_layer
         )
     logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
-    return grads + act + logits + 2 * gathered
+    return grads + act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=True)
 
 
 def batch_problem(w: Workload, call: str, p: CallPlacement) -> str | None:
