@@ -401,3 +401,41 @@ def test_working_memory_matches_xla_memory_analysis(kind, mesh):
     assert growth < 0.5 * layer
     if kind == "infer":
         assert growth == 0
+
+
+def test_tune_batches_picks_the_fastest_chunk_and_microbatches_that_fit():
+    import dataclasses
+
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    w = _llama7b_workload(prompt_len=1024, gen_len=1024)
+    # plenty of memory: one scoring call, one micro-batch (the fewest calls and gathers)
+    roomy = est.tune_batches(plan, w, h100.replace(memory_bytes=10**15))
+    assert (roomy.infer_batch_size, roomy.actor_microbatches, roomy.critic_microbatches) == (
+        0,
+        1,
+        1,
+    )
+    # capacity that exactly admits chunks of 16 rows and 4 micro-batches, not the defaults
+    mid = dataclasses.replace(w, infer_batch_size=16, actor_microbatches=4, critic_microbatches=4)
+    tight = h100.replace(memory_bytes=max(est.estimate(plan, mid, h100).memory_bytes.values()))
+    assert not est.estimate(plan, w, tight).fits
+    tuned = est.tune_batches(plan, w, tight)
+    e = est.estimate_tuned(plan, w, tight)
+    assert e.fits and e.workload == tuned
+    assert e.iteration_seconds <= est.estimate(plan, mid, tight).iteration_seconds
+    assert tuned.infer_chunk >= 16 and tuned.actor_microbatches <= 4
+    # each knob is the fastest that fits: the next faster candidate does not
+    bigger = dataclasses.replace(tuned, infer_batch_size=2 * tuned.infer_chunk)
+    if bigger.infer_chunk > tuned.infer_chunk:
+        assert any("_infer: needs" in r for r in est.estimate(plan, bigger, tight).reasons)
+    if tuned.actor_microbatches > 1:
+        fewer = dataclasses.replace(tuned, actor_microbatches=tuned.actor_microbatches // 2)
+        assert any("actor_train: needs" in r for r in est.estimate(plan, fewer, tight).reasons)
+    # candidates split over the call's batch shards (fsdp=4 here) and divide their batch
+    assert tuned.infer_chunk % 4 == 0 and w.rows % tuned.infer_chunk == 0
+    assert est.batch_problem(tuned, "actor_train", plan["actor_train"]) is None
+    assert w.minibatch_size % tuned.actor_microbatches == 0
+    lines = est.batch_bindings(tuned)
+    assert f"actor/RoleConfig.microbatches = {tuned.actor_microbatches}" in lines
+    assert f"RLConfig.infer_batch_size = {tuned.infer_batch_size}" in lines

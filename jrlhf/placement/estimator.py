@@ -73,6 +73,9 @@ class PlanEstimate:
     memory_bytes: dict[str, int]  # peak bytes per device for each call
     fits: bool
     reasons: list[str]
+    # the workload priced: with ``estimate_tuned``, the config's with the batch knobs chosen
+    # for this plan (scoring chunk, micro-batches)
+    workload: Workload | None = None
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v:.3g}s" for k, v in self.phase_seconds.items())
@@ -635,7 +638,91 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         memory_bytes=memory,
         fits=not reasons,
         reasons=reasons,
+        workload=w,
     )
+
+
+# ------------------------------------------------------------------------------ batch knobs
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pick(options: list[tuple[float, float, int]], capacity: float) -> int:
+    """The knob value of the fastest option whose peak fits ``capacity`` (ties: the earlier
+    option); when none fits, the one least over memory. Options: (seconds, peak, value)."""
+    fitting = [o for o in options if o[1] <= capacity]
+    if fitting:
+        return min(fitting, key=lambda o: o[0])[2]
+    return min(options, key=lambda o: (o[1], o[0]))[2]
+
+
+def tune_batches(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> Workload:
+    """``workload`` with the scoring chunk (``infer_batch_size``) and the actor's and critic's
+    micro-batches chosen for ``plan``: the fastest that fit in memory, else the least over.
+
+    The knobs are independent in the estimate: the chunk changes only the scoring calls' time
+    and working memory, a role's micro-batches only its training call's (residents do not
+    depend on them), so each is chosen on its own calls. Candidates divide the batch they split
+    (the rollout rows, the minibatch) and split over every affected call's batch shards.
+    """
+    w = workload
+    active = _active_calls(w)
+    resident = _resident(w, plan, profile)
+
+    def peak(wk: Workload, call: str) -> float:
+        p = plan[call]
+        top = max((sum(resident.get(d, {}).values()) for d in p.devices), default=0)
+        return top + _working_bytes(wk, call, p, profile)
+
+    def options(calls: list[str], variants: list[tuple[int, Workload]]):
+        out = []
+        for value, wk in variants:
+            if any(batch_problem(wk, c, plan[c]) for c in calls):
+                continue
+            seconds = 0.0
+            for c in calls:
+                role, phase = CALLS[c]
+                if phase == "infer":
+                    seconds += infer_seconds(wk, role, plan[c], profile)
+                else:
+                    seconds += train_seconds(wk, role, plan[c], profile)
+            out.append((seconds, max(peak(wk, c) for c in calls), value))
+        return out
+
+    changes: dict[str, int] = {}
+    infer_calls = [c for c in INFERENCE_CALLS if c in active]
+    # largest chunk first, so a tie in time keeps the fewer calls
+    chunks = sorted(_divisors(w.rows), reverse=True)
+    variants = [(c, dataclasses.replace(w, infer_batch_size=c)) for c in chunks]
+    found = options(infer_calls, variants)
+    if found:
+        chosen = _pick(found, profile.memory_bytes)
+        changes["infer_batch_size"] = 0 if chosen == w.rows else chosen
+    for role in ("actor", "critic"):
+        call = f"{role}_train"
+        if call not in active:
+            continue
+        ms = _divisors(min(w.minibatch_size, w.rows))
+        variants = [(m, dataclasses.replace(w, **{f"{role}_microbatches": m})) for m in ms]
+        found = options([call], variants)
+        if found:
+            changes[f"{role}_microbatches"] = _pick(found, profile.memory_bytes)
+    return dataclasses.replace(w, **changes)
+
+
+def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
+    """``estimate`` with the batch knobs ``tune_batches`` chooses for this plan (the estimate's
+    ``workload`` carries them)."""
+    return estimate(plan, tune_batches(plan, workload, profile), profile)
+
+
+def batch_bindings(workload: Workload) -> list[str]:
+    """Gin bindings that make the trainer use ``workload``'s batch knobs."""
+    lines = [f"RLConfig.infer_batch_size = {workload.infer_batch_size}"]
+    lines.append(f"actor/RoleConfig.microbatches = {workload.actor_microbatches}")
+    if workload.critic is not None:
+        lines.append(f"critic/RoleConfig.microbatches = {workload.critic_microbatches}")
+    return lines
 
 
 def compiled_memory_bytes(compiled) -> int | None:
@@ -660,12 +747,15 @@ def compiled_memory_bytes(compiled) -> int | None:
 __all__ = [
     "PHASES",
     "PlanEstimate",
+    "batch_bindings",
     "batch_problem",
     "compiled_memory_bytes",
     "estimate",
+    "estimate_tuned",
     "head_params",
     "layout_problems",
     "reshard_bytes",
     "reshard_bytes_per_device",
     "shard_bytes",
+    "tune_batches",
 ]
