@@ -42,6 +42,7 @@ class FakeEstimate:
     phase_seconds: dict = dataclasses.field(default_factory=dict)
     memory_bytes: dict = dataclasses.field(default_factory=dict)
     reasons: list = dataclasses.field(default_factory=list)
+    workload: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +311,16 @@ def fake_cost(monkeypatch):
     """The CLI's cost: prefer separate-like plans (generation and training apart), so the
     chosen plan is known without the estimator."""
 
-    def make(workload, profile):
+    def make(workload, profile, tune_batches=False):
+        # with tune_batches, knobs unlike the config's, so the gin file must carry them
+        tuned = (
+            dataclasses.replace(
+                workload, infer_batch_size=8, actor_microbatches=2, critic_microbatches=4
+            )
+            if tune_batches
+            else workload
+        )
+
         def cost(plan):
             gen, train = plan["actor_generate"].devices, plan["actor_train"].devices
             t = 2.0 if gen & train else 1.0 + 0.01 * plan["actor_train"].mesh.shape["tensor"]
@@ -320,6 +330,7 @@ def fake_cost(monkeypatch):
                 t,
                 phase_seconds={"generate": t / 2, "score": 0.1, "train": t / 2, "reshard": 0.0},
                 memory_bytes={"device0": 2**30},
+                workload=tuned,
             )
 
         return cost
@@ -363,6 +374,24 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
     # the trainer builds exactly these meshes on the 8 test devices
     generate = make_mesh(effective_plan(cfg, 8).for_role("actor", "generate").mesh)
     assert [d.id for d in generate.devices.flat] == [int(i) for i in gen.split("@")[1].split(",")]
+    # and scores and trains with the batch knobs chosen with the plan (unless --fixed-batches)
+    assert best["batches"] == {
+        "infer_batch_size": 8,
+        "actor_microbatches": 2,
+        "critic_microbatches": 4,
+    }
+    assert (
+        "scoring chunk 8 rows; micro-batches actor 2, critic 4"
+        in _run_cli([*args, "--output", str(out)], capsys)[1]
+    )
+    cfg = load_config(["configs/ppo_tiny.gin", str(out)], [])
+    assert cfg.rl.infer_batch_size == 8
+    assert cfg.roles["actor"].microbatches == 2 and cfg.roles["critic"].microbatches == 4
+    rc, stdout, _ = _run_cli([*args, "--output", str(out), "--fixed-batches"], capsys)
+    assert rc == 0 and "infer_batch_size" not in out.read_text()
+    assert load_config(["configs/ppo_tiny.gin", str(out)], []).roles["actor"].microbatches == (
+        load_config(["configs/ppo_tiny.gin"], []).roles["actor"].microbatches
+    )
 
 
 @pytest.mark.parametrize(
@@ -403,7 +432,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extr
 def test_cli_states_its_ranking_rule_and_lists_each_call_once(
     tmp_path, capsys, fake_profile, monkeypatch, fits
 ):
-    def make(workload, profile):
+    def make(workload, profile, tune_batches=False):
         return _memory_cost(lambda n: fits)
 
     monkeypatch.setattr(search_mod, "default_cost_fn", make)

@@ -24,6 +24,7 @@ import jax
 from jrlhf.config import ROLES, load_config
 from jrlhf.models.presets import get_preset
 from jrlhf.pipeline.task_data import task_model_overrides
+from jrlhf.placement.estimator import batch_bindings
 from jrlhf.placement.plan import CALLS, STAGE_CALLS
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.search import (
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2000, help="MCMC proposals per chain")
     p.add_argument("--restarts", type=int, default=4, help="MCMC chains")
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
+    p.add_argument(
+        "--fixed-batches",
+        action="store_true",
+        help="keep the config's RLConfig.infer_batch_size and RoleConfig.microbatches instead "
+        "of choosing them per plan (and writing them to the gin file)",
+    )
     p.add_argument(
         "--exhaustive-limit",
         type=int,
@@ -127,6 +134,13 @@ def describe_best(result, absent: dict[str, str] | None = None) -> str:
         lines.append(f"  {call:16s} {mesh} [{rules}]{when}")
     for edge, secs in est.reshard_seconds.items():
         lines.append(f"  reshard {edge}: {_fmt_s(secs)} s")
+    w = getattr(est, "workload", None)
+    if w is not None:
+        chunk = w.infer_batch_size or "all"
+        mbs = f"actor {w.actor_microbatches}" + (
+            f", critic {w.critic_microbatches}" if w.critic is not None else ""
+        )
+        lines.append(f"  batches: scoring chunk {chunk} rows; micro-batches {mbs}")
     phases = ", ".join(f"{p} {_fmt_s(est.phase_seconds.get(p, 0.0))} s" for p in PHASES)
     lines.append(f"  timeline: {phases}; iteration {_fmt_s(est.iteration_seconds)} s")
     for name in ("flatten", "interleave", "separate"):
@@ -156,6 +170,17 @@ def gin_header(argv: list[str], result, profile, num_devices: int) -> str:
     )
 
 
+def _batches(w) -> dict | None:
+    """The batch knobs a plan was priced with (None when the estimate does not say)."""
+    if w is None:
+        return None
+    return {
+        "infer_batch_size": w.infer_batch_size,
+        "actor_microbatches": w.actor_microbatches,
+        "critic_microbatches": w.critic_microbatches,
+    }
+
+
 def result_json(result) -> dict:
     def entry(r):
         est = r.estimate
@@ -169,6 +194,7 @@ def result_json(result) -> dict:
             "memory_bytes": dict(est.memory_bytes),
             "fits": est.fits,
             "reasons": list(est.reasons),
+            "batches": _batches(getattr(est, "workload", None)),
         }
 
     return {
@@ -238,12 +264,16 @@ def main(argv: list[str] | None = None) -> int:
             restarts=args.restarts,
             seed=args.seed,
             top=args.top,
+            tune_batches=not args.fixed_batches,
         )
     except (ValueError, OSError) as e:
         return fail(str(e).splitlines()[0])
 
     best = result.best
     text = best.plan.to_gin(gin_header(argv, result, profile, num_devices))
+    if not args.fixed_batches and getattr(best.estimate, "workload", None) is not None:
+        text += "# batch knobs chosen with the plan (--fixed-batches keeps the config's)\n"
+        text += "\n".join(batch_bindings(best.estimate.workload)) + "\n"
     if profile.shared_host:
         # Fake CPU devices are made by the trainer from this setting; a plan for N needs N.
         text += f"RunConfig.host_devices = {num_devices}\n"

@@ -25,7 +25,9 @@ against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices.
 
 Memory per device is what lives there for the whole iteration (train states with fp32 AdamW
 moments, the actor's generation copy, frozen models, the KV pool) plus what the running call needs
-transiently (gradients, activations under the remat policy, gathered FSDP weights, logits).
+transiently (gradients, activations under the remat policy, FSDP-gathered weights of one scanned
+layer at a time plus the embedding and head, logits); ``tests/test_plan_estimator.py`` compares
+the transient bytes with XLA's memory analysis of the trainer's compiled steps.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class PlanEstimate:
     memory_bytes: dict[str, int]  # peak bytes per device for each call
     fits: bool
     reasons: list[str]
+    # the workload priced: with ``estimate_tuned``, the config's with the batch knobs chosen
+    # for this plan (scoring chunk, micro-batches)
+    workload: Workload | None = None
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v:.3g}s" for k, v in self.phase_seconds.items())
@@ -242,10 +247,54 @@ def _bucket(n: int, lo: int) -> int:
 
 # ------------------------------------------------------------------------------- call costs
 def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
-    """FSDP: bytes of weights a device must fetch to compute (its tensor shard, minus what it
-    holds)."""
+    """FSDP: bytes of weights a device must fetch over one forward (its tensor shard of every
+    layer, minus what it holds): the all-gather traffic, not the memory it occupies at once
+    (``_gather_buffer_bytes``)."""
     full = sum(math.prod(s) * size for _, _, s, size in _param_table(cfg, head))
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathered_parts(cfg: ModelConfig, head: str, placement: CallPlacement) -> tuple[int, int]:
+    """(one scanned layer, the unscanned rest): bytes per device of the FSDP-sharded weights
+    once gathered, i.e. split over every mesh axis but ``fsdp``. Weights not split over fsdp
+    are used in place and count zero."""
+    spec = placement.mesh
+    layer = rest = 0
+    for _path, logical, shape, size in _param_table(cfg, head):
+        axes = _dim_axes(logical, spec, placement.rules)
+        if not any("fsdp" in a for a in axes) or spec.shape.get("fsdp", 1) <= 1:
+            continue
+        kept = [tuple(x for x in a if x != "fsdp") for a in axes]
+        dims = list(shape)
+        if logical and logical[0] == "layers":
+            dims[0] = 1
+        n = math.prod(-(-d // axis_size(spec, a)) for d, a in zip(dims, kept)) * size
+        if logical and logical[0] == "layers":
+            layer += n
+        else:
+            rest += n
+    return layer, rest
+
+
+def _gather_buffer_bytes(
+    cfg, head: str, p: CallPlacement, profile: DeviceProfile, train: bool
+) -> float:
+    """Memory the FSDP all-gathers occupy at a call's peak (per device).
+
+    The layers run under ``lax.scan`` and XLA gathers each layer's weights inside the loop, one
+    layer at a time (benchmarks/fsdp_memory.py: XLA's temp memory of the scoring forward does
+    not grow with depth; the train step's grows only by gradients and saved activations), so
+    this is one layer's gathered weights, not the model's. Training also holds the layer's
+    full-size gradient before its reduce-scatter (x2). On accelerators the latency-hiding
+    scheduler prefetches the next layer's gather while this one computes (one more layer); the
+    CPU backend runs collectives in order. The embedding and output head (outside the scan) are
+    gathered whole, and in training their full-size gradients too.
+    """
+    layer, rest = _gathered_parts(cfg, head, p)
+    copies = 2 if train else 1
+    prefetch = 0 if profile.shared_host else 1
+    return layer * (copies + prefetch) + rest * copies
 
 
 def _head_tokens(w: Workload, head: str, role: str, rows: int) -> int:
@@ -444,7 +493,6 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     a = itemsize(cfg.dtype)
-    gathered = _gathered_weight_bytes(cfg, head, p, g)
     if phase == "generate":
         plen = _bucket(w.prompt_len, min(16, w.prompt_len))
         slots = _engine_slots(w, g)
@@ -467,7 +515,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             + 2 * cfg.hidden_size * a
         )
         logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
-        return act + logits + gathered
+        return act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=False)
     # train: gradients (and their accumulator with micro-batches), saved activations of one
     # micro-batch per the remat policy, logits and their gradient
     rows = -(-w.microbatch_rows(role) // g.batch)
@@ -484,7 +532,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             cfg.num_layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + tokens * saved_layer
         )
     logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
-    return grads + act + logits + 2 * gathered
+    return grads + act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=True)
 
 
 def batch_problem(w: Workload, call: str, p: CallPlacement) -> str | None:
@@ -590,7 +638,91 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         memory_bytes=memory,
         fits=not reasons,
         reasons=reasons,
+        workload=w,
     )
+
+
+# ------------------------------------------------------------------------------ batch knobs
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pick(options: list[tuple[float, float, int]], capacity: float) -> int:
+    """The knob value of the fastest option whose peak fits ``capacity`` (ties: the earlier
+    option); when none fits, the one least over memory. Options: (seconds, peak, value)."""
+    fitting = [o for o in options if o[1] <= capacity]
+    if fitting:
+        return min(fitting, key=lambda o: o[0])[2]
+    return min(options, key=lambda o: (o[1], o[0]))[2]
+
+
+def tune_batches(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> Workload:
+    """``workload`` with the scoring chunk (``infer_batch_size``) and the actor's and critic's
+    micro-batches chosen for ``plan``: the fastest that fit in memory, else the least over.
+
+    The knobs are independent in the estimate: the chunk changes only the scoring calls' time
+    and working memory, a role's micro-batches only its training call's (residents do not
+    depend on them), so each is chosen on its own calls. Candidates divide the batch they split
+    (the rollout rows, the minibatch) and split over every affected call's batch shards.
+    """
+    w = workload
+    active = _active_calls(w)
+    resident = _resident(w, plan, profile)
+
+    def peak(wk: Workload, call: str) -> float:
+        p = plan[call]
+        top = max((sum(resident.get(d, {}).values()) for d in p.devices), default=0)
+        return top + _working_bytes(wk, call, p, profile)
+
+    def options(calls: list[str], variants: list[tuple[int, Workload]]):
+        out = []
+        for value, wk in variants:
+            if any(batch_problem(wk, c, plan[c]) for c in calls):
+                continue
+            seconds = 0.0
+            for c in calls:
+                role, phase = CALLS[c]
+                if phase == "infer":
+                    seconds += infer_seconds(wk, role, plan[c], profile)
+                else:
+                    seconds += train_seconds(wk, role, plan[c], profile)
+            out.append((seconds, max(peak(wk, c) for c in calls), value))
+        return out
+
+    changes: dict[str, int] = {}
+    infer_calls = [c for c in INFERENCE_CALLS if c in active]
+    # largest chunk first, so a tie in time keeps the fewer calls
+    chunks = sorted(_divisors(w.rows), reverse=True)
+    variants = [(c, dataclasses.replace(w, infer_batch_size=c)) for c in chunks]
+    found = options(infer_calls, variants)
+    if found:
+        chosen = _pick(found, profile.memory_bytes)
+        changes["infer_batch_size"] = 0 if chosen == w.rows else chosen
+    for role in ("actor", "critic"):
+        call = f"{role}_train"
+        if call not in active:
+            continue
+        ms = _divisors(min(w.minibatch_size, w.rows))
+        variants = [(m, dataclasses.replace(w, **{f"{role}_microbatches": m})) for m in ms]
+        found = options([call], variants)
+        if found:
+            changes[f"{role}_microbatches"] = _pick(found, profile.memory_bytes)
+    return dataclasses.replace(w, **changes)
+
+
+def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
+    """``estimate`` with the batch knobs ``tune_batches`` chooses for this plan (the estimate's
+    ``workload`` carries them)."""
+    return estimate(plan, tune_batches(plan, workload, profile), profile)
+
+
+def batch_bindings(workload: Workload) -> list[str]:
+    """Gin bindings that make the trainer use ``workload``'s batch knobs."""
+    lines = [f"RLConfig.infer_batch_size = {workload.infer_batch_size}"]
+    lines.append(f"actor/RoleConfig.microbatches = {workload.actor_microbatches}")
+    if workload.critic is not None:
+        lines.append(f"critic/RoleConfig.microbatches = {workload.critic_microbatches}")
+    return lines
 
 
 def compiled_memory_bytes(compiled) -> int | None:
@@ -615,12 +747,15 @@ def compiled_memory_bytes(compiled) -> int | None:
 __all__ = [
     "PHASES",
     "PlanEstimate",
+    "batch_bindings",
     "batch_problem",
     "compiled_memory_bytes",
     "estimate",
+    "estimate_tuned",
     "head_params",
     "layout_problems",
     "reshard_bytes",
     "reshard_bytes_per_device",
     "shard_bytes",
+    "tune_batches",
 ]

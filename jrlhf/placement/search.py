@@ -46,7 +46,7 @@ from jrlhf.placement.candidates import (
     slot_problem,
     slots_of,
 )
-from jrlhf.placement.estimator import MOMENT_BYTES, estimate
+from jrlhf.placement.estimator import MOMENT_BYTES, estimate, estimate_tuned
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload, num_params, param_bytes
@@ -359,8 +359,12 @@ def _energy(estimate: Any, capacity: int | None) -> float:
     return INFEASIBLE + seconds * (1.0 + 10.0 * overflow)
 
 
-def default_cost_fn(workload: Any, profile: Any) -> CostFn:
-    """``estimator.estimate`` bound to a workload and profile (tests replace this hook)."""
+def default_cost_fn(workload: Any, profile: Any, tune_batches: bool = False) -> CostFn:
+    """``estimator.estimate`` bound to a workload and profile (tests replace this hook); with
+    ``tune_batches``, ``estimator.estimate_tuned`` (each plan priced with its own scoring chunk
+    and micro-batches)."""
+    if tune_batches:
+        return lambda plan: estimate_tuned(plan, workload, profile)
     return lambda plan: estimate(plan, workload, profile)
 
 
@@ -378,17 +382,22 @@ def search(
     seed: int = 0,
     top: int = 10,
     space: SearchSpace | None = None,
+    tune_batches: bool = False,
 ) -> SearchResult:
     """Find the plan with the smallest estimated iteration time for ``workload``.
 
     ``cost_fn(plan)`` returns a PlanEstimate; by default ``estimator.estimate(plan, workload,
     profile)``. With more than ``exhaustive_limit`` plans in the space the search runs
     ``restarts`` annealing chains of ``steps`` proposals each (seeded by ``seed``).
+
+    ``tune_batches``: also choose, per plan, the scoring chunk and the actor's and critic's
+    micro-batches (``estimator.tune_batches``; each estimate's ``workload`` says which). The
+    candidate slots are still those the config's batch sizes admit.
     """
     if cost_fn is None:
         if profile is None:
             raise ValueError("search needs a device profile or a cost_fn")
-        cost_fn = default_cost_fn(workload, profile)
+        cost_fn = default_cost_fn(workload, profile, tune_batches)
     capacity = getattr(profile, "memory_bytes", None)
     space = space or SearchSpace(
         workload, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
