@@ -43,6 +43,7 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import attention_mask, masked_attention
 from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.transformer import unstack_layers
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -54,6 +55,11 @@ class EngineConfig:
     ``num_pages`` is the whole pool (all data shards together); 0 sizes it for every slot at full
     length (``num_slots * max_pages_per_seq``). Prompts are prefilled at most ``max_prefill_rows``
     at a time, padded to a power-of-two length of at least ``min_prefill_len``.
+
+    ``unroll_layers`` makes decode steps run the layers unrolled over per-layer weight copies
+    (made once per ``generate``, so the layer weights are held twice while it runs) instead of
+    scanning the stacked weights; None picks it on CPU, where the scan copies every layer's
+    weights at every step (see ``Transformer.run_layers``).
     """
 
     num_slots: int = 8
@@ -65,6 +71,7 @@ class EngineConfig:
     max_prefill_rows: int = 8
     min_prefill_len: int = 16
     kernel: str = "auto"
+    unroll_layers: bool | None = None
 
     def __post_init__(self):
         for name in (
@@ -238,9 +245,13 @@ class DecodeEngine:
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
         )
+        self.unroll_layers = (
+            jax.default_backend() == "cpu" if ec.unroll_layers is None else ec.unroll_layers
+        )
+        self._unstack = jax.jit(unstack_layers)
         self._decode_chunk = jax.jit(
             self._decode_chunk_fn,
-            donate_argnums=(1,),
+            donate_argnums=(2,),
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
         )
@@ -395,7 +406,17 @@ class DecodeEngine:
         return attend
 
     def _decode_step(
-        self, params, state: DecodeState, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+        self,
+        params,
+        layer_params,
+        state: DecodeState,
+        stop_ids,
+        temperature,
+        top_k,
+        top_p,
+        *,
+        greedy,
+        filtered,
     ) -> DecodeState:
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
@@ -405,6 +426,7 @@ class DecodeEngine:
                 state.lengths[:, None],
                 self._paged_attend(state),
                 (state.k_pages, state.v_pages),
+                layer_params,
             )
             logits = model.logits(hidden[:, 0])
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
@@ -429,7 +451,7 @@ class DecodeEngine:
         )
 
     def _decode_chunk_fn(
-        self, params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+        self, params, layer_params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
     ):
         """Up to ``chunk_steps`` decode steps; stops as soon as no slot is active."""
         steps = self.config.chunk_steps
@@ -441,7 +463,15 @@ class DecodeEngine:
         def body(carry):
             i, s = carry
             s = self._decode_step(
-                params, s, stop_ids, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+                params,
+                layer_params,
+                s,
+                stop_ids,
+                temperature,
+                top_k,
+                top_p,
+                greedy=greedy,
+                filtered=filtered,
             )
             return i + 1, s
 
@@ -521,6 +551,7 @@ class DecodeEngine:
         flags = dict(greedy=sp.greedy, filtered=sp.filtered)
         if self.state is None:
             self.state = self._init()
+        layer_params = self._unstack(params["layers"]) if self.unroll_layers else None
         state = self.state
         self.state = None  # donated below; restored at the end
         alloc = PageAllocator(
@@ -563,7 +594,7 @@ class DecodeEngine:
                         table = jax.device_put(alloc.table, table_sharding)
                         state = state.replace(page_table=table)
                         alloc.dirty = False
-                    state = self._decode_chunk(params, state, *scalars, **flags)
+                    state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
                     stats["decode_chunks"] += 1
                     active_host, num_gen = to_host((state.active, state.num_generated))
                 finished = [
