@@ -11,8 +11,9 @@ act on it, both donating it so the pools are updated in place:
 
 Host side, between chunks, a small loop harvests finished slots, frees their pages, admits waiting
 prompts into free slots (back-pressure when the pool is short) and grows the page tables of running
-sequences for the next chunk. Compiles depend only on the engine's shapes, never on the number of
-prompts.
+sequences for the next chunk. It waits on the device once per chunk (for the slots' activity and
+counts), plus once more to fetch outputs when a slot has finished. Compiles depend only on the
+engine's shapes, never on the number of prompts.
 
 The model is the trainer's own (``Transformer.embed/run_layers/logits``) with a paged ``attend``
 hook, and the raw log-probs are ``token_logprobs`` of its float32 logits, so rollout and trainer
@@ -566,6 +567,8 @@ class DecodeEngine:
         outputs: list[tuple | None] = [None] * len(requests)
         table_sharding = self.state_shardings.page_table
         stats = collections.Counter()
+        active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
+        num_gen = np.zeros((ec.num_slots,), np.int32)
         t0 = time.perf_counter()
         try:
             while queue or any(r is not None for r in slot_req):
@@ -582,21 +585,24 @@ class DecodeEngine:
                 if admitted:
                     state = self._insert_batch(params, state, admitted, alloc, scalars, flags)
                     stats["prefill_calls"] += 1
+                    # Not synced: a slot whose first token already ended it just makes the chunk's
+                    # while loop stop at once, and its pages are released below as usual.
+                    for slot, _ in admitted:
+                        active_host[slot], num_gen[slot] = True, 1
                 elif all(r is None for r in slot_req):
                     raise RuntimeError("no sequence could be admitted into an empty page pool")
-                active_host, num_gen = to_host((state.active, state.num_generated))
-                if active_host.any():
-                    for slot, req in enumerate(slot_req):
-                        if req is not None and active_host[slot]:
-                            cached = len(req.prompt) + int(num_gen[slot]) - 1
-                            alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
-                    if alloc.dirty:
-                        table = jax.device_put(alloc.table, table_sharding)
-                        state = state.replace(page_table=table)
-                        alloc.dirty = False
-                    state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
-                    stats["decode_chunks"] += 1
-                    active_host, num_gen = to_host((state.active, state.num_generated))
+                for slot, req in enumerate(slot_req):
+                    if req is not None and active_host[slot]:
+                        cached = len(req.prompt) + int(num_gen[slot]) - 1
+                        alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
+                if alloc.dirty:
+                    table = jax.device_put(alloc.table, table_sharding)
+                    state = state.replace(page_table=table)
+                    alloc.dirty = False
+                state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
+                stats["decode_chunks"] += 1
+                # The one sync per chunk (plus the outputs of finished slots, when there are any).
+                active_host, num_gen = map(np.array, to_host((state.active, state.num_generated)))
                 finished = [
                     s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
                 ]
