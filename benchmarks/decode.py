@@ -19,13 +19,14 @@ process (a jitted sum over a 256 MiB array, best of a few) and reports tokens/s 
 the weight-read limit: batch / (bytes of weights read per decode step / bandwidth). The untied
 embedding table is not counted (a step gathers one row per sequence from it). ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
-weights, exported with ``save_hf``, alternating with the engine repeat by repeat so both see the
-same machine load, and prints the ratio.
+weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
+repeat so both see the same machine load, and prints the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -188,22 +189,45 @@ def _weight_read_bytes(model_def) -> int:
     return n * jax.numpy.dtype(c.param_dtype).itemsize
 
 
-def _hf_peer(model_def, params, prompts, new_tokens):
-    """transformers' model on the same weights and a greedy ``generate`` over the same batch:
-    returns a function that runs it once and gives (seconds, completions)."""
+def _hf_peer(model_def, params, prompts, new_tokens, stack):
+    """transformers' model on the same weights, in a child process (so torch's and XLA's thread
+    pools never share one), ready for greedy ``generate`` over the same batch: returns a function
+    that runs it once and gives (seconds, completions)."""
+    import subprocess
     import tempfile
-
-    import torch
-    import transformers as tf
 
     from jrlhf.models.hf import save_hf
 
-    with tempfile.TemporaryDirectory() as tmp:
-        save_hf(model_def, params, tmp, overwrite=True)
-        model = tf.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)  # equal lengths: no padding
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    save_hf(model_def, params, tmp, overwrite=True)
+    with open(f"{tmp}/prompts.json", "w") as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--peer-worker", tmp, str(new_tokens)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stack.callback(proc.wait)
+    stack.callback(proc.stdin.close)
 
     def run():
+        proc.stdin.write("run\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the transformers peer process exited (see its stderr)")
+        out = json.loads(line)
+        return out["seconds"], out["completions"]
+
+    return run
+
+
+def _peer_worker(directory: str, new_tokens: int) -> int:
+    """The child of ``_hf_peer``: one timed greedy ``generate`` per "run" line on stdin."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with open(f"{directory}/prompts.json") as f:
+        ids = torch.tensor(json.load(f))  # equal lengths: no padding
+    for _ in sys.stdin:
         with torch.no_grad():
             t0 = time.perf_counter()
             out = model.generate(
@@ -215,9 +239,9 @@ def _hf_peer(model_def, params, prompts, new_tokens):
                 pad_token_id=0,
             )
             seconds = time.perf_counter() - t0
-        return seconds, out[:, ids.shape[1] :].tolist()
-
-    return run
+        completions = out[:, ids.shape[1] :].tolist()
+        print(json.dumps({"seconds": seconds, "completions": completions}), flush=True)
+    return 0
 
 
 def _recompute(model_def, params, prompts, new_tokens, repeats: int):
@@ -296,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--peer-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peer_worker:
+        return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]))
 
     from jrlhf.runtime.devices import ensure_host_devices
 
@@ -369,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         params = md.init_sharded(mesh, "dp_tp", seed=0)
         prompts = _prompts(args.batch, args.prompt_len, args.vocab, mixed=False)
         engine = _engine(md, mesh, args.batch, args.prompt_len, args.new_tokens, args)
-        peer = _hf_peer(md, params, prompts, args.new_tokens) if args.peers else None
-        res = _paged(engine, params, prompts, args.new_tokens, args, peer=peer)
+        with contextlib.ExitStack() as stack:
+            peer = _hf_peer(md, params, prompts, args.new_tokens, stack) if args.peers else None
+            res = _paged(engine, params, prompts, args.new_tokens, args, peer=peer)
         completions = res.pop("_completions")
         if jax.default_backend() != "gpu":
             gbps = _stream_gbps()
