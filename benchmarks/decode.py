@@ -121,9 +121,9 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
         if best is None or out.stats["seconds"] < best.stats["seconds"]:
             best = out
         if peer is not None:  # alternating, so both see the same machine load
-            seconds, completions = peer()
-            if peer_best is None or seconds < peer_best[0]:
-                peer_best = (seconds, completions)
+            got = peer()
+            if peer_best is None or got[0] < peer_best[0]:
+                peer_best = got
     tokens = int(best.stats["generated_tokens"])
     seconds = float(best.stats["seconds"])
     dense_pages = batch * math.ceil((prompt_len + new_tokens) / page_size)
@@ -145,6 +145,7 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
             "transformers": transformers.__version__,
             "seconds": round(peer_best[0], 4),
             "tokens_per_s": round(batch * new_tokens / peer_best[0], 1),
+            "torch_threads": peer_best[2],
             "_completions": peer_best[1],
         }
     if jax.default_backend() == "gpu":
@@ -189,7 +190,7 @@ def _weight_read_bytes(model_def) -> int:
     return n * jax.numpy.dtype(c.param_dtype).itemsize
 
 
-def _hf_peer(model_def, params, prompts, new_tokens, stack):
+def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
     """transformers' model on the same weights, in a child process (so torch's and XLA's thread
     pools never share one), ready for greedy ``generate`` over the same batch: returns a function
     that runs it once and gives (seconds, completions)."""
@@ -203,6 +204,7 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack):
     with open(f"{tmp}/prompts.json", "w") as f:
         json.dump(prompts, f)
     cmd = [sys.executable, "-m", "benchmarks.decode", "--peer-worker", tmp, str(new_tokens)]
+    cmd += ["--peer-threads", str(threads)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     stack.callback(proc.wait)
     stack.callback(proc.stdin.close)
@@ -214,15 +216,18 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack):
         if not line:
             raise RuntimeError("the transformers peer process exited (see its stderr)")
         out = json.loads(line)
-        return out["seconds"], out["completions"]
+        return out["seconds"], out["completions"], out["threads"]
 
     return run
 
 
-def _peer_worker(directory: str, new_tokens: int) -> int:
+def _peer_worker(directory: str, new_tokens: int, threads: int) -> int:
     """The child of ``_hf_peer``: one timed greedy ``generate`` per "run" line on stdin."""
     import torch
     import transformers as tf
+
+    if threads:
+        torch.set_num_threads(threads)
 
     model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with open(f"{directory}/prompts.json") as f:
@@ -240,7 +245,8 @@ def _peer_worker(directory: str, new_tokens: int) -> int:
             )
             seconds = time.perf_counter() - t0
         completions = out[:, ids.shape[1] :].tolist()
-        print(json.dumps({"seconds": seconds, "completions": completions}), flush=True)
+        out = {"seconds": seconds, "completions": completions, "threads": torch.get_num_threads()}
+        print(json.dumps(out), flush=True)
     return 0
 
 
@@ -320,10 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--peer-threads",
+        type=int,
+        default=0,
+        help="torch threads for --peers (0: torch's default; on a loaded machine its OpenMP "
+        "threads can slow down many-fold, where 1 thread does not)",
+    )
     p.add_argument("--peer-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer_worker:
-        return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]))
+        return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]), args.peer_threads)
 
     from jrlhf.runtime.devices import ensure_host_devices
 
@@ -397,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _prompts(args.batch, args.prompt_len, args.vocab, mixed=False)
         engine = _engine(md, mesh, args.batch, args.prompt_len, args.new_tokens, args)
         with contextlib.ExitStack() as stack:
-            peer = _hf_peer(md, params, prompts, args.new_tokens, stack) if args.peers else None
+            peer = None
+            if args.peers:
+                peer = _hf_peer(md, params, prompts, args.new_tokens, stack, args.peer_threads)
             res = _paged(engine, params, prompts, args.new_tokens, args, peer=peer)
         completions = res.pop("_completions")
         if jax.default_backend() != "gpu":
