@@ -13,11 +13,20 @@ compiles are excluded:
 
 On a GPU it also reports the achieved fraction of HBM bandwidth: (bytes of weights + KV read per
 decode step) / step time / peak bandwidth (``--peak-gbps``, default from the device kind).
+
+Elsewhere (CPU) the throughput run measures this machine's streaming read bandwidth in the same
+process (a jitted sum over a 256 MiB array, best of a few) and reports tokens/s as a fraction of
+the weight-read limit: batch / (bytes of weights read per decode step / bandwidth). The untied
+embedding table is not counted (a step gathers one row per sequence from it). ``--peers`` also
+runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
+weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
+repeat so both see the same machine load, and prints the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -94,7 +103,7 @@ def _engine(model_def, mesh, batch, prompt_len, new_tokens, args):
     )
 
 
-def _paged(engine, params, prompts, new_tokens, args):
+def _paged(engine, params, prompts, new_tokens, args, peer=None):
     import jax
 
     from jrlhf.decode.sampling import SamplingParams
@@ -104,11 +113,17 @@ def _paged(engine, params, prompts, new_tokens, args):
     prompt_len = engine.config.max_prompt_len
     sp = SamplingParams(greedy=True, stop_ids=())
     engine.generate(params, prompts, sp)  # warm-up: compiles
-    best = None
+    if peer is not None:
+        peer()
+    best, peer_best = None, None
     for _ in range(args.repeats):
         out = engine.generate(params, prompts, sp)
         if best is None or out.stats["seconds"] < best.stats["seconds"]:
             best = out
+        if peer is not None:  # alternating, so both see the same machine load
+            got = peer()
+            if peer_best is None or got[0] < peer_best[0]:
+                peer_best = got
     tokens = int(best.stats["generated_tokens"])
     seconds = float(best.stats["seconds"])
     dense_pages = batch * math.ceil((prompt_len + new_tokens) / page_size)
@@ -123,6 +138,16 @@ def _paged(engine, params, prompts, new_tokens, args):
         "page_size": page_size,
     }
     result["_completions"] = best.completion_ids
+    if peer_best is not None:
+        import transformers
+
+        result["_peer"] = {
+            "transformers": transformers.__version__,
+            "seconds": round(peer_best[0], 4),
+            "tokens_per_s": round(batch * new_tokens / peer_best[0], 1),
+            "torch_threads": peer_best[2],
+            "_completions": peer_best[1],
+        }
     if jax.default_backend() == "gpu":
         itemsize = jax.numpy.dtype(c.dtype).itemsize
         weight_bytes = model_def.num_params() * jax.numpy.dtype(c.param_dtype).itemsize
@@ -135,6 +160,94 @@ def _paged(engine, params, prompts, new_tokens, args):
         if peak:
             result["hbm_bandwidth_fraction"] = round(result["achieved_gbps"] / peak, 3)
     return result
+
+
+def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
+    """Streaming read bandwidth of the default device: a jitted sum over ``mib`` MiB, best of
+    ``repeats`` (the array is far larger than any cache)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best / 1e9
+
+
+def _weight_read_bytes(model_def) -> int:
+    """Bytes of parameters one decode step reads: all but an untied embedding table."""
+    import jax
+
+    c = model_def.config
+    n = model_def.num_params()
+    if not c.tie_word_embeddings:
+        n -= c.vocab_size * c.hidden_size
+    return n * jax.numpy.dtype(c.param_dtype).itemsize
+
+
+def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
+    """transformers' model on the same weights, in a child process (so torch's and XLA's thread
+    pools never share one), ready for greedy ``generate`` over the same batch: returns a function
+    that runs it once and gives (seconds, completions)."""
+    import subprocess
+    import tempfile
+
+    from jrlhf.models.hf import save_hf
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    save_hf(model_def, params, tmp, overwrite=True)
+    with open(f"{tmp}/prompts.json", "w") as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--peer-worker", tmp, str(new_tokens)]
+    cmd += ["--peer-threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stack.callback(proc.wait)
+    stack.callback(proc.stdin.close)
+
+    def run():
+        proc.stdin.write("run\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the transformers peer process exited (see its stderr)")
+        out = json.loads(line)
+        return out["seconds"], out["completions"], out["threads"]
+
+    return run
+
+
+def _peer_worker(directory: str, new_tokens: int, threads: int) -> int:
+    """The child of ``_hf_peer``: one timed greedy ``generate`` per "run" line on stdin."""
+    import torch
+    import transformers as tf
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with open(f"{directory}/prompts.json") as f:
+        ids = torch.tensor(json.load(f))  # equal lengths: no padding
+    for _ in sys.stdin:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+            seconds = time.perf_counter() - t0
+        completions = out[:, ids.shape[1] :].tolist()
+        out = {"seconds": seconds, "completions": completions, "threads": torch.get_num_threads()}
+        print(json.dumps(out), flush=True)
+    return 0
 
 
 def _recompute(model_def, params, prompts, new_tokens, repeats: int):
@@ -190,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--peak-gbps", type=float, default=None)
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="throughput: also time transformers' generate on the same weights (needs torch)",
+    )
     # comparison model (small, so the recompute loop finishes in seconds on 2 cores)
     p.add_argument("--cmp-hidden", type=int, default=128)
     p.add_argument("--cmp-layers", type=int, default=2)
@@ -208,7 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--peer-threads",
+        type=int,
+        default=0,
+        help="torch threads for --peers (0: torch's default; on a loaded machine its OpenMP "
+        "threads can slow down many-fold, where 1 thread does not)",
+    )
+    p.add_argument("--peer-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peer_worker:
+        return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]), args.peer_threads)
 
     from jrlhf.runtime.devices import ensure_host_devices
 
@@ -281,8 +409,26 @@ def main(argv: list[str] | None = None) -> int:
         params = md.init_sharded(mesh, "dp_tp", seed=0)
         prompts = _prompts(args.batch, args.prompt_len, args.vocab, mixed=False)
         engine = _engine(md, mesh, args.batch, args.prompt_len, args.new_tokens, args)
-        res = _paged(engine, params, prompts, args.new_tokens, args)
-        res.pop("_completions")
+        with contextlib.ExitStack() as stack:
+            peer = None
+            if args.peers:
+                peer = _hf_peer(md, params, prompts, args.new_tokens, stack, args.peer_threads)
+            res = _paged(engine, params, prompts, args.new_tokens, args, peer=peer)
+        completions = res.pop("_completions")
+        if jax.default_backend() != "gpu":
+            gbps = _stream_gbps()
+            read = _weight_read_bytes(md)
+            limit = args.batch * gbps * 1e9 / read
+            res["stream_read_gbps"] = round(gbps, 1)
+            res["weight_bytes_read_per_step"] = read
+            res["weight_read_limit_tokens_per_s"] = round(limit, 1)
+            res["fraction_of_weight_read_limit"] = round(res["tokens_per_s"] / limit, 3)
+        if peer is not None:
+            hf = res.pop("_peer")
+            same = sum(a == b for a, b in zip(completions, hf.pop("_completions")))
+            hf["greedy_sequences_identical"] = f"{same}/{len(completions)}"
+            hf["jrlhf_over_transformers"] = round(res["tokens_per_s"] / hf["tokens_per_s"], 3)
+            res["transformers"] = hf
         out["throughput"] = {
             "model": {
                 "hidden": args.hidden,

@@ -7,7 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrlhf.decode.kernels import paged_attention_reference, select_kernel
+from jrlhf.decode.kernels import (
+    paged_attention_blocked,
+    paged_attention_reference,
+    select_kernel,
+)
 from jrlhf.models.attention import attention_mask, masked_attention
 
 L, P, PS, K, D, H = 2, 12, 16, 2, 32, 4
@@ -38,7 +42,7 @@ def _dense(q, k_pool, v_pool, layer, table, lengths, window):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("kernel", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["reference", "blocked", "pallas_interpret"])
 def test_paged_kernels_match_dense_attention(kernel, window):
     q, k_pool, v_pool, table, lengths = _case()
     _, fn = select_kernel(kernel)
@@ -47,7 +51,7 @@ def test_paged_kernels_match_dense_attention(kernel, window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["reference", "blocked", "pallas_interpret"])
 def test_idle_rows_attend_over_nothing_and_leave_others_exact(kernel):
     """An idle decode slot: every table entry out of range (the pool has P pages) and length 0,
     as the engine passes it. The kernel must not read through those ids, must stay finite, and
@@ -63,11 +67,28 @@ def test_idle_rows_attend_over_nothing_and_leave_others_exact(kernel):
     np.testing.assert_allclose(got[live], np.asarray(want), atol=2e-5, rtol=0)
 
 
-def test_auto_selects_reference_on_cpu():
+def test_auto_selects_blocked_on_cpu():
     name, _ = select_kernel("auto")
-    assert name == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    assert name == ("pallas" if jax.default_backend() == "gpu" else "blocked")
     with pytest.raises(ValueError, match="unknown"):
         select_kernel("flash")
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 3, 4])
+@pytest.mark.parametrize("window", [0, 7])
+def test_blocked_kernel_block_sizes_short_batches_and_empty(pages_per_block, window):
+    """Any block size (dividing the table width or not) matches the reference, also when every
+    length is short (later blocks skipped); with every length 0 it reads nothing, stays finite."""
+    q, k_pool, v_pool, table, lengths = _case(2)
+    for lens in (lengths, jnp.array([3, 1, 16], jnp.int32)):
+        got = paged_attention_blocked(
+            q, k_pool, v_pool, jnp.int32(1), table, lens, window, pages_per_block
+        )
+        want = paged_attention_reference(q, k_pool, v_pool, jnp.int32(1), table, lens, window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    zero = jnp.zeros((3,), jnp.int32)
+    got = paged_attention_blocked(q, k_pool, v_pool, jnp.int32(0), table, zero, window)
+    assert np.isfinite(np.asarray(got)).all()
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernel needs a GPU")

@@ -11,8 +11,9 @@ act on it, both donating it so the pools are updated in place:
 
 Host side, between chunks, a small loop harvests finished slots, frees their pages, admits waiting
 prompts into free slots (back-pressure when the pool is short) and grows the page tables of running
-sequences for the next chunk. Compiles depend only on the engine's shapes, never on the number of
-prompts.
+sequences for the next chunk. It waits on the device once per chunk (for the slots' activity and
+counts), plus once more to fetch outputs when a slot has finished. Compiles depend only on the
+engine's shapes, never on the number of prompts.
 
 The model is the trainer's own (``Transformer.embed/run_layers/logits``) with a paged ``attend``
 hook, and the raw log-probs are ``token_logprobs`` of its float32 logits, so rollout and trainer
@@ -43,6 +44,7 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import attention_mask, masked_attention
 from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.transformer import unstack_layers
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -54,6 +56,11 @@ class EngineConfig:
     ``num_pages`` is the whole pool (all data shards together); 0 sizes it for every slot at full
     length (``num_slots * max_pages_per_seq``). Prompts are prefilled at most ``max_prefill_rows``
     at a time, padded to a power-of-two length of at least ``min_prefill_len``.
+
+    ``unroll_layers`` makes decode steps run the layers unrolled over per-layer weight copies
+    (made once per ``generate``, so the layer weights are held twice while it runs) instead of
+    scanning the stacked weights; None picks it on CPU, where the scan copies every layer's
+    weights at every step (see ``Transformer.run_layers``).
     """
 
     num_slots: int = 8
@@ -65,6 +72,7 @@ class EngineConfig:
     max_prefill_rows: int = 8
     min_prefill_len: int = 16
     kernel: str = "auto"
+    unroll_layers: bool | None = None
 
     def __post_init__(self):
         for name in (
@@ -238,9 +246,13 @@ class DecodeEngine:
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
         )
+        self.unroll_layers = (
+            jax.default_backend() == "cpu" if ec.unroll_layers is None else ec.unroll_layers
+        )
+        self._unstack = jax.jit(unstack_layers)
         self._decode_chunk = jax.jit(
             self._decode_chunk_fn,
-            donate_argnums=(1,),
+            donate_argnums=(2,),
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
         )
@@ -395,7 +407,17 @@ class DecodeEngine:
         return attend
 
     def _decode_step(
-        self, params, state: DecodeState, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+        self,
+        params,
+        layer_params,
+        state: DecodeState,
+        stop_ids,
+        temperature,
+        top_k,
+        top_p,
+        *,
+        greedy,
+        filtered,
     ) -> DecodeState:
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
@@ -405,6 +427,7 @@ class DecodeEngine:
                 state.lengths[:, None],
                 self._paged_attend(state),
                 (state.k_pages, state.v_pages),
+                layer_params,
             )
             logits = model.logits(hidden[:, 0])
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
@@ -429,7 +452,7 @@ class DecodeEngine:
         )
 
     def _decode_chunk_fn(
-        self, params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
+        self, params, layer_params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
     ):
         """Up to ``chunk_steps`` decode steps; stops as soon as no slot is active."""
         steps = self.config.chunk_steps
@@ -441,7 +464,15 @@ class DecodeEngine:
         def body(carry):
             i, s = carry
             s = self._decode_step(
-                params, s, stop_ids, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+                params,
+                layer_params,
+                s,
+                stop_ids,
+                temperature,
+                top_k,
+                top_p,
+                greedy=greedy,
+                filtered=filtered,
             )
             return i + 1, s
 
@@ -521,6 +552,7 @@ class DecodeEngine:
         flags = dict(greedy=sp.greedy, filtered=sp.filtered)
         if self.state is None:
             self.state = self._init()
+        layer_params = self._unstack(params["layers"]) if self.unroll_layers else None
         state = self.state
         self.state = None  # donated below; restored at the end
         alloc = PageAllocator(
@@ -535,6 +567,8 @@ class DecodeEngine:
         outputs: list[tuple | None] = [None] * len(requests)
         table_sharding = self.state_shardings.page_table
         stats = collections.Counter()
+        active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
+        num_gen = np.zeros((ec.num_slots,), np.int32)
         t0 = time.perf_counter()
         try:
             while queue or any(r is not None for r in slot_req):
@@ -551,21 +585,24 @@ class DecodeEngine:
                 if admitted:
                     state = self._insert_batch(params, state, admitted, alloc, scalars, flags)
                     stats["prefill_calls"] += 1
+                    # Not synced: a slot whose first token already ended it just makes the chunk's
+                    # while loop stop at once, and its pages are released below as usual.
+                    for slot, _ in admitted:
+                        active_host[slot], num_gen[slot] = True, 1
                 elif all(r is None for r in slot_req):
                     raise RuntimeError("no sequence could be admitted into an empty page pool")
-                active_host, num_gen = to_host((state.active, state.num_generated))
-                if active_host.any():
-                    for slot, req in enumerate(slot_req):
-                        if req is not None and active_host[slot]:
-                            cached = len(req.prompt) + int(num_gen[slot]) - 1
-                            alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
-                    if alloc.dirty:
-                        table = jax.device_put(alloc.table, table_sharding)
-                        state = state.replace(page_table=table)
-                        alloc.dirty = False
-                    state = self._decode_chunk(params, state, *scalars, **flags)
-                    stats["decode_chunks"] += 1
-                    active_host, num_gen = to_host((state.active, state.num_generated))
+                for slot, req in enumerate(slot_req):
+                    if req is not None and active_host[slot]:
+                        cached = len(req.prompt) + int(num_gen[slot]) - 1
+                        alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
+                if alloc.dirty:
+                    table = jax.device_put(alloc.table, table_sharding)
+                    state = state.replace(page_table=table)
+                    alloc.dirty = False
+                state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
+                stats["decode_chunks"] += 1
+                # The one sync per chunk (plus the outputs of finished slots, when there are any).
+                active_host, num_gen = map(np.array, to_host((state.active, state.num_generated)))
                 finished = [
                     s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
                 ]

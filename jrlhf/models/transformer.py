@@ -7,6 +7,7 @@ shardings. Layers are created stacked (one leading ``layers`` dimension) and run
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,6 +20,16 @@ from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.rope import apply_rope, rope_cos_sin
 
 HEADS = ("lm", "value")
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def unstack_layers(layers: Any) -> tuple[Any, ...]:
+    """Per-layer parameter dicts from the stacked ``params["layers"]`` (a copy of each weight)."""
+    num = jax.tree.leaves(layers)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num))
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init: str = "normal") -> nnx.Param:
@@ -74,7 +85,11 @@ class Attention(nnx.Module):
         return q, k, v
 
     def out(self, attn_bthd):
-        return jnp.einsum("bthd,hde->bte", attn_bthd, self.o_kernel[...].astype(self.dtype))
+        # One merged (heads * head_dim) contraction: with two contracting dims XLA:CPU transposed
+        # both operands (copying the whole kernel at every decode step) before the matmul.
+        b, t, h, d = attn_bthd.shape
+        kernel = self.o_kernel[...].astype(self.dtype).reshape(h * d, -1)
+        return jnp.einsum("btf,fe->bte", attn_bthd.reshape(b, t, h * d), kernel)
 
 
 class MLP(nnx.Module):
@@ -139,10 +154,31 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.config.jnp_dtype)
         return constrain(x, ("batch", "length", "act_embed"))
 
-    def run_layers(self, x_bte, positions_bt, attend: AttendFn, cache: Any = None):
-        """Scan the stacked layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer."""
+    def run_layers(
+        self,
+        x_bte,
+        positions_bt,
+        attend: AttendFn,
+        cache: Any = None,
+        layer_params: Sequence[Any] | None = None,
+    ):
+        """Run the layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer.
+
+        By default the stacked layers run under ``lax.scan``. ``layer_params`` (one pure parameter
+        dict per layer, see ``unstack_layers``) runs them unrolled instead, with the layer index
+        a constant: decode uses this on CPU, where the scan's per-layer dynamic slice of every
+        stacked weight is materialised as a copy before each matmul, doubling the weight traffic
+        that bounds a decode step.
+        """
         cos, sin = rope_cos_sin(positions_bt, self.config)
         graphdef, state = nnx.split(self.layers)
+        if layer_params is not None:
+            for idx, params in enumerate(layer_params):
+                layer_state = jax.tree.map(lambda v: v, state, is_leaf=_is_variable)
+                nnx.replace_by_pure_dict(layer_state, params)
+                layer = nnx.merge(graphdef, layer_state)
+                x_bte, cache = layer(x_bte, cos, sin, attend, jnp.int32(idx), cache)
+            return self.final_norm(x_bte), cache
 
         def body(carry, layer_state):
             x, cache, idx = carry
