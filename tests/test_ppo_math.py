@@ -1215,3 +1215,19 @@ def test_the_reference_is_used_only_with_a_kl_term():
     assert not ca.uses_reference(off)
     assert not ca.uses_reference(dataclasses.replace(off, kl_in_loss=True))  # 0 x the term
     assert ca.uses_reference(dataclasses.replace(off, adaptive_kl_target=6.0))  # it observes KL
+
+
+def test_per_token_inputs_of_a_different_shape_are_refused():
+    """A [B] advantage (or a [B, 1] one) would broadcast against [B, T] log-probs into a loss of
+    the wrong meaning; the losses and GAE refuse it when traced."""
+    lp = jnp.zeros((2, 3))
+    for bad in (jnp.zeros(2), jnp.zeros((2, 1)), jnp.zeros((2, 4))):
+        with pytest.raises(AssertionError):
+            ca.policy_loss_ppo(lp, lp, bad, jnp.ones((2, 3)), 0.2)
+        with pytest.raises(AssertionError):
+            ca.value_loss_clipped(lp, lp, bad, jnp.ones((2, 3)), 0.2)
+        with pytest.raises(AssertionError):
+            ca.compute_gae(lp, bad, jnp.ones((2, 3)), 1.0, 0.95)
+    with pytest.raises(AssertionError):
+        ca.behaviour_importance_weights(lp, jnp.zeros(2), jnp.ones((2, 3)), "tis")
+    ca.policy_loss_ppo(lp, lp, lp, jnp.ones((2, 3)), 0.2)  # the same shapes pass

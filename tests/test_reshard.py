@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -144,8 +145,7 @@ def test_chooser_is_hybridflow_stride():
 
 
 def _assert_same(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
 
 
 def _round_trips(train_spec, gen_spec, n_round_trips=5, donate=True):

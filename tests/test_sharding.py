@@ -1,5 +1,6 @@
 """Meshes and rule sets: same logits on every layout, shardings exactly as the rules say."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,5 +137,4 @@ def test_partitioned_devices_are_disjoint():
     model = ModelDef(tiny_config())
     pa = model.init_sharded(a, "fsdp_tp", seed=3)
     pb = model.init_sharded(b, "dp_tp", seed=3)
-    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(pa, pb)

@@ -1,7 +1,7 @@
 """The sharded SFT step equals the single-device step; RL losses accumulate over micro-batches
 to the minibatch's loss."""
 
-import jax
+import chex
 import numpy as np
 import optax
 import pytest
@@ -66,8 +66,7 @@ def test_sharded_step_equals_single_device(single, mesh_spec, kwargs):
     ref_state, ref_losses = single
     state, losses = run_steps(mesh_spec, "fsdp_tp", **kwargs)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-5
+    chex.assert_trees_all_close(state.params, ref_state.params, atol=1e-5, rtol=0)
     assert int(state.step) == 2
     assert ref_losses[1, 0] != ref_losses[0, 0]  # the step really changed the parameters
 
@@ -158,8 +157,7 @@ def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
         (loss1, params1), *others = results
         for loss, params in others:
             np.testing.assert_allclose(loss, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+            chex.assert_trees_all_close(params, params1, rtol=1e-5, atol=1e-6)
 
 
 def test_pair_losses_do_not_depend_on_the_microbatch_split():
@@ -188,5 +186,4 @@ def test_pair_losses_do_not_depend_on_the_microbatch_split():
         (loss1, acc1, params1), (loss2, acc2, params2) = results
         np.testing.assert_allclose(loss2, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
         assert acc1 == acc2
-        for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params1)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(params2, params1, rtol=1e-5, atol=1e-6)

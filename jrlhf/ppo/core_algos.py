@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -33,6 +34,15 @@ KL_KINDS = ("k1", "k2", "k3", "abs")
 # do): exp(20) ~ 5e8 is finite in fp32 and far outside any trust region, so nothing but the
 # gradient of an already hopeless token changes.
 LOG_RATIO_CLAMP = 20.0
+
+
+def _same_bt(*arrays: Any) -> None:
+    """Per-token inputs of a loss or estimator are [batch, time] and of one shape: checked at
+    trace time, because broadcasting would otherwise turn a [B] or [B, 1] mistake into a
+    silently wrong loss."""
+    present = [a for a in arrays if a is not None]
+    chex.assert_rank(present, 2)
+    chex.assert_equal_shape(present)
 
 
 def _f32(x: Any) -> Array:
@@ -174,6 +184,7 @@ def compute_gae(
     Returns ``(advantages_bt, returns_bt)`` with ``returns = advantages + values``; both are 0 at
     masked positions (and everywhere in fully masked rows). No whitening is applied.
     """
+    _same_bt(rewards_bt, values_bt, mask_bt)
     rewards_bt = _f32(rewards_bt)
     values_bt = _f32(values_bt)
     m_bt = _mask_like(mask_bt, rewards_bt) != 0
@@ -542,6 +553,7 @@ def policy_loss_ppo(
     a k1 estimate of KL(old || new), unclamped), ``ratio_mean``, ``log_ratio_clampfrac`` (fraction
     of valid tokens whose log-ratio was clamped).
     """
+    _same_bt(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, is_weights_bt)
     if clip_eps_high is None:
         clip_eps_high = clip_eps
     if dual_clip_c is not None and not dual_clip_c > 1.0:
@@ -601,6 +613,7 @@ def policy_loss_gspo(
     sequence ratio over rows with valid tokens).
     """
     del dual_clip_c
+    _same_bt(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, is_weights_bt)
     if clip_eps_high is None:
         clip_eps_high = clip_eps
     logprobs_bt = _f32(logprobs_bt)
@@ -670,6 +683,7 @@ def behaviour_importance_weights(
         )
     if correction == "tis" and not cap >= 1.0:
         raise ValueError(f"the truncated IS cap must be >= 1, got {cap}")
+    _same_bt(prox_logprobs_bt, behaviour_logprobs_bt, mask_bt)
     prox_bt = _f32(prox_logprobs_bt)
     m_bt = _mask_like(mask_bt, prox_bt)
     valid_bt = m_bt != 0
@@ -711,6 +725,7 @@ def value_loss_clipped(
     Metrics (no gradient): ``vf_clipfrac`` (fraction of valid tokens where the clipped error is the
     larger, which needs ``V_clip != V``), ``vpred_mean``.
     """
+    _same_bt(values_bt, old_values_bt, returns_bt, mask_bt)
     values_bt = _f32(values_bt)
     old_values_bt = _f32(old_values_bt)
     returns_bt = _f32(returns_bt)
