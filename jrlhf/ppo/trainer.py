@@ -11,13 +11,18 @@ One iteration::
             -> epochs of minibatch updates of actor and critic (training meshes, donated state)
             -> actor weights resharded to the generation layout (jrlhf.reshard, cached)
 
+With ``RLConfig.max_staleness = k >= 1`` (``run_async_iteration``, jrlhf.ppo.staleness) the
+batch an iteration trains on was generated up to k updates earlier, and generation of the next
+batches runs while this one trains.
+
 Everything random is a function of (seed, iteration, generation round), and the checkpoint
-holds the loader position (past every prompt an iteration drew) and the KL controller, so a
-resumed run repeats the uninterrupted one exactly.
+holds the loader position (past every prompt an iteration drew), the KL controller and the
+batches generated but not yet trained on, so a resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -38,6 +43,14 @@ from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
+from jrlhf.ppo.staleness import (
+    GeneratedBatch,
+    StalenessError,
+    batches_ahead,
+    check_staleness,
+    staleness_metrics,
+    versions_bt,
+)
 from jrlhf.reshard import Resharder
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import load_weights
@@ -55,6 +68,8 @@ log = logging.getLogger("jrlhf")
 
 # The next prompts and their meta, for another generation round (dynamic sampling).
 Refill = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
+# The next batch's prompts and meta (asynchronous iterations draw ahead of training).
+Draw = Refill
 
 # Test hooks: exit abruptly (no cleanup, like a preempted job) while this iteration is training;
 # with several processes, only the process whose index the second variable names (default: all).
@@ -271,6 +286,10 @@ class RLTrainer:
             horizon=self.rl.adaptive_kl_horizon,
         )
         self.iteration = 0
+        # Asynchronous schedule: batches generated and not yet trained on, oldest first, and
+        # the index of the next batch to generate.
+        self.pending: collections.deque[GeneratedBatch] = collections.deque()
+        self.next_batch = 0
         self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
@@ -353,6 +372,84 @@ class RLTrainer:
                 break
             prompts, meta = refill()
 
+        return self._train_on_rounds(rounds, n_groups, timer)
+
+    # -- asynchronous iterations (bounded staleness) ------------------------------------------
+    def generate_batch(
+        self, index: int, prompts: list[list[int]], meta: Sequence[Mapping[str, Any]] | None
+    ) -> GeneratedBatch:
+        """Generate batch ``index`` (the one iteration ``index`` trains on) with the current
+        generation weights; every token records the current policy version. The sampling seed
+        is batch ``index``'s, as in the synchronous iteration ``index``."""
+        sampling = self.rollout.sampling(index, salt=0)
+        _, result = self.rollout.generate(self.gen_params, prompts, sampling)
+        version = self.iteration
+        return GeneratedBatch(
+            index=index,
+            prompts=[list(p) for p in prompts],
+            meta=None if meta is None else list(meta),
+            prompt_index=np.asarray(result.prompt_index),
+            completions=result.completion_ids,
+            raw_logprobs=result.raw_logprobs,
+            token_versions=[np.full(len(c), version, np.int64) for c in result.completion_ids],
+        )
+
+    def fill_pipeline(self, draw: Draw) -> list[GeneratedBatch]:
+        """Generate, with the current weights, every batch the schedule wants ready before this
+        iteration trains (jrlhf.ppo.staleness.batches_ahead), drawing prompts from ``draw``;
+        returns the new batches (also queued in ``self.pending``)."""
+        new = []
+        for j in batches_ahead(self.iteration, self.rl.max_staleness, self.rl.iterations):
+            if j < self.next_batch:
+                continue
+            prompts, meta = draw()
+            new.append(self.generate_batch(j, prompts, meta))
+            self.pending.append(new[-1])
+            self.next_batch = j + 1
+        return new
+
+    def run_async_iteration(self, draw: Draw) -> dict[str, float]:
+        """One iteration of the bounded-staleness schedule (``RLConfig.max_staleness``, see
+        jrlhf.ppo.staleness): generate the batches due (batch ``iteration + k`` with the current
+        weights), then score and train on batch ``iteration``, which was generated with version
+        ``max(iteration - k, 0)``. ``draw()`` gives the next prompts and their meta. With
+        ``k = 0`` this is :meth:`run_iteration` without dynamic sampling, number for number."""
+        it, k = self.iteration, self.rl.max_staleness
+        timer = PhaseTimer()
+        with timer.phase("generate"):
+            self.fill_pipeline(draw)
+        gen = self.pending.popleft()
+        if gen.index != it:
+            raise StalenessError(f"iteration {it} would train on batch {gen.index}")
+        with timer.phase("score"):
+            arrays = self.score_batch(gen)
+        versions = versions_bt(gen.token_versions, self.R)
+        # The bound, checked on the tokens themselves, whatever produced them.
+        check_staleness(versions, arrays["mask"], it, k)
+        rounds = [(gen.sample_prompts, gen.completions, arrays)]
+        metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
+        if k:
+            metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        return metrics
+
+    def score_batch(self, gen: GeneratedBatch) -> dict[str, np.ndarray]:
+        """The scored arrays of a generated batch (reference, reward, critic; shaped scores)."""
+        arrays = self.scorer(
+            gen.sample_prompts, gen.completions, gen.raw_logprobs, meta=gen.sample_meta
+        )
+        arrays["train_scores"] = self._shaped_scores(arrays)
+        return arrays
+
+    def _train_on_rounds(
+        self,
+        rounds: list[tuple[list[Sequence[int]], list[list[int]], dict[str, np.ndarray]]],
+        n_groups: int,
+        timer: PhaseTimer,
+    ) -> dict[str, float]:
+        """The rest of an iteration once its rounds are generated and scored: group selection,
+        advantages, the off-policy correction, the update, the weight transition and the
+        iteration's metrics; advances ``self.iteration``."""
+        it = self.iteration
         # Everything generated describes the policy (reward, KL, lengths); the groups selected
         # from it are what the update trains on, always prompts_per_iteration groups.
         if len(rounds) == 1:
@@ -550,6 +647,9 @@ class RLTrainer:
             "kl_coef": float(self.kl_ctl.value),
             "seed": self.seed,
         }
+        if self.rl.max_staleness:
+            # Generated, not yet trained on: a resume trains on these very samples.
+            meta["pending"] = [g.to_json() for g in self.pending]
         for role in self.trained:
             check_finite(
                 self.states[role], f"{self.algorithm} {role} at iteration {self.iteration}"
@@ -578,6 +678,10 @@ class RLTrainer:
         self.states.update(states)
         self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(meta["kl_coef"]))
         self.iteration = int(meta["iteration"])
+        self.pending = collections.deque(
+            GeneratedBatch.from_json(g) for g in meta.get("pending", [])
+        )
+        self.next_batch = self.iteration + len(self.pending)
         self.sync_weights()
         return meta["loader"]
 
