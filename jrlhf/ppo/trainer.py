@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +37,8 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
-from jrlhf.meshes.batch import to_host
+from jrlhf.meshes.batch import process_local, to_host
+from jrlhf.meshes.processes import fetch, post
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
@@ -75,6 +77,8 @@ Draw = Refill
 # with several processes, only the process whose index the second variable names (default: all).
 _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
 _EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
+# The KL coefficient after an update, sent with the iteration's metrics to the generation process.
+_KL_NEXT = "_kl_coef_next"
 
 
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
@@ -290,12 +294,42 @@ class RLTrainer:
         # the index of the next batch to generate.
         self.pending: collections.deque[GeneratedBatch] = collections.deque()
         self.next_batch = 0
+        self.side = self._async_side()
         self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
             max_to_keep=self.rl.keep_checkpoints,
             async_save=self.rl.async_checkpoint,
         )
+
+    def _async_side(self) -> str | None:
+        """The part of an asynchronous iteration this process runs: ``"generate"`` or
+        ``"train"`` when ``RLConfig.max_staleness >= 1`` and the plan gives generation to
+        process 0 alone and every other call to process 1 alone (``separate`` on 2 processes);
+        the two sides then run at the same time and meet once per iteration (samples through the
+        coordination service's key-value store, weights through the resharder's cross-host
+        transfer). None: every process runs every call (SPMD), without overlap."""
+        if not self.rl.max_staleness or jax.process_count() != 2:
+            return None
+
+        def procs(mesh) -> set[int]:
+            return {d.process_index for d in mesh.devices.flat}
+
+        gen = procs(self.roles["actor"].meshes["generate"])
+        rest = set().union(*(
+            procs(mesh)
+            for role, setup in self.roles.items()
+            for phase, mesh in setup.meshes.items()
+            if (role, phase) != ("actor", "generate")
+        ))  # fmt: skip
+        if gen != {0} or rest != {1}:
+            log.info(
+                "max_staleness=%d: generation (processes %s) and the other calls (processes %s) "
+                "are not one process each: every process runs every call, without overlap",
+                self.rl.max_staleness, sorted(gen), sorted(rest),
+            )  # fmt: skip
+            return None
+        return "generate" if jax.process_index() == 0 else "train"
 
     def sync_weights(self) -> int:
         """Follow the plan's reshard edges: each trained role's parameters move from its
@@ -414,6 +448,10 @@ class RLTrainer:
         weights), then score and train on batch ``iteration``, which was generated with version
         ``max(iteration - k, 0)``. ``draw()`` gives the next prompts and their meta. With
         ``k = 0`` this is :meth:`run_iteration` without dynamic sampling, number for number."""
+        if self.side == "generate":
+            return self._generate_side_iteration(draw)
+        if self.side == "train":
+            return self._train_side_iteration()
         it, k = self.iteration, self.rl.max_staleness
         timer = PhaseTimer()
         with timer.phase("generate"):
@@ -430,6 +468,60 @@ class RLTrainer:
         metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
         if k:
             metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        return metrics
+
+    # Process 0 (generation) and process 1 (everything else) of a separated plan: each runs its
+    # own calls with process-local host reads, and they meet once per iteration. Samples go
+    # 0 -> 1 through the key-value store as soon as generated; weights go 1 -> 0 through the
+    # resharder (a cross-host transfer both make, then a host barrier); the iteration's metrics
+    # and KL coefficient follow 1 -> 0, so process 0 (which writes logs and checkpoint meta)
+    # knows them.
+    def _generate_side_iteration(self, draw: Draw) -> dict[str, float]:
+        it = self.iteration
+        timer = PhaseTimer()
+        with process_local(), timer.phase("generate"):
+            new = self.fill_pipeline(draw)
+        for g in new:
+            post(f"async/batch/{g.index}", json.dumps(g.to_json()).encode())
+        with timer.phase("wait_for_update") as ph:
+            moved = self.sync_weights()
+            ph.block_on(self.gen_params)
+        remote = json.loads(fetch(f"async/metrics/{it}"))
+        trained = self.pending.popleft()  # process 1 trained on it this iteration
+        assert trained.index == it, (trained.index, it)
+        self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(remote.pop(_KL_NEXT)))
+        self.iteration += 1
+        tokens = sum(len(c) for g in new for c in g.completions)
+        mine = timer.summary()
+        return {
+            **remote,
+            "time/generate": mine["time/generate"],
+            "time/wait_for_update": mine["time/wait_for_update"],
+            "tokens_per_sec": float(tokens / max(mine["time/generate"], 1e-9)),
+            "reshard/bytes": float(moved),
+        }
+
+    def _train_side_iteration(self) -> dict[str, float]:
+        it, k = self.iteration, self.rl.max_staleness
+        timer = PhaseTimer()
+        with timer.phase("wait_for_samples"):
+            if not self.pending:  # batches restored from a checkpoint are here already
+                self.pending.append(
+                    GeneratedBatch.from_json(json.loads(fetch(f"async/batch/{it}")))
+                )
+        gen = self.pending.popleft()
+        if gen.index != it:
+            raise StalenessError(f"iteration {it} would train on batch {gen.index}")
+        with process_local():
+            with timer.phase("score"):
+                arrays = self.score_batch(gen)
+            versions = versions_bt(gen.token_versions, self.R)
+            check_staleness(versions, arrays["mask"], it, k)
+            rounds = [(gen.sample_prompts, gen.completions, arrays)]
+            metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
+        metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        message = {**metrics, _KL_NEXT: float(self.kl_ctl.value)}
+        post(f"async/metrics/{it}", json.dumps(message).encode())
         return metrics
 
     def score_batch(self, gen: GeneratedBatch) -> dict[str, np.ndarray]:
