@@ -460,6 +460,13 @@ class RLConfig:
     # Metrics offpolicy/*: mismatch (mean |log-prob difference|, k3 KL), IS clip fraction.
     off_policy_correction: str = "none"
     is_cap: float = 2.0
+    # Asynchronous RL with bounded staleness (jrlhf.ppo.staleness). 0: the synchronous loop
+    # (generate with the newest weights, then train). k >= 1: the batch iteration i trains on is
+    # generated with the weights of version max(i - k, 0) (the actor after that many updates), so
+    # generation of later batches can run while earlier ones train (at the same time where the
+    # plan puts generation and training on different processes); no token is ever more than k
+    # versions older than the policy being updated (checked). Pair with off_policy_correction.
+    max_staleness: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -514,6 +521,14 @@ class RLConfig:
             f"{', '.join(OFF_POLICY_CORRECTIONS)}",
         )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.max_staleness >= 0, "RLConfig.max_staleness", "must be >= 0 (0: synchronous)")
+        if self.max_staleness:
+            _check(
+                not self.dynamic_sampling,
+                "RLConfig.max_staleness",
+                "asynchronous generation (max_staleness >= 1) does not support "
+                "RLConfig.dynamic_sampling (its extra rounds depend on the batch being trained)",
+            )
         if self.dynamic_sampling:
             _check(
                 self.samples_per_prompt >= 2,

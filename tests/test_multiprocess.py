@@ -260,3 +260,44 @@ def test_a_separating_plan_the_transfer_cannot_run_is_refused_in_one_line(tmp_pa
     assert errors and "actor_generate mesh data=2@0,1" in errors[0], out.stderr[-2000:]
     assert "shard for shard" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# PPO from tiny random models (no SFT/RM stages), separated, with bounded staleness 1.
+ASYNC = [
+    "RunConfig.stages=('ppo',)",
+    "RunConfig.placement='separate'",
+    *[f"{role}/RoleConfig.init='tiny'" for role in ("actor", "reference", "reward", "critic")],
+    *PIPELINE[4:],
+    "RLConfig.max_staleness=1",
+    "RLConfig.off_policy_correction='tis'",
+]
+
+
+def test_async_generation_and_training_processes_equal_one_process_through_a_resume(tmp_path):
+    """max_staleness=1 with ``separate`` on 2 processes x 4 devices: process 0 only generates
+    and process 1 only scores and trains, each at its own pace, meeting once per iteration.
+    Process 1 dies during iteration 2; the resume trains on the batch saved with the iteration-1
+    checkpoint; every metric (staleness included) equals the one-process run of the same
+    schedule, where nothing overlaps."""
+    one = tmp_path / "one"
+    assert train.main(["--run-dir", str(one), "--quiet", *ASYNC]) == 0
+    run_dir = tmp_path / "two"
+    args = ["--run-dir", str(run_dir), "--quiet", *ASYNC]
+    killed = launch(
+        2, 4, "train", *args, "RLConfig.async_checkpoint=False",
+        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "1"},
+        timeout=600,
+    )  # fmt: skip
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    assert "process 1" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "1").is_dir()
+    resumed = launch(2, 4, "train", *args, "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_metrics(one, run_dir, stages=("ppo",))
+    ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
+    assert [r["step"] for r in ppo] == [1, 2, 3]
+    assert [r["staleness/max"] for r in ppo] == [0, 1, 1]
+    # the two sides each timed their own part: generation on process 0, training on process 1
+    raw = (run_dir / "logs" / "ppo" / "metrics.jsonl").read_text().splitlines()
+    timed = [r for r in map(json.loads, raw) if "reward" in r]
+    assert all("time/generate" in r and "time/train" in r for r in timed), timed[-1].keys()

@@ -439,3 +439,22 @@ def test_tune_batches_picks_the_fastest_chunk_and_microbatches_that_fit():
     lines = est.batch_bindings(tuned)
     assert f"actor/RoleConfig.microbatches = {tuned.actor_microbatches}" in lines
     assert f"RLConfig.infer_batch_size = {tuned.infer_batch_size}" in lines
+
+
+def test_async_iteration_is_the_slower_of_generation_and_the_rest_on_separated_plans():
+    cfg = tiny_config()
+    gpu = DeviceProfile.load("h100")
+    sync = est.estimate(separate(8), _workload(cfg), gpu)
+    ph = sync.phase_seconds
+    assert sync.iteration_seconds == pytest.approx(sum(ph.values()))
+    a = est.estimate(separate(8), _workload(cfg, max_staleness=1), gpu)
+    assert a.phase_seconds == ph
+    rest = ph["score"] + ph["train"] + ph["reshard"]
+    assert a.iteration_seconds == pytest.approx(max(ph["generate"], rest))
+    assert a.iteration_seconds < sync.iteration_seconds
+    # generation shares devices with training (flatten), or one host runs the devices one
+    # after another (the CPU profile): nothing overlaps, the sum stays
+    f = est.estimate(flatten(8), _workload(cfg, max_staleness=2), gpu)
+    assert f.iteration_seconds == pytest.approx(sum(f.phase_seconds.values()))
+    c = est.estimate(separate(8), _workload(cfg, max_staleness=1), DeviceProfile.load("cpu"))
+    assert c.iteration_seconds == pytest.approx(sum(c.phase_seconds.values()))

@@ -9,6 +9,8 @@ shards, and ``to_host`` gives every process the same global result.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -53,6 +55,35 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[s
     return jax.device_put(batch, batch_shardings(batch, mesh, rules))
 
 
+# Inside process_local(): host reads involve no other process (see there).
+_process_local = False
+
+
+@contextlib.contextmanager
+def process_local() -> Iterator[None]:
+    """Within the block, :func:`to_host` reads only arrays this process holds whole, with no
+    collective: for code that runs on one process's devices while the other processes do
+    something else (asynchronous RL with generation and training on different processes). An
+    array with shards on other processes' devices raises instead of waiting for them."""
+    global _process_local
+    before, _process_local = _process_local, True
+    try:
+        yield
+    finally:
+        _process_local = before
+
+
+def _leaf_to_host_local(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    if not x.is_fully_addressable:
+        raise RuntimeError(
+            f"process {jax.process_index()}: an array of shape {x.shape} has shards on other "
+            "processes' devices and cannot be read process-locally"
+        )
+    return np.asarray(jax.device_get(x))
+
+
 def _leaf_to_host(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x
@@ -69,6 +100,8 @@ def to_host(tree: Any) -> Any:
     processes' devices is all-gathered (or, on a mesh that lacks some process, broadcast by its
     first owner: :func:`to_host_many`), which every process must do at the same point of the
     program (SPMD)."""
+    if _process_local:
+        return jax.tree.map(_leaf_to_host_local, tree)
     leaves, treedef = jax.tree.flatten(tree)
     # The same choice on every process (a mesh's owners see its arrays fully addressable).
     apart = [

@@ -58,6 +58,27 @@ def host_barrier(name: str) -> None:
     client.wait_at_barrier(f"jrlhf:{name}:{next(_host_barriers)}", HOST_BARRIER_TIMEOUT_S * 1000)
 
 
+def post(key: str, value: bytes) -> None:
+    """Publish ``value`` under ``key`` in JAX's coordination service (its key-value store), for
+    another process to :func:`fetch`; each key once per job. Small values only (samples and
+    metrics, not weights)."""
+    _jax_distributed.global_state.client.key_value_set_bytes(f"jrlhf:{key}", value)
+
+
+def fetch(key: str, timeout_s: float = HOST_BARRIER_TIMEOUT_S) -> bytes:
+    """The value another process posted under ``key``, waiting for it at most ``timeout_s``
+    (then a TimeoutError naming the key)."""
+    client = _jax_distributed.global_state.client
+    try:
+        return client.blocking_key_value_get_bytes(f"jrlhf:{key}", int(timeout_s * 1000))
+    except Exception as e:  # JAX raises its runtime error type for a deadline
+        if "DEADLINE" not in str(e).upper():
+            raise
+        raise TimeoutError(
+            f"process {jax.process_index()}: nothing posted under {key!r} within {timeout_s} s"
+        ) from None
+
+
 def job_mesh(single: str, axis: str) -> str:
     """A command-line tool's default mesh: ``single`` for one process; with several, ``axis``
     over every device of the job (the tools are tested on meshes over every process only; the

@@ -158,8 +158,12 @@ def run_rl(
 
     try:
         while trainer.iteration < cfg.rl.iterations:
-            # Dynamic sampling draws more batches from the loader through next_prompts.
-            metrics = trainer.run_iteration(*next_prompts(), refill=next_prompts)
+            if cfg.rl.max_staleness:
+                # Bounded staleness: the trainer draws prompts for batches ahead of training.
+                metrics = trainer.run_async_iteration(next_prompts)
+            else:
+                # Dynamic sampling draws more batches from the loader through next_prompts.
+                metrics = trainer.run_iteration(*next_prompts(), refill=next_prompts)
             logger.log(trainer.iteration, metrics)
             bar.update(trainer.iteration, metrics)
             every = cfg.rl.checkpoint_every

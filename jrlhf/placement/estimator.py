@@ -561,6 +561,25 @@ def _active_calls(w: Workload) -> list[str]:
     return [c for c, (role, _) in CALLS.items() if role in models]
 
 
+def iteration_seconds(
+    phases: dict[str, float], max_staleness: int = 0, separated: bool = False
+) -> float:
+    """An iteration's time from its phases. Synchronous (``max_staleness`` 0), or generation and
+    the rest sharing devices: the sum. Asynchronous on a plan whose generation devices no other
+    call uses (``separated``, and hosts that run them at the same time): generating the next
+    batch overlaps scoring, training and resharding this one, so the slower of the two."""
+    if max_staleness >= 1 and separated:
+        rest = sum(v for k, v in phases.items() if k != "generate")
+        return max(phases.get("generate", 0.0), rest)
+    return sum(phases.values())
+
+
+def generation_separated(plan: ExecutionPlan, calls: list[str]) -> bool:
+    """Whether no call of ``calls`` but actor_generate uses a device of actor_generate."""
+    gen = plan["actor_generate"].devices
+    return all(not (plan[c].devices & gen) for c in calls if c != "actor_generate")
+
+
 def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
     """Seconds per call, phase and iteration, peak memory per call, and whether the plan fits."""
     w = workload
@@ -634,7 +653,11 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         call_seconds=call_seconds,
         reshard_seconds=reshard,
         phase_seconds=phases,
-        iteration_seconds=sum(phases.values()),
+        iteration_seconds=iteration_seconds(
+            phases,
+            w.max_staleness,
+            generation_separated(plan, active) and not profile.shared_host,
+        ),
         memory_bytes=memory,
         fits=not reasons,
         reasons=reasons,

@@ -49,6 +49,9 @@ class Workload:
     # Gradient-accumulation micro-batches per minibatch (RoleConfig.microbatches of each role).
     actor_microbatches: int = 1
     critic_microbatches: int = 1
+    # RLConfig.max_staleness: with >= 1, generation of the next batch may overlap the rest of
+    # the iteration (jrlhf.placement.estimator.iteration_seconds).
+    max_staleness: int = 0
 
     @property
     def slots(self) -> int:
@@ -125,6 +128,7 @@ class Workload:
             infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
+            max_staleness=getattr(cfg.rl, "max_staleness", 0) or 0,
         )
 
 

@@ -11,14 +11,20 @@ One iteration::
             -> epochs of minibatch updates of actor and critic (training meshes, donated state)
             -> actor weights resharded to the generation layout (jrlhf.reshard, cached)
 
+With ``RLConfig.max_staleness = k >= 1`` (``run_async_iteration``, jrlhf.ppo.staleness) the
+batch an iteration trains on was generated up to k updates earlier, and generation of the next
+batches runs while this one trains.
+
 Everything random is a function of (seed, iteration, generation round), and the checkpoint
-holds the loader position (past every prompt an iteration drew) and the KL controller, so a
-resumed run repeats the uninterrupted one exactly.
+holds the loader position (past every prompt an iteration drew), the KL controller and the
+batches generated but not yet trained on, so a resumed run repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -31,13 +37,22 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
-from jrlhf.meshes.batch import to_host
+from jrlhf.meshes.batch import process_local, to_host
+from jrlhf.meshes.processes import fetch, post
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
+from jrlhf.ppo.staleness import (
+    GeneratedBatch,
+    StalenessError,
+    batches_ahead,
+    check_staleness,
+    staleness_metrics,
+    versions_bt,
+)
 from jrlhf.reshard import Resharder
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import load_weights
@@ -55,11 +70,15 @@ log = logging.getLogger("jrlhf")
 
 # The next prompts and their meta, for another generation round (dynamic sampling).
 Refill = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
+# The next batch's prompts and meta (asynchronous iterations draw ahead of training).
+Draw = Refill
 
 # Test hooks: exit abruptly (no cleanup, like a preempted job) while this iteration is training;
 # with several processes, only the process whose index the second variable names (default: all).
 _EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
 _EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
+# The KL coefficient after an update, sent with the iteration's metrics to the generation process.
+_KL_NEXT = "_kl_coef_next"
 
 
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
@@ -271,12 +290,46 @@ class RLTrainer:
             horizon=self.rl.adaptive_kl_horizon,
         )
         self.iteration = 0
+        # Asynchronous schedule: batches generated and not yet trained on, oldest first, and
+        # the index of the next batch to generate.
+        self.pending: collections.deque[GeneratedBatch] = collections.deque()
+        self.next_batch = 0
+        self.side = self._async_side()
         self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
             max_to_keep=self.rl.keep_checkpoints,
             async_save=self.rl.async_checkpoint,
         )
+
+    def _async_side(self) -> str | None:
+        """The part of an asynchronous iteration this process runs: ``"generate"`` or
+        ``"train"`` when ``RLConfig.max_staleness >= 1`` and the plan gives generation to
+        process 0 alone and every other call to process 1 alone (``separate`` on 2 processes);
+        the two sides then run at the same time and meet once per iteration (samples through the
+        coordination service's key-value store, weights through the resharder's cross-host
+        transfer). None: every process runs every call (SPMD), without overlap."""
+        if not self.rl.max_staleness or jax.process_count() != 2:
+            return None
+
+        def procs(mesh) -> set[int]:
+            return {d.process_index for d in mesh.devices.flat}
+
+        gen = procs(self.roles["actor"].meshes["generate"])
+        rest = set().union(*(
+            procs(mesh)
+            for role, setup in self.roles.items()
+            for phase, mesh in setup.meshes.items()
+            if (role, phase) != ("actor", "generate")
+        ))  # fmt: skip
+        if gen != {0} or rest != {1}:
+            log.info(
+                "max_staleness=%d: generation (processes %s) and the other calls (processes %s) "
+                "are not one process each: every process runs every call, without overlap",
+                self.rl.max_staleness, sorted(gen), sorted(rest),
+            )  # fmt: skip
+            return None
+        return "generate" if jax.process_index() == 0 else "train"
 
     def sync_weights(self) -> int:
         """Follow the plan's reshard edges: each trained role's parameters move from its
@@ -353,6 +406,142 @@ class RLTrainer:
                 break
             prompts, meta = refill()
 
+        return self._train_on_rounds(rounds, n_groups, timer)
+
+    # -- asynchronous iterations (bounded staleness) ------------------------------------------
+    def generate_batch(
+        self, index: int, prompts: list[list[int]], meta: Sequence[Mapping[str, Any]] | None
+    ) -> GeneratedBatch:
+        """Generate batch ``index`` (the one iteration ``index`` trains on) with the current
+        generation weights; every token records the current policy version. The sampling seed
+        is batch ``index``'s, as in the synchronous iteration ``index``."""
+        sampling = self.rollout.sampling(index, salt=0)
+        _, result = self.rollout.generate(self.gen_params, prompts, sampling)
+        version = self.iteration
+        return GeneratedBatch(
+            index=index,
+            prompts=[list(p) for p in prompts],
+            meta=None if meta is None else list(meta),
+            prompt_index=np.asarray(result.prompt_index),
+            completions=result.completion_ids,
+            raw_logprobs=result.raw_logprobs,
+            token_versions=[np.full(len(c), version, np.int64) for c in result.completion_ids],
+        )
+
+    def fill_pipeline(self, draw: Draw) -> list[GeneratedBatch]:
+        """Generate, with the current weights, every batch the schedule wants ready before this
+        iteration trains (jrlhf.ppo.staleness.batches_ahead), drawing prompts from ``draw``;
+        returns the new batches (also queued in ``self.pending``)."""
+        new = []
+        for j in batches_ahead(self.iteration, self.rl.max_staleness, self.rl.iterations):
+            if j < self.next_batch:
+                continue
+            prompts, meta = draw()
+            new.append(self.generate_batch(j, prompts, meta))
+            self.pending.append(new[-1])
+            self.next_batch = j + 1
+        return new
+
+    def run_async_iteration(self, draw: Draw) -> dict[str, float]:
+        """One iteration of the bounded-staleness schedule (``RLConfig.max_staleness``, see
+        jrlhf.ppo.staleness): generate the batches due (batch ``iteration + k`` with the current
+        weights), then score and train on batch ``iteration``, which was generated with version
+        ``max(iteration - k, 0)``. ``draw()`` gives the next prompts and their meta. With
+        ``k = 0`` this is :meth:`run_iteration` without dynamic sampling, number for number."""
+        if self.side == "generate":
+            return self._generate_side_iteration(draw)
+        if self.side == "train":
+            return self._train_side_iteration()
+        it, k = self.iteration, self.rl.max_staleness
+        timer = PhaseTimer()
+        with timer.phase("generate"):
+            self.fill_pipeline(draw)
+        gen = self.pending.popleft()
+        if gen.index != it:
+            raise StalenessError(f"iteration {it} would train on batch {gen.index}")
+        with timer.phase("score"):
+            arrays = self.score_batch(gen)
+        versions = versions_bt(gen.token_versions, self.R)
+        # The bound, checked on the tokens themselves, whatever produced them.
+        check_staleness(versions, arrays["mask"], it, k)
+        rounds = [(gen.sample_prompts, gen.completions, arrays)]
+        metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
+        if k:
+            metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        return metrics
+
+    # Process 0 (generation) and process 1 (everything else) of a separated plan: each runs its
+    # own calls with process-local host reads, and they meet once per iteration. Samples go
+    # 0 -> 1 through the key-value store as soon as generated; weights go 1 -> 0 through the
+    # resharder (a cross-host transfer both make, then a host barrier); the iteration's metrics
+    # and KL coefficient follow 1 -> 0, so process 0 (which writes logs and checkpoint meta)
+    # knows them.
+    def _generate_side_iteration(self, draw: Draw) -> dict[str, float]:
+        it = self.iteration
+        timer = PhaseTimer()
+        with process_local(), timer.phase("generate"):
+            new = self.fill_pipeline(draw)
+        for g in new:
+            post(f"async/batch/{g.index}", json.dumps(g.to_json()).encode())
+        with timer.phase("wait_for_update") as ph:
+            moved = self.sync_weights()
+            ph.block_on(self.gen_params)
+        remote = json.loads(fetch(f"async/metrics/{it}"))
+        trained = self.pending.popleft()  # process 1 trained on it this iteration
+        assert trained.index == it, (trained.index, it)
+        self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(remote.pop(_KL_NEXT)))
+        self.iteration += 1
+        tokens = sum(len(c) for g in new for c in g.completions)
+        mine = timer.summary()
+        return {
+            **remote,
+            "time/generate": mine["time/generate"],
+            "time/wait_for_update": mine["time/wait_for_update"],
+            "tokens_per_sec": float(tokens / max(mine["time/generate"], 1e-9)),
+            "reshard/bytes": float(moved),
+        }
+
+    def _train_side_iteration(self) -> dict[str, float]:
+        it, k = self.iteration, self.rl.max_staleness
+        timer = PhaseTimer()
+        with timer.phase("wait_for_samples"):
+            if not self.pending:  # batches restored from a checkpoint are here already
+                self.pending.append(
+                    GeneratedBatch.from_json(json.loads(fetch(f"async/batch/{it}")))
+                )
+        gen = self.pending.popleft()
+        if gen.index != it:
+            raise StalenessError(f"iteration {it} would train on batch {gen.index}")
+        with process_local():
+            with timer.phase("score"):
+                arrays = self.score_batch(gen)
+            versions = versions_bt(gen.token_versions, self.R)
+            check_staleness(versions, arrays["mask"], it, k)
+            rounds = [(gen.sample_prompts, gen.completions, arrays)]
+            metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
+        metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        message = {**metrics, _KL_NEXT: float(self.kl_ctl.value)}
+        post(f"async/metrics/{it}", json.dumps(message).encode())
+        return metrics
+
+    def score_batch(self, gen: GeneratedBatch) -> dict[str, np.ndarray]:
+        """The scored arrays of a generated batch (reference, reward, critic; shaped scores)."""
+        arrays = self.scorer(
+            gen.sample_prompts, gen.completions, gen.raw_logprobs, meta=gen.sample_meta
+        )
+        arrays["train_scores"] = self._shaped_scores(arrays)
+        return arrays
+
+    def _train_on_rounds(
+        self,
+        rounds: list[tuple[list[Sequence[int]], list[list[int]], dict[str, np.ndarray]]],
+        n_groups: int,
+        timer: PhaseTimer,
+    ) -> dict[str, float]:
+        """The rest of an iteration once its rounds are generated and scored: group selection,
+        advantages, the off-policy correction, the update, the weight transition and the
+        iteration's metrics; advances ``self.iteration``."""
+        it = self.iteration
         # Everything generated describes the policy (reward, KL, lengths); the groups selected
         # from it are what the update trains on, always prompts_per_iteration groups.
         if len(rounds) == 1:
@@ -550,6 +739,9 @@ class RLTrainer:
             "kl_coef": float(self.kl_ctl.value),
             "seed": self.seed,
         }
+        if self.rl.max_staleness:
+            # Generated, not yet trained on: a resume trains on these very samples.
+            meta["pending"] = [g.to_json() for g in self.pending]
         for role in self.trained:
             check_finite(
                 self.states[role], f"{self.algorithm} {role} at iteration {self.iteration}"
@@ -578,6 +770,10 @@ class RLTrainer:
         self.states.update(states)
         self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(meta["kl_coef"]))
         self.iteration = int(meta["iteration"])
+        self.pending = collections.deque(
+            GeneratedBatch.from_json(g) for g in meta.get("pending", [])
+        )
+        self.next_batch = self.iteration + len(self.pending)
         self.sync_weights()
         return meta["loader"]
 

@@ -335,6 +335,13 @@ class Transition:
         elif self.path == "device_put+jit":
             # No donate= here: donating into a cross-device device_put crashes the CPU client
             # (jax 0.10.2, segfault). The source is freed below, once the copy has landed.
+            if self.crosses_processes:
+                # Both sides arrive before either starts: JAX waits only a minute (not
+                # configurable) for the other process's transfer server on the first transfer of
+                # a job, and processes that run their own calls (asynchronous RL) or start
+                # unevenly under load may be further apart than that; this wait is bounded by
+                # HOST_BARRIER_TIMEOUT_S.
+                host_barrier("reshard:start")
             twins = jax.device_put(leaves, self._twins)
             if self.donate or self.crosses_processes:
                 jax.block_until_ready(twins)

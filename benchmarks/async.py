@@ -1,0 +1,176 @@
+"""``python -m jrlhf.bench async``: synchronous vs asynchronous RL (``RLConfig.max_staleness``)
+with generation and training on separate processes, side by side in one run.
+
+Each variant is a real ``python -m jrlhf.launch --processes 2 --devices-per-process 4 -- train``
+job of the ``separate`` placement: generation on process 0's devices, scoring and training on
+process 1's. Synchronous (``max_staleness=0``): the processes take turns (generate, then score
+and train, then move the weights). Asynchronous (``max_staleness=1``): process 0 generates batch
+i+1 while process 1 trains on batch i (jrlhf.ppo.trainer, ``RLTrainer._async_side``); they meet
+once per iteration. The variants alternate (``--repeats``), so load on the machine hits both.
+
+The iteration time is the median gap between consecutive iterations' metric records (written by
+process 0 as each iteration ends), after ``--warmup`` iterations (compilation). Beside it:
+
+* ``estimator``: the cost estimator's phases for the plan and workload (jrlhf.placement, this
+  machine's calibrated ``cpu`` profile) and its iteration time, synchronous (the sum) and
+  asynchronous (``iteration_seconds`` with the processes as separate hosts: the slower of
+  generation and the rest);
+* ``from_measured_phases``: the same two formulas applied to the synchronous run's own measured
+  phase times.
+
+PPO on the synthetic task from random Llama roles (size options below), one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("generate", "score", "train", "reshard")
+
+
+def _bindings(args) -> list[str]:
+    overrides = (
+        f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.mlp}), "
+        f"('num_layers', {args.layers}), ('num_heads', {args.heads}), "
+        f"('num_kv_heads', {args.heads}))"
+    )
+    rows = args.prompts * args.samples
+    out = [
+        "RunConfig.stages=('ppo',)",
+        "RunConfig.placement='separate'",
+        "RunConfig.tensorboard=False",
+        "RunConfig.progress_bar=False",
+        f"RoleConfig.model_overrides={overrides}",
+        f"TaskConfig.max_response_len={args.new_tokens}",
+        "TaskConfig.num_heldout=8",
+        f"RLConfig.prompts_per_iteration={args.prompts}",
+        f"RLConfig.samples_per_prompt={args.samples}",
+        f"RLConfig.minibatch_size={rows // args.minibatches}",
+        f"RLConfig.epochs={args.epochs}",
+        f"RLConfig.iterations={args.iterations}",
+        "RLConfig.checkpoint_every=0",
+        "RLConfig.off_policy_correction='tis'",
+    ]
+    out += [f"{role}/RoleConfig.init='tiny'" for role in ("actor", "critic", "reference", "reward")]
+    return out
+
+
+def _run(bindings: list[str], staleness: int, run_dir: Path, timeout: int) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [
+        sys.executable, "-m", "jrlhf.launch", "--processes", "2", "--devices-per-process", "4",
+        "--", "train", "--run-dir", str(run_dir), "--quiet", *bindings,
+        f"RLConfig.max_staleness={staleness}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"max_staleness={staleness} run failed:\n{out.stderr[-3000:]}")
+    lines = (run_dir / "logs" / "ppo" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward" in r]
+
+
+def _summary(rows: list[dict], warmup: int) -> dict:
+    times = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)][warmup - 1 :]
+    phases = {}
+    for k in sorted({k for r in rows for k in r if k.startswith("time/")}):
+        phases[k[5:]] = statistics.median(r[k] for r in rows[warmup:] if r.get(k) is not None)
+    return {
+        "iteration_s": statistics.median(times),
+        "iteration_s_all": times,
+        "phases_s": phases,
+        "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
+    }
+
+
+def _estimate(bindings: list[str]) -> dict:
+    from jrlhf.config import DEFAULT_CONFIG, ROLES, load_config
+    from jrlhf.pipeline.task_data import task_model_overrides
+    from jrlhf.placement import effective_plan
+    from jrlhf.placement import estimator as est
+    from jrlhf.placement.profile import DeviceProfile
+    from jrlhf.placement.workload import Workload
+    from jrlhf.runtime.model_source import resolve_model
+
+    cfg = load_config([str(DEFAULT_CONFIG)], bindings)
+    overrides = task_model_overrides(cfg)
+    models = {role: resolve_model(cfg, role, overrides, init="tiny").model.config for role in ROLES}
+    w = Workload.from_config(cfg, models)
+    plan = effective_plan(cfg, 8, None)
+    e = est.estimate(plan, w, DeviceProfile.load("cpu"))
+    phases = dict(e.phase_seconds)
+    return {
+        "profile": "cpu",
+        "phases_s": phases,
+        "sync_iteration_s": est.iteration_seconds(phases, 0),
+        # two processes: generation and the rest run at the same time on their own cores
+        "async_iteration_s": est.iteration_seconds(phases, 1, separated=True),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jrlhf.bench async", description=__doc__)
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="first iterations not timed (>= 1)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each variant, alternating")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--minibatches", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--mlp", type=int, default=352)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.iterations < args.warmup + 2:
+        p.error("need --warmup >= 1 and --iterations >= warmup + 2")
+    bindings = _bindings(args)
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="jrlhf-bench-async-") as tmp:
+        for r in range(args.repeats):
+            order = [("sync", 0), ("async", 1)] if r % 2 == 0 else [("async", 1), ("sync", 0)]
+            for name, k in order:
+                rows = _run(bindings, k, Path(tmp) / f"{name}{r}", args.timeout)
+                results[name].append(_summary(rows, args.warmup))
+    sync_s = statistics.median(x["iteration_s"] for x in results["sync"])
+    async_s = statistics.median(x["iteration_s"] for x in results["async"])
+    measured = results["sync"][0]["phases_s"]
+    phases = {k: measured.get(k, 0.0) for k in PHASES}
+    rest = sum(v for k, v in phases.items() if k != "generate")
+    estimate = _estimate(bindings)
+    report = {
+        "benchmark": "async",
+        "setting": {**vars(args), "processes": 2, "devices_per_process": 4},
+        "sync": results["sync"],
+        "async": results["async"],
+        "sync_iteration_s": sync_s,
+        "async_iteration_s": async_s,
+        "speedup": sync_s / async_s,
+        "from_measured_phases": {
+            "phases_s": phases,
+            "sync_iteration_s": sum(phases.values()),
+            "async_iteration_s": max(phases["generate"], rest),
+            "speedup": sum(phases.values()) / max(phases["generate"], rest),
+        },
+        "estimator": {
+            **estimate,
+            "speedup": estimate["sync_iteration_s"] / estimate["async_iteration_s"],
+        },
+        "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

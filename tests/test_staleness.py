@@ -1,0 +1,173 @@
+"""Asynchronous RL with bounded staleness (RLConfig.max_staleness, jrlhf.ppo.staleness): the
+schedule, per-token versions, the bound, identity with the synchronous loop at 0, exact resume.
+
+Everything here runs on one process, where nothing overlaps: the schedule and its numbers are
+the same as with separate generation and training processes (tests/test_multiprocess.py)."""
+
+import json
+
+import numpy as np
+import pytest
+from run_helpers import metric_rows, ppo_bindings
+
+from jrlhf import checkpoint
+from jrlhf.cli import train
+from jrlhf.config import ConfigError, RLConfig
+from jrlhf.ppo import staleness
+from jrlhf.ppo.trainer import RLTrainer
+
+
+def test_schedule_generates_each_batch_with_weights_at_most_k_versions_old():
+    # batch i is generated at the start of iteration max(i - k, 0), with that version's weights
+    for k in (0, 1, 3):
+        made_at = {}
+        for it in range(6):
+            for j in staleness.batches_ahead(it, k, iterations=6):
+                made_at.setdefault(j, it)
+        assert sorted(made_at) == list(range(6))  # every batch once, none past the end
+        for j, it in made_at.items():
+            assert it == staleness.generation_version(j, k) == max(j - k, 0)
+            assert 0 <= j - it <= k
+
+
+def test_per_token_staleness_metrics_and_bound():
+    # two samples; sample 0's tokens come from versions 3, 3, 4 (continued across an update)
+    versions = staleness.versions_bt([np.array([3, 3, 4]), np.array([5])], width=4)
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], np.float32)
+    m = staleness.staleness_metrics(versions, mask, current=5)
+    assert m == {"staleness/mean": (2 + 2 + 1 + 0) / 4, "staleness/max": 2.0}
+    staleness.check_staleness(versions, mask, current=5, max_staleness=2)
+    with pytest.raises(staleness.StalenessError, match="2 versions old.*max_staleness=1"):
+        staleness.check_staleness(versions, mask, current=5, max_staleness=1)
+    with pytest.raises(staleness.StalenessError, match="-1 versions old"):  # from the future
+        staleness.check_staleness(versions, mask, current=4, max_staleness=3)
+
+
+def test_generated_batch_survives_json_exactly():
+    rng = np.random.default_rng(0)
+    g = staleness.GeneratedBatch(
+        index=3,
+        prompts=[[1, 2], [3]],
+        meta=[{"answer": 1}, {"answer": 2}],
+        prompt_index=np.array([0, 0, 1, 1]),
+        completions=[[4, 5], [6], [7, 8, 9], []],
+        raw_logprobs=[rng.normal(size=n).astype(np.float32) for n in (2, 1, 3, 0)],
+        token_versions=[np.array(v) for v in ([2, 2], [2], [1, 2, 2], [])],
+    )
+    back = staleness.GeneratedBatch.from_json(json.loads(json.dumps(g.to_json())))
+    assert back.index == 3 and back.prompts == g.prompts and back.meta == g.meta
+    assert back.completions == g.completions and back.sample_prompts == [[1, 2]] * 2 + [[3]] * 2
+    for a, b in zip(back.raw_logprobs, g.raw_logprobs):
+        assert a.dtype == np.float32 and np.array_equal(a, b)
+    for a, b in zip(back.token_versions, g.token_versions):
+        assert np.array_equal(a, b)
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="^RLConfig.max_staleness: must be >= 0"):
+        RLConfig(max_staleness=-1).validate()
+    with pytest.raises(ConfigError, match="^RLConfig.max_staleness: .*dynamic_sampling"):
+        RLConfig(max_staleness=1, dynamic_sampling=True, samples_per_prompt=2).validate()
+
+
+def test_schedule_at_zero_staleness_is_the_synchronous_loop(base_run, colocated_run, tmp_path):
+    """The bounded-staleness iteration with k = 0 (each iteration generates its own batch with
+    the newest weights) gives the synchronous loop's metrics bit for bit."""
+    run_dir = tmp_path / "k0"
+    original = RLTrainer.run_iteration
+
+    def through_the_schedule(self, prompts, meta=None, refill=None):
+        assert self.rl.max_staleness == 0
+        drawn = [(prompts, meta)]
+        return self.run_async_iteration(lambda: drawn.pop())
+
+    RLTrainer.run_iteration = through_the_schedule
+    try:
+        args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]
+        assert train.main(args) == 0
+    finally:
+        RLTrainer.run_iteration = original
+    ours, theirs = metric_rows(run_dir), metric_rows(colocated_run)
+    assert len(ours) == len(theirs) and ours[0].keys() == theirs[0].keys()
+    for a, b in zip(ours, theirs):
+        assert a == b
+
+
+ASYNC = ["RLConfig.max_staleness=1", "RLConfig.off_policy_correction='tis'"]
+
+
+@pytest.fixture(scope="module")
+def async_run(base_run, tmp_path_factory, monkeypatch_module):
+    """Four PPO iterations with max_staleness=1 and truncated IS (checkpoints at 2 and 4),
+    recording what each iteration trained on."""
+    seen = []
+    original = RLTrainer.score_batch
+
+    def recording(self, gen):
+        seen.append((self.iteration, gen.index, [v.copy() for v in gen.token_versions],
+                     [len(c) for c in gen.completions]))  # fmt: skip
+        return original(self, gen)
+
+    monkeypatch_module.setattr(RLTrainer, "score_batch", recording)
+    run_dir = tmp_path_factory.mktemp("async") / "run"
+    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
+    assert train.main(args) == 0
+    return run_dir, seen
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_async_run_trains_on_one_version_old_samples(async_run, colocated_run):
+    run_dir, seen = async_run
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
+    # iteration i trains on batch i generated with version max(i - 1, 0): every token says so
+    assert [(it, idx) for it, idx, _, _ in seen] == [(i, i) for i in range(4)]
+    for it, _, versions, lengths in seen:
+        assert [len(v) for v in versions] == lengths and sum(lengths) > 0
+        assert all(np.all(v == max(it - 1, 0)) for v in versions)
+    assert [r["staleness/max"] for r in rows[:4]] == [0, 1, 1, 1]
+    assert [r["staleness/mean"] for r in rows[:4]] == [0, 1, 1, 1]
+    assert all("offpolicy/is_clipfrac" in r or "offpolicy/mismatch_abs" in r for r in rows[:4])
+    # batch 0 is the synchronous run's batch 0; batch 1 comes from the older policy
+    sync = metric_rows(colocated_run)
+    assert rows[0]["reward"] == sync[0]["reward"]
+    assert rows[1]["reward"] != sync[1]["reward"]
+
+
+def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
+    """Stopped during iteration 3, after the step-2 checkpoint: the resumed run trains on the
+    batch generated before the stop (saved with the checkpoint) and repeats the uninterrupted
+    run's metrics exactly."""
+    run_dir = tmp_path / "stopped"
+    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
+
+    class Stop(Exception):
+        pass
+
+    original = RLTrainer.score_batch
+
+    def stop_at_3(self, gen):
+        if self.iteration == 2:
+            raise Stop
+        return original(self, gen)
+
+    monkeypatch.setattr(RLTrainer, "score_batch", stop_at_3)
+    with pytest.raises(Stop):
+        train.main([*args, "RLConfig.async_checkpoint=False"])
+    meta = checkpoint.read_trainer_meta(run_dir / "checkpoints" / "2")
+    assert [g["index"] for g in meta["pending"]] == [2]  # batch 2, generated with version 1
+    assert {v for g in meta["pending"] for t in g["token_versions"] for v in t} == {1}
+    monkeypatch.setattr(RLTrainer, "score_batch", original)
+    assert train.main([*args, "--resume"]) == 0
+    ours, theirs = metric_rows(run_dir), metric_rows(async_run[0])
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
