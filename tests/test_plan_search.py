@@ -375,11 +375,9 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
     generate = make_mesh(effective_plan(cfg, 8).for_role("actor", "generate").mesh)
     assert [d.id for d in generate.devices.flat] == [int(i) for i in gen.split("@")[1].split(",")]
     # and scores and trains with the batch knobs chosen with the plan (unless --fixed-batches)
-    assert best["batches"] == {
-        "infer_batch_size": 8,
-        "actor_microbatches": 2,
-        "critic_microbatches": 4,
-    }
+    batches = {k: best["batches"][k] for k in ("infer_batch_size", "actor_microbatches")}
+    assert batches == {"infer_batch_size": 8, "actor_microbatches": 2}
+    assert best["batches"]["critic_microbatches"] == 4
     assert (
         "scoring chunk 8 rows; micro-batches actor 2, critic 4"
         in _run_cli([*args, "--output", str(out)], capsys)[1]

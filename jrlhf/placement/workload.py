@@ -49,6 +49,10 @@ class Workload:
     # Gradient-accumulation micro-batches per minibatch (RoleConfig.microbatches of each role).
     actor_microbatches: int = 1
     critic_microbatches: int = 1
+    # Memory knobs (RLConfig.generation_copy, RLConfig.offload; jrlhf.ppo.residency). The remat
+    # policy of each training call is the role's ModelConfig.remat_policy.
+    generation_copy: str = "kept"
+    offload: tuple[str, ...] = ()
 
     @property
     def slots(self) -> int:
@@ -125,6 +129,8 @@ class Workload:
             infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
+            generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
+            offload=tuple(getattr(cfg.rl, "offload", ())),
         )
 
 
