@@ -24,7 +24,15 @@ from jrlhf.placement.search import SearchResult, peak_memory_bytes, search
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 DEVICES = (8, 16, 32, 64, 128)
-MODELS = {"7B": "llama2_7b", "70B": "llama2_70b"}
+MODELS = {"7B": "llama2_7b", "70B": "llama2_70b", "405B": "llama3_405b"}
+ALGORITHMS = ("ppo", "grpo")
+# GRPO as its seeds run it: groups of samples per prompt, a verifiable (Python) reward, no
+# critic; the same 512 rows per iteration as the PPO workload.
+GRPO = dict(prompts=64, samples_per_prompt=8)
+# The 405B-class case: a GRPO actor (and its reference) on 1,024 devices, searched with a
+# shorter anneal (each estimate walks 1,024 devices).
+LARGE = ("grpo", "405B", 1024)
+LARGE_SEARCH = dict(steps=400, restarts=2)
 # A typical PPO iteration (the scale of ReaL's and HybridFlow's experiments).
 WORKLOAD = dict(
     prompts=512,
@@ -57,17 +65,21 @@ SEARCH = dict(steps=3000, restarts=4, seed=0, top=5)
 STRATEGY_NAMES = ("flatten", "interleave", "separate")
 
 
-def workload_for(size: str, devices: int = 8):
+def workload_for(size: str, devices: int = 8, algorithm: str = "ppo"):
+    """The study's workload: PPO with four models of ``size``, or GRPO (actor and reference,
+    a verifiable reward). The batch and memory knobs given here are the search's starting
+    point; it chooses them per plan (``tune_batches``)."""
     from jrlhf.placement.workload import Workload
 
     model = get_preset(MODELS[size], remat_policy=REMAT)
     microbatches = WORKLOAD["minibatch_size"] // microbatch_rows(devices)
+    ppo = algorithm == "ppo"
     return Workload(
         actor=model,
-        critic=model,
+        critic=model if ppo else None,
         reference=model,
-        reward=model,
-        **WORKLOAD,
+        reward=model if ppo else None,
+        **{**WORKLOAD, **({} if ppo else GRPO)},
         decode_slots=DECODE_SLOTS,
         infer_batch_size=INFER_BATCH_SIZE,
         actor_microbatches=microbatches,
@@ -77,23 +89,27 @@ def workload_for(size: str, devices: int = 8):
 
 @dataclasses.dataclass
 class Case:
+    algorithm: str
     size: str
     devices: int
     result: SearchResult | None  # None: no candidate space (cannot even be laid out)
     seconds: float  # wall time of the search
 
 
-def run_case(size: str, devices: int, profile, **search_kwargs) -> Case:
+def run_case(algorithm: str, size: str, devices: int, profile, **search_kwargs) -> Case:
     t0 = time.perf_counter()
     kwargs = {**SEARCH, **search_kwargs}
+    if (algorithm, size, devices) == LARGE:
+        kwargs.update(LARGE_SEARCH)
     result = search(
-        workload_for(size, devices),
+        workload_for(size, devices, algorithm),
         devices,
         profile,
         devices_per_node=min(profile.devices_per_node, devices),
+        tune_batches=True,
         **kwargs,
     )
-    return Case(size, devices, result, time.perf_counter() - t0)
+    return Case(algorithm, size, devices, result, time.perf_counter() - t0)
 
 
 def _secs(r) -> str:

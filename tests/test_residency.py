@@ -6,8 +6,12 @@ iterations; a run with every knob on must give the metrics of the run without, a
 bytes (``jrlhf.reshard.memory.live_bytes``) must drop by what the knobs move out.
 """
 
+import math
+import re
+
 import numpy as np
 import pytest
+from run_helpers import ROOT
 
 from jrlhf.config import load_config
 from jrlhf.data import PromptLoader
@@ -32,12 +36,19 @@ TINY = (
     "RLConfig.epochs=1",
     "RLConfig.iterations=2",
     "RLConfig.async_checkpoint=False",
+    # heads a tensor axis of 8 splits (the scaled-down 70B plan below generates with tensor=8)
+    *(
+        f"{role}/RoleConfig.model_overrides=(('num_heads', 8), ('num_kv_heads', 8))"
+        for role in ("actor", "critic", "reference", "reward")
+    ),
 )
 
 
 def build_trainer(tmp_path, *bindings, placement="flatten"):
     """An RLTrainer as jrlhf.pipeline.run builds it, and its prompt loader."""
-    cfg = load_config([], [*TINY, f"RunConfig.placement='{placement}'", *bindings])
+    # "custom": the bindings say where each call runs (RunConfig.placement among them)
+    where = [] if placement == "custom" else [f"RunConfig.placement='{placement}'"]
+    cfg = load_config([], [*TINY, *where, *bindings])
     data = build_task_data(cfg)
     models = role_models(cfg, data.model_overrides) if placement == "search" else None
     plan = effective_plan(cfg, 8, models)
@@ -150,3 +161,59 @@ def test_grpo_has_no_critic_optimizer_to_offload():
     bindings = [*TINY, "RunConfig.stages=('grpo',)", "RLConfig.samples_per_prompt=2"]
     with pytest.raises(ConfigError, match="GRPO trains no critic"):
         load_config([], [*bindings, "RLConfig.offload=('critic_optimizer',)"])
+
+
+# ------------------------------------------------------- the 4 x 70B plan, scaled down to CPU
+PLAN_70B = ROOT / "docs" / "plans" / "ppo_4x70b_64xh100.gin"
+
+
+def scale_mesh(text: str, factor: int) -> str:
+    """'fsdp=16,tensor=4@ids' on 64 devices -> the same layout on 64 / factor devices: the data
+    axes shrink first, then tensor; device d becomes d // factor (whole nodes of ``factor``
+    devices map to one device, in the plan's order)."""
+    axes, ids = text.split("@")
+    sizes = [(name, int(n)) for name, n in (a.split("=") for a in axes.split(","))]
+    shrink, out = factor, {}
+    for name, n in sorted(sizes, key=lambda a: a[0] == "tensor"):
+        k = math.gcd(n, shrink)
+        out[name], shrink = n // k, shrink // k
+    assert shrink == 1, text
+    new_ids = list(dict.fromkeys(int(d) // factor for d in ids.split(",")))
+    assert len(new_ids) == math.prod(out.values()), text
+    return ",".join(f"{name}={out[name]}" for name, _ in sizes) + "@" + ",".join(map(str, new_ids))
+
+
+def scaled_plan_bindings(factor: int = 8) -> list[str]:
+    """The written plan's bindings (meshes scaled down, every knob as written)."""
+    out = []
+    for line in PLAN_70B.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        key, value = (x.strip() for x in line.split("=", 1))
+        if key.endswith("_mesh"):
+            value = repr(scale_mesh(value.strip("'"), factor))
+        out.append(f"{key}={value}")
+    return out
+
+
+def test_the_70b_plan_runs_scaled_down_and_matches_a_plain_run(plain_rows, tmp_path):
+    """The plan `python -m jrlhf.plan` writes for four 70B models on 64 H100s (README's
+    command; docs/plans.md), on 8 CPU devices with tiny models: the same mesh shapes per call
+    scaled by 8, the same batch and memory knobs (scoring chunk, micro-batches, remat policy,
+    generation copy, offload). The trainer accepts it, and its metrics are the plain flatten
+    run's (other shardings and remat change only float rounding)."""
+    bindings = scaled_plan_bindings()
+    knobs = [
+        b for b in bindings if re.match(r"(\w+/)?(RLConfig|RoleConfig)\.(?!.*_(mesh|rules))", b)
+    ]
+    assert any("remat_policy" in b for b in knobs) and any("generation_copy" in b for b in knobs)
+    trainer, loader = build_trainer(tmp_path, *bindings, placement="custom")
+    assert trainer.cfg.roles["actor"].generate_mesh.startswith("data=1,tensor=8@")
+    rows = run_iterations(trainer, loader)
+    assert len(rows) == len(plain_rows)
+    for a, b in zip(rows, plain_rows):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k == "reshard/bytes":  # a property of the layouts, not of the numbers
+                continue
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
