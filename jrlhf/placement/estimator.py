@@ -930,8 +930,8 @@ def tune_batches(
 
 
 def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
-    """``estimate`` with the batch knobs ``tune_batches`` chooses for this plan (the estimate's
-    ``workload`` carries them)."""
+    """``estimate`` with the batch and memory knobs ``tune_batches`` chooses for this plan (the
+    estimate's ``workload`` carries them)."""
     return estimate(plan, tune_batches(plan, workload, profile), profile)
 
 

@@ -390,8 +390,9 @@ def search(
     profile)``. With more than ``exhaustive_limit`` plans in the space the search runs
     ``restarts`` annealing chains of ``steps`` proposals each (seeded by ``seed``).
 
-    ``tune_batches``: also choose, per plan, the scoring chunk and the actor's and critic's
-    micro-batches (``estimator.tune_batches``; each estimate's ``workload`` says which). The
+    ``tune_batches``: also choose, per plan, the scoring chunk, the actor's and critic's
+    micro-batches and remat policies, and the memory knobs (generation copy, offload;
+    ``estimator.tune_batches``; each estimate's ``workload`` says which). The
     candidate slots are still those the config's batch sizes admit.
     """
     if cost_fn is None:
