@@ -24,7 +24,15 @@ from jrlhf.placement.search import SearchResult, peak_memory_bytes, search
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 DEVICES = (8, 16, 32, 64, 128)
-MODELS = {"7B": "llama2_7b", "70B": "llama2_70b"}
+MODELS = {"7B": "llama2_7b", "70B": "llama2_70b", "405B": "llama3_405b"}
+ALGORITHMS = ("ppo", "grpo")
+# GRPO as its seeds run it: groups of samples per prompt, a verifiable (Python) reward, no
+# critic; the same 512 rows per iteration as the PPO workload.
+GRPO = dict(prompts=64, samples_per_prompt=8)
+# The 405B-class case: a GRPO actor (and its reference) on 1,024 devices, searched with a
+# shorter anneal (each estimate walks 1,024 devices).
+LARGE = ("grpo", "405B", 1024)
+LARGE_SEARCH = dict(steps=50, restarts=1)
 # A typical PPO iteration (the scale of ReaL's and HybridFlow's experiments).
 WORKLOAD = dict(
     prompts=512,
@@ -53,21 +61,25 @@ def microbatch_rows(devices: int) -> int:
     return MICROBATCH_ROWS.get(devices, DEFAULT_MICROBATCH_ROWS)
 
 
-SEARCH = dict(steps=3000, restarts=4, seed=0, top=5)
+SEARCH = dict(steps=300, restarts=2, seed=0, top=5)
 STRATEGY_NAMES = ("flatten", "interleave", "separate")
 
 
-def workload_for(size: str, devices: int = 8):
+def workload_for(size: str, devices: int = 8, algorithm: str = "ppo"):
+    """The study's workload: PPO with four models of ``size``, or GRPO (actor and reference,
+    a verifiable reward). The batch and memory knobs given here are the search's starting
+    point; it chooses them per plan (``tune_batches``)."""
     from jrlhf.placement.workload import Workload
 
     model = get_preset(MODELS[size], remat_policy=REMAT)
     microbatches = WORKLOAD["minibatch_size"] // microbatch_rows(devices)
+    ppo = algorithm == "ppo"
     return Workload(
         actor=model,
-        critic=model,
+        critic=model if ppo else None,
         reference=model,
-        reward=model,
-        **WORKLOAD,
+        reward=model if ppo else None,
+        **{**WORKLOAD, **({} if ppo else GRPO)},
         decode_slots=DECODE_SLOTS,
         infer_batch_size=INFER_BATCH_SIZE,
         actor_microbatches=microbatches,
@@ -77,23 +89,27 @@ def workload_for(size: str, devices: int = 8):
 
 @dataclasses.dataclass
 class Case:
+    algorithm: str
     size: str
     devices: int
     result: SearchResult | None  # None: no candidate space (cannot even be laid out)
     seconds: float  # wall time of the search
 
 
-def run_case(size: str, devices: int, profile, **search_kwargs) -> Case:
+def run_case(algorithm: str, size: str, devices: int, profile, **search_kwargs) -> Case:
     t0 = time.perf_counter()
     kwargs = {**SEARCH, **search_kwargs}
+    if (algorithm, size, devices) == LARGE:
+        kwargs.update(LARGE_SEARCH)
     result = search(
-        workload_for(size, devices),
+        workload_for(size, devices, algorithm),
         devices,
         profile,
         devices_per_node=min(profile.devices_per_node, devices),
+        tune_batches=True,
         **kwargs,
     )
-    return Case(size, devices, result, time.perf_counter() - t0)
+    return Case(algorithm, size, devices, result, time.perf_counter() - t0)
 
 
 def _secs(r) -> str:
@@ -110,8 +126,9 @@ def _ratio(a, b) -> str:
     return f"{a.cost / b.cost:.2f}x"
 
 
-def compact(plan) -> str:
-    """``gen 64(t8)@0 | ref,rew,crit-inf 64(t8)@64 | ...``: calls grouped by identical slot."""
+def compact(plan, roles=None) -> str:
+    """``gen 64(t8)@0 | ref,rew,crit-inf 64(t8)@64 | ...``: calls grouped by identical slot;
+    with ``roles``, only the calls of those roles (GRPO has no critic or reward model)."""
     short = {
         "actor_generate": "gen",
         "reference_infer": "ref",
@@ -122,36 +139,62 @@ def compact(plan) -> str:
     }
     groups: dict[str, list[str]] = {}
     for call, p in plan.placements:
+        if roles is not None and call.split("_")[0] not in roles:
+            continue
         ids = sorted(p.mesh.device_ids())
         key = f"{len(ids)}(t{p.mesh.shape.get('tensor', 1)})@{ids[0]}"
         groups.setdefault(key, []).append(short[call])
     return " / ".join(f"{','.join(calls)} {key}" for key, calls in groups.items())
 
 
+def knobs_row(best) -> str:
+    """The knob and memory-breakdown cells of a searched plan's row."""
+    e = best.estimate
+    w = e.workload
+    crit = w.critic is not None
+    mb = f"{w.actor_microbatches}" + (f" / {w.critic_microbatches}" if crit else "")
+    remat = w.actor.remat_policy + (f" / {w.critic.remat_policy}" if crit else "")
+    host = sum(e.offload_seconds.values())
+    offload = ", ".join(w.offload) + f" ({host:.1f} s)" if w.offload else "-"
+    call = max(e.memory_bytes, key=e.memory_bytes.get)
+    parts = ", ".join(
+        f"{k} {v / 2**30:.1f}" for k, v in e.memory_breakdown.get(call, {}).items() if v >= 2**27
+    )
+    return (
+        f"{w.infer_batch_size or 'all'} | {mb} | {remat} | {w.generation_copy} | {offload} "
+        f"| {call} | {e.memory_bytes[call] / 2**30:.1f}: {parts} |"
+    )
+
+
 def tables(cases: list[Case], profile) -> str:
     lines = [
-        f"Profile `{profile.name}` ({profile.memory_bytes / 2**30:.0f} GiB per device). "
-        f"Workload: {WORKLOAD['prompts']} prompts x {WORKLOAD['samples_per_prompt']} sample, "
+        f"Profile `{profile.name}` ({profile.memory_bytes / 2**30:.0f} GiB per device, "
+        f"{profile.memory_reserve_bytes / 2**30:.0f} GiB reserve). "
+        f"PPO workload: {WORKLOAD['prompts']} prompts x {WORKLOAD['samples_per_prompt']} sample, "
         f"prompt {WORKLOAD['prompt_len']} + generation {WORKLOAD['gen_len']} tokens, "
         f"{WORKLOAD['epochs']} PPO epoch, minibatch {WORKLOAD['minibatch_size']} in "
         f"micro-batches of {microbatch_rows(8)} rows on 8-16 devices, "
         f"{DEFAULT_MICROBATCH_ROWS} from 32 on; {DECODE_SLOTS} decode slots in total, scoring "
         f"{INFER_BATCH_SIZE} rows per call; bf16 weights, "
-        f"fp32 AdamW moments, remat `{REMAT}`; search: {SEARCH}.",
+        f"fp32 AdamW moments, remat `{REMAT}` (these batch and memory knobs are the "
+        f"starting point: the search chooses them per plan, `tune_batches`). GRPO workload: "
+        f"{GRPO['prompts']} prompts x {GRPO['samples_per_prompt']} samples (the same rows), "
+        f"actor and reference only (a verifiable reward, no critic). Search: {SEARCH}; the "
+        f"{LARGE[1]} {LARGE[0].upper()} case on {LARGE[2]} devices: {LARGE_SEARCH}.",
         "",
         "Estimated seconds per iteration (best variant of each strategy; OOM: no variant fits, "
         "with the least peak memory per device among them):",
         "",
-        "| model | devices | flatten | interleave | separate | searched | searched vs flatten "
-        "| vs interleave | vs separate | method (plans evaluated) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| algorithm | model | devices | flatten | interleave | separate | searched "
+        "| searched vs flatten | vs interleave | vs separate | method (plans evaluated) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         r = c.result
         b = r.baselines if r else {}
         best = r.best if r else None
         lines.append(
-            f"| {c.size} | {c.devices} | "
+            f"| {c.algorithm} | {c.size} | {c.devices} | "
             + " | ".join(_secs(b.get(s)) for s in STRATEGY_NAMES)
             + f" | {_secs(best)} | "
             + " | ".join(_ratio(b.get(s), best) for s in STRATEGY_NAMES)
@@ -162,8 +205,9 @@ def tables(cases: list[Case], profile) -> str:
         "Per-phase estimate of the searched plan (seconds) and its placement "
         "(calls sharing a slot: `devices(tensor)@first device`):",
         "",
-        "| model | devices | plan | generate | score | train | reshard | peak GiB | placement |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| algorithm | model | devices | plan | generate | score | train | reshard | peak GiB "
+        "| placement |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         if c.result is None:
@@ -172,16 +216,33 @@ def tables(cases: list[Case], profile) -> str:
         ph = best.estimate.phase_seconds
         fits = "" if best.estimate.fits else " (OOM)"
         lines.append(
-            f"| {c.size} | {c.devices} | {best.plan.name}{fits} | "
+            f"| {c.algorithm} | {c.size} | {c.devices} | {best.plan.name}{fits} | "
             + " | ".join(f"{ph.get(p, 0.0):.1f}" for p in ("generate", "score", "train", "reshard"))
-            + f" | {peak_memory_bytes(best.estimate) / 2**30:.0f} | {compact(best.plan)} |"
+            + f" | {peak_memory_bytes(best.estimate) / 2**30:.0f} "
+            + f"| {compact(best.plan, best.estimate.workload.models())} |"
         )
+    lines += [
+        "",
+        "Knobs the search chose with the searched plan (scoring chunk in rows, micro-batches and "
+        "remat policy of the actor's / critic's training call, generation copy, state offloaded "
+        "to host memory and the seconds its copies add) and the memory of its fullest call "
+        "(GiB on its most loaded device):",
+        "",
+        "| algorithm | model | devices | chunk | micro-batches | remat | generation copy "
+        "| offload | fullest call | its memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        if c.result is None:
+            continue
+        lines.append(f"| {c.algorithm} | {c.size} | {c.devices} | " + knobs_row(c.result.best))
     lines += [
         "",
         "Best variant of each strategy (placement and per-phase seconds):",
         "",
-        "| model | devices | strategy | generate | score | train | reshard | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| algorithm | model | devices | strategy | generate | score | train | reshard "
+        "| peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         if c.result is None:
@@ -193,7 +254,7 @@ def tables(cases: list[Case], profile) -> str:
             ph = r.estimate.phase_seconds
             fits = "" if r.estimate.fits else " (OOM)"
             lines.append(
-                f"| {c.size} | {c.devices} | {r.plan.name}{fits} | "
+                f"| {c.algorithm} | {c.size} | {c.devices} | {r.plan.name}{fits} | "
                 + " | ".join(
                     f"{ph.get(p, 0.0):.1f}" for p in ("generate", "score", "train", "reshard")
                 )
@@ -217,25 +278,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plan_study", description=__doc__)
     p.add_argument("--device-kind", default="h100")
     p.add_argument("--devices", type=int, nargs="*", default=list(DEVICES))
-    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="*", default=["7B", "70B"], choices=list(MODELS))
+    p.add_argument("--algorithms", nargs="*", default=list(ALGORITHMS), choices=ALGORITHMS)
+    p.add_argument(
+        "--large", action=argparse.BooleanOptionalAction, default=True, help=f"add {LARGE}"
+    )
     p.add_argument("--update", type=Path, help="rewrite the generated part of this markdown file")
     p.add_argument("--jobs", type=int, default=1, help="cases searched in parallel processes")
     args = p.parse_args(argv)
     profile = DeviceProfile.load(args.device_kind)
-    todo = [(size, n) for size in args.models for n in args.devices]
+    todo = [(a, size, n) for a in args.algorithms for size in args.models for n in args.devices]
+    if args.large:
+        todo.append(LARGE)
+    extra: dict = {}
     if args.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
         # largest cases first so the pool stays busy; results are put back in table order
-        order = sorted(todo, key=lambda c: (-c[1], c[0]))
+        order = sorted(todo, key=lambda c: (-c[2], c[1]))
         with ProcessPoolExecutor(args.jobs) as pool:
-            futures = {c: pool.submit(run_case, *c, profile) for c in order}
+            futures = {c: pool.submit(run_case, *c, profile, **extra) for c in order}
             done = {c: f.result() for c, f in futures.items()}
         cases = [done[c] for c in todo]
     else:
-        cases = [run_case(size, n, profile) for size, n in todo]
+        cases = [run_case(*c, profile, **extra) for c in todo]
     for case in cases:
-        print(f"{case.size} on {case.devices}: {case.seconds:.0f} s search", file=sys.stderr)
+        print(
+            f"{case.algorithm} {case.size} on {case.devices}: {case.seconds:.0f} s search",
+            file=sys.stderr,
+        )
     text = tables(cases, profile)
     if args.update:
         update(args.update, text)

@@ -39,6 +39,19 @@ LOSS_AGG_MODES = (
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 # jrlhf.ppo.core_algos.OFF_POLICY_CORRECTIONS (config does not import JAX).
 OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
+# Memory knobs of the RL trainer (jrlhf.ppo.residency; priced by jrlhf.placement.estimator).
+GENERATION_COPIES = ("kept", "dropped")
+OFFLOADABLE = ("reference", "reward", "actor_optimizer", "critic_optimizer")
+# The trainer phases in which an offloaded item is on device (in host memory in the others): the
+# trainer moves it by this table and the estimator prices its bytes and transfers from it.
+OFFLOAD_PHASES = {
+    "reference": ("score",),
+    "reward": ("score",),
+    "actor_optimizer": ("train",),
+    "critic_optimizer": ("train",),
+}
+# A dropped generation copy exists from the reshard that builds it to the end of generation.
+DROPPED_COPY_PHASES = ("reshard", "generate")
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
 # reference scores, the reward model scores (RL) and trains (its supervised stage).
@@ -394,6 +407,17 @@ class RLConfig:
     epochs: int = 2
     minibatch_size: int = 16
     infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
+    # Memory knobs (jrlhf.ppo.residency; `python -m jrlhf.plan` chooses them per plan).
+    # generation_copy: the actor's generation-layout copy (the resharder's output) is "kept" on
+    # its devices all iteration, or "dropped" when generation ends (freed for scoring and the
+    # update; the reshard after the update rebuilds it, as it does anyway, so it costs no time;
+    # a second generation round of dynamic sampling rebuilds it from the training copy). There
+    # is no "parked" copy: every update makes the old copy stale, so it would never be read back.
+    generation_copy: str = "kept"
+    # offload: what lives in host memory while idle: "reference" and "reward" (parameters, on
+    # device only while scoring), "actor_optimizer" and "critic_optimizer" (AdamW state, on
+    # device only during the update). Each costs one copy out and one back per iteration.
+    offload: tuple[str, ...] = ()
     # Registered in jrlhf.ppo.core_algos (POLICY_LOSSES, ADVANTAGE_ESTIMATORS), any stage:
     # policy_loss: "ppo" (token-level clipped ratio) or "gspo" (sequence-level ratio
     #   exp(mean token log-ratio) clipped per sequence; the paper uses clip_eps=3e-4,
@@ -486,6 +510,28 @@ class RLConfig:
             f"{self.minibatch_size} does not divide the {rows} samples of an iteration",
         )
         _check(self.infer_batch_size >= 0, "RLConfig.infer_batch_size", "must be >= 0")
+        _check(
+            self.generation_copy in GENERATION_COPIES,
+            "RLConfig.generation_copy",
+            f"unknown {self.generation_copy!r}; valid: {', '.join(GENERATION_COPIES)}",
+        )
+        for item in self.offload:
+            _check(
+                item in OFFLOADABLE,
+                "RLConfig.offload",
+                f"unknown item {item!r}; valid: {', '.join(OFFLOADABLE)}",
+            )
+        _check(
+            len(set(self.offload)) == len(self.offload),
+            "RLConfig.offload",
+            f"lists an item twice: {self.offload!r}",
+        )
+        if stage == "grpo":
+            _check(
+                "critic_optimizer" not in self.offload,
+                "RLConfig.offload",
+                "'critic_optimizer': GRPO trains no critic",
+            )
         if stage == "grpo":
             _check(self.samples_per_prompt >= 2, "RLConfig.samples_per_prompt", "GRPO needs >= 2")
         _check(

@@ -227,7 +227,7 @@ def test_kv_pool_scales_with_decode_slots_not_rows():
     h100 = DeviceProfile.load("h100")
     plan = flatten(8, tensor=2)
     g = est._geometry(plan["actor_generate"], h100)
-    kv = lambda w: est._resident(w, plan, h100)[0]["kv pool"]  # noqa: E731
+    kv = lambda w: est._resident(w, plan, h100, "generate")[0]["kv pool"]  # noqa: E731
     all_rows = _llama7b_workload()
     assert all_rows.slots == all_rows.rows == 64
     half = _llama7b_workload(decode_slots=32)
@@ -458,3 +458,108 @@ def test_async_iteration_is_the_slower_of_generation_and_the_rest_on_separated_p
     assert f.iteration_seconds == pytest.approx(sum(f.phase_seconds.values()))
     c = est.estimate(separate(8), _workload(cfg, max_staleness=1), DeviceProfile.load("cpu"))
     assert c.iteration_seconds == pytest.approx(sum(c.phase_seconds.values()))
+
+
+# ------------------------------------------------------------------------------ memory knobs
+def _llama7b_params_bytes(placement: CallPlacement, head: str) -> int:
+    """Bytes one device holds of a 7B model under ``placement``: every parameter's shard,
+    ceil-divided over its mesh axes (re-derived from the model's shapes, not the estimator)."""
+    cfg = _llama7b()
+    model = ModelDef(cfg, head)
+    import jax
+
+    from jrlhf.meshes.rules import get_rules, logical_to_spec
+
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
+    axes = jax.tree.leaves(model.logical_axes, is_leaf=is_axes)
+    shapes = jax.tree.leaves(model.abstract_params)
+    fake = type("M", (), {"shape": placement.mesh.shape})()
+    total = 0
+    for ax, s in zip(axes, shapes):
+        spec = logical_to_spec(ax, fake, get_rules(placement.rules))
+        n = 1
+        for dim, part in zip(s.shape, spec):
+            parts = () if part is None else (part,) if isinstance(part, str) else part
+            k = math.prod(placement.mesh.shape[a] for a in parts)
+            n *= -(-dim // k)
+        total += n * s.dtype.itemsize
+    return total
+
+
+def test_memory_knobs_lower_each_phase_peak_by_the_bytes_they_move():
+    import dataclasses
+
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)  # every call on all 8 devices: each knob shows in every peak
+    w = _llama7b_workload()
+    base = est.estimate(plan, w, h100)
+    actor = _llama7b_params_bytes(plan["actor_train"], "lm")
+    critic = _llama7b_params_bytes(plan["critic_train"], "value")
+    ref = _llama7b_params_bytes(plan["reference_infer"], "lm")
+    reward = _llama7b_params_bytes(plan["reward_infer"], "value")
+    copy = _llama7b_params_bytes(plan["actor_generate"], "lm")
+    size = wl.itemsize(_llama7b().param_dtype)
+    adam = (actor + critic) // size * 8  # two float32 moments per parameter
+
+    def drop(**knobs):
+        e = est.estimate(plan, dataclasses.replace(w, **knobs), h100)
+        return {c: base.memory_bytes[c] - e.memory_bytes[c] for c in base.memory_bytes}, e
+
+    d, e = drop(generation_copy="dropped")
+    assert d["actor_generate"] == 0 and d["actor_train"] == d["reference_infer"] == copy
+    assert e.iteration_seconds == base.iteration_seconds  # the reshard rebuilds it anyway
+    d, e = drop(offload=("reference", "reward"))
+    assert d["actor_generate"] == d["actor_train"] == ref + reward and d["reward_infer"] == 0
+    d, e = drop(offload=("actor_optimizer", "critic_optimizer"))
+    assert d["actor_generate"] == d["critic_infer"] == adam and d["critic_train"] == 0
+    # each item crosses the host link twice per iteration at host_bandwidth (devices in parallel)
+    extra = e.iteration_seconds - base.iteration_seconds
+    assert extra == pytest.approx(2 * adam / h100.host_bandwidth, rel=1e-9)
+    assert e.offload_seconds["actor_optimizer"] == pytest.approx(
+        2 * actor // size * 8 / h100.host_bandwidth
+    )
+    # the breakdown names what the peak device holds
+    assert "actor adam" not in e.memory_breakdown["actor_generate"]
+    assert e.memory_breakdown["actor_train"]["actor adam"] == actor // size * 8
+
+
+def test_remat_policy_is_chosen_per_training_call_and_written_to_the_plan():
+    import dataclasses
+
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    w = _llama7b_workload(prompt_len=1024, gen_len=1024)
+    roomy = est.tune_batches(plan, w, h100.replace(memory_bytes=10**15))
+    # plenty of memory: no remat (no recompute), nothing dropped or offloaded
+    assert (roomy.actor.remat_policy, roomy.generation_copy, roomy.offload) == ("none", "kept", ())
+    # tight: the remat that the fastest fitting setting needs; every setting it did not choose
+    # is slower or does not fit
+    full = dataclasses.replace(
+        w,
+        actor=dataclasses.replace(w.actor, remat_policy="full"),
+        critic=dataclasses.replace(w.critic, remat_policy="full"),
+        actor_microbatches=8,
+        critic_microbatches=8,
+    )
+    tight = h100.replace(memory_bytes=max(est.estimate(plan, full, h100).memory_bytes.values()))
+    e = est.estimate_tuned(plan, w, tight)
+    assert e.fits
+    assert e.iteration_seconds <= est.estimate(plan, full, tight).iteration_seconds
+    lines = est.batch_bindings(e.workload)
+    assert f"actor/RoleConfig.remat_policy = {e.workload.actor.remat_policy!r}" in lines
+    assert f"RLConfig.offload = {tuple(e.workload.offload)!r}" in lines
+
+
+def test_memory_reserve_is_held_back_in_the_fit_check():
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    w = _llama7b_workload()
+    peak = max(est.estimate(plan, w, h100).memory_bytes.values())
+    exact = h100.replace(memory_bytes=peak)
+    assert est.estimate(plan, w, exact).fits
+    reserved = exact.replace(memory_reserve_bytes=1)
+    assert reserved.usable_bytes == peak - 1
+    e = est.estimate(plan, w, reserved)
+    assert not e.fits and "reserve" in e.reasons[0]
+    with pytest.raises(ValueError, match="memory_reserve_bytes"):
+        h100.replace(memory_reserve_bytes=h100.memory_bytes)

@@ -89,6 +89,7 @@ def test_presets_have_the_published_parameter_counts():
         "llama2_70b": 68_976_648_192,
         "llama3_8b": 8_030_261_248,
         "llama3_70b": 70_553_706_496,
+        "llama3_405b": 405_853_388_800,  # Llama 3.1 405B (tied: no; 128k vocab)
         "qwen2_7b": 7_615_616_512,
     }
     assert set(PRESETS) == set(expected)
@@ -375,11 +376,9 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
     generate = make_mesh(effective_plan(cfg, 8).for_role("actor", "generate").mesh)
     assert [d.id for d in generate.devices.flat] == [int(i) for i in gen.split("@")[1].split(",")]
     # and scores and trains with the batch knobs chosen with the plan (unless --fixed-batches)
-    assert best["batches"] == {
-        "infer_batch_size": 8,
-        "actor_microbatches": 2,
-        "critic_microbatches": 4,
-    }
+    batches = {k: best["batches"][k] for k in ("infer_batch_size", "actor_microbatches")}
+    assert batches == {"infer_batch_size": 8, "actor_microbatches": 2}
+    assert best["batches"]["critic_microbatches"] == 4
     assert (
         "scoring chunk 8 rows; micro-batches actor 2, critic 4"
         in _run_cli([*args, "--output", str(out)], capsys)[1]
@@ -409,6 +408,8 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
         (["--restarts", "-2"], "--restarts must be >= 0"),
         (["--exhaustive-limit", "-1"], "--exhaustive-limit must be >= 0"),
         (["--top", "0"], "--top must be >= 1"),
+        (["--memory-reserve", "-1"], "--memory-reserve must be a number of GiB >= 0"),
+        (["--memory-reserve", "1000"], "memory_reserve_bytes must be in [0, memory_bytes)"),
         (["--critic", "llama2_70"], "unknown model preset 'llama2_70'"),
         (["--devices", "8", "--actor", "llama2_70b", "--critic", "llama2_70b"], "no plan can fit"),
     ],
@@ -426,6 +427,26 @@ def test_cli_errors_are_one_line(tmp_path, capsys, fake_profile, fake_cost, extr
     assert rc == 2
     assert needle in err and err.count("\n") == 1, err
     assert not out.exists() and stdout == ""
+
+
+def test_cli_states_the_memory_reserve_of_its_fit_check(
+    tmp_path, capsys, fake_profile, monkeypatch
+):
+    seen = []
+
+    def make(workload, profile, tune_batches=False):
+        seen.append(profile)
+        return _memory_cost(lambda n: True)
+
+    monkeypatch.setattr(search_mod, "default_cost_fn", make)
+    out = tmp_path / "plan.gin"
+    args = ["--config", "configs/grpo_tiny.gin", "--devices", "4", "--device-kind", fake_profile]
+    rc, stdout, err = _run_cli([*args, "--output", str(out), "--memory-reserve", "2.5"], capsys)
+    assert rc == 0, err
+    assert seen[0].memory_reserve_bytes == int(2.5 * 2**30)
+    line = "fit check: 77.5 GiB usable per device (80.0 GiB in the"
+    assert line in stdout and "2.5 GiB reserve" in stdout
+    assert line in out.read_text().replace("\n# ", " ")
 
 
 @pytest.mark.parametrize("fits", [True, False])

@@ -63,8 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fixed-batches",
         action="store_true",
-        help="keep the config's RLConfig.infer_batch_size and RoleConfig.microbatches instead "
-        "of choosing them per plan (and writing them to the gin file)",
+        help="keep the config's batch and memory knobs (RLConfig.infer_batch_size, "
+        "generation_copy, offload; RoleConfig.microbatches, remat_policy) instead of choosing "
+        "them per plan (and writing them to the gin file)",
+    )
+    p.add_argument(
+        "--memory-reserve",
+        type=float,
+        metavar="GIB",
+        help="GiB per device held back in the fit check for allocator fragmentation and runtime "
+        "buffers (default: the profile's memory_reserve_bytes, 0 for the built-in ones)",
     )
     p.add_argument(
         "--exhaustive-limit",
@@ -141,6 +149,20 @@ def describe_best(result, absent: dict[str, str] | None = None) -> str:
             f", critic {w.critic_microbatches}" if w.critic is not None else ""
         )
         lines.append(f"  batches: scoring chunk {chunk} rows; micro-batches {mbs}")
+        remat = f"actor {w.actor.remat_policy}" + (
+            f", critic {w.critic.remat_policy}" if w.critic is not None else ""
+        )
+        offload = ", ".join(w.offload) or "nothing"
+        host = sum(getattr(est, "offload_seconds", {}).values())
+        lines.append(
+            f"  memory: remat {remat}; generation copy {w.generation_copy}; offloaded to host "
+            f"{offload}" + (f" ({_fmt_s(host)} s of host copies)" if w.offload else "")
+        )
+    breakdown = getattr(est, "memory_breakdown", {})
+    for call, parts in breakdown.items():
+        total = sum(parts.values())
+        items = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v >= 2**26)
+        lines.append(f"  peak {call:16s} {total / 2**30:.1f} GiB ({items})")
     phases = ", ".join(f"{p} {_fmt_s(est.phase_seconds.get(p, 0.0))} s" for p in PHASES)
     lines.append(f"  timeline: {phases}; iteration {_fmt_s(est.iteration_seconds)} s")
     for name in ("flatten", "interleave", "separate"):
@@ -163,6 +185,7 @@ def gin_header(argv: list[str], result, profile, num_devices: int) -> str:
             f"estimated iteration {_fmt_s(best.estimate.iteration_seconds)} s (an estimate from "
             f"the {profile.name} profile, not a measurement)"
             + ("." if best.estimate.fits else "; it does not fit in memory."),
+            memory_line(profile) + ".",
             f"Runs only where jax sees {num_devices} devices of that kind: include it after the "
             "base config,",
             "  python -m jrlhf.train --config BASE.gin --config THIS.gin",
@@ -171,13 +194,18 @@ def gin_header(argv: list[str], result, profile, num_devices: int) -> str:
 
 
 def _batches(w) -> dict | None:
-    """The batch knobs a plan was priced with (None when the estimate does not say)."""
+    """The batch and memory knobs a plan was priced with (None when the estimate does not
+    say)."""
     if w is None:
         return None
     return {
         "infer_batch_size": w.infer_batch_size,
         "actor_microbatches": w.actor_microbatches,
         "critic_microbatches": w.critic_microbatches,
+        "actor_remat_policy": w.actor.remat_policy,
+        "critic_remat_policy": w.critic.remat_policy if w.critic is not None else None,
+        "generation_copy": w.generation_copy,
+        "offload": list(w.offload),
     }
 
 
@@ -195,6 +223,8 @@ def result_json(result) -> dict:
             "fits": est.fits,
             "reasons": list(est.reasons),
             "batches": _batches(getattr(est, "workload", None)),
+            "memory_breakdown": dict(getattr(est, "memory_breakdown", {})),
+            "offload_seconds": dict(getattr(est, "offload_seconds", {})),
         }
 
     return {
@@ -229,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--config is required (a gin file such as configs/llama3_8b_ppo.gin)")
     if args.devices is not None and args.devices < 1:
         return fail(f"--devices must be >= 1, got {args.devices}")
+    if args.memory_reserve is not None and not (
+        math.isfinite(args.memory_reserve) and args.memory_reserve >= 0
+    ):
+        return fail(f"--memory-reserve must be a number of GiB >= 0, got {args.memory_reserve}")
     if args.top < 1:
         return fail(f"--top must be >= 1, got {args.top}")
     for flag in ("steps", "restarts", "exhaustive_limit"):
@@ -239,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kind = args.device_kind or local_device_kind()
         profile = DeviceProfile.load(kind)
+        if args.memory_reserve is not None:
+            profile = profile.replace(memory_reserve_bytes=int(args.memory_reserve * 2**30))
     except (ValueError, OSError) as e:
         return fail(str(e).splitlines()[0])
     num_devices = args.devices
@@ -272,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     best = result.best
     text = best.plan.to_gin(gin_header(argv, result, profile, num_devices))
     if not args.fixed_batches and getattr(best.estimate, "workload", None) is not None:
-        text += "# batch knobs chosen with the plan (--fixed-batches keeps the config's)\n"
+        text += (
+            "# batch and memory knobs chosen with the plan (--fixed-batches keeps the config's)\n"
+        )
         text += "\n".join(batch_bindings(best.estimate.workload)) + "\n"
     if profile.shared_host:
         # Fake CPU devices are made by the trainer from this setting; a plan for N needs N.
@@ -303,16 +341,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result.ranking_rule()}:")
         print(format_table(result))
         print(describe_best(result, absent_calls(workload)))
+        print(memory_line(profile))
         if not best.estimate.fits:
             print(
                 f"warning: no plan fits in memory; the written plan is the one least over it "
                 f"(peak {peak_memory_bytes(best.estimate) / 2**30:.1f} GiB per device, "
-                f"{profile.name} has {profile.memory_bytes / 2**30:.1f} GiB)"
+                f"{profile.name} has {profile.usable_bytes / 2**30:.1f} GiB usable)"
             )
             print(f"wrote {out}")
             return 1
         print(f"wrote {out}")
     return 0
+
+
+def memory_line(profile) -> str:
+    """The fit check's capacity, stated: device memory less the reserve."""
+    reserve = profile.memory_reserve_bytes / 2**30
+    return (
+        f"fit check: {profile.usable_bytes / 2**30:.1f} GiB usable per device "
+        f"({profile.memory_bytes / 2**30:.1f} GiB in the {profile.name} profile, "
+        f"{reserve:.1f} GiB reserve; --memory-reserve sets it)"
+    )
 
 
 def count_line(result) -> str:

@@ -117,6 +117,28 @@ def llama3_70b(**overrides: Any) -> ModelConfig:
     )
 
 
+def llama3_405b(**overrides: Any) -> ModelConfig:
+    """meta-llama/Llama-3.1-405B's shape: 126 layers, hidden 16384, 128 heads / 8 KV heads, MLP
+    53248, 128k vocabulary; 4.06e11 parameters (the RoPE scaling of 3.1's long context is not
+    modelled: positions up to 8192 as Llama 3)."""
+    return _make(
+        dict(
+            vocab_size=128256,
+            hidden_size=16384,
+            intermediate_size=53248,
+            num_layers=126,
+            num_heads=128,
+            num_kv_heads=8,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+            bos_token_id=128000,
+            eos_token_id=128001,
+        ),
+        overrides,
+    )
+
+
 def qwen2_7b(**overrides: Any) -> ModelConfig:
     """Qwen/Qwen2-7B: 7.62e9 parameters, q/k/v biases, 28 heads (so tensor size 8 cannot split
     them: at most tensor=4, which the planner's divisibility check enforces)."""
@@ -150,6 +172,7 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "llama2_70b": llama2_70b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
+    "llama3_405b": llama3_405b,
     "qwen2_7b": qwen2_7b,
 }
 

@@ -23,11 +23,20 @@ and rule set (the same partitioning ``NamedSharding`` uses), so plans over devic
 exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
 against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices.
 
-Memory per device is what lives there for the whole iteration (train states with fp32 AdamW
-moments, the actor's generation copy, frozen models, the KV pool) plus what the running call needs
-transiently (gradients, activations under the remat policy, FSDP-gathered weights of one scanned
-layer at a time plus the embedding and head, logits); ``tests/test_plan_estimator.py`` compares
-the transient bytes with XLA's memory analysis of the trainer's compiled steps.
+Memory per device is what lives there during the call's phase (train states with fp32 AdamW
+moments, the actor's generation copy, frozen models, the KV pool; the memory knobs take some of
+them off the devices outside their phases, as ``jrlhf.ppo.residency`` does) plus what the
+running call needs transiently (gradients, activations under the remat policy, FSDP-gathered
+weights of one scanned layer at a time plus the embedding and head, logits);
+``tests/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis of the
+trainer's compiled steps. A plan fits when every call's peak is within the profile's
+``usable_bytes`` (its memory less the reserve).
+
+Memory knobs (``tune_batches`` chooses them per plan with the batch knobs): the remat policy of
+each training call (in the role's ModelConfig), a dropped generation copy (no time: the reshard
+after the update rebuilds it anyway) and state offloaded to host memory (``RLConfig.offload``:
+each item crosses the host link once each way per iteration, at ``host_bandwidth``, in the
+phases where the trainer moves it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jrlhf.config import DROPPED_COPY_PHASES, OFFLOAD_PHASES
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
 from jrlhf.models.config import ModelConfig
@@ -58,7 +68,11 @@ from jrlhf.placement.workload import (
 )
 from jrlhf.reshard.layout import moved_elements
 
+replace = dataclasses.replace
+
 PHASES = ("generate", "score", "train", "reshard")
+# The trainer phase each kind of call runs in (residents are per phase).
+CALL_PHASE = {"generate": "generate", "infer": "score", "train": "train"}
 MOMENT_BYTES = 8  # AdamW mu + nu, float32 each
 GIB = 2**30
 
@@ -76,6 +90,11 @@ class PlanEstimate:
     # the workload priced: with ``estimate_tuned``, the config's with the batch knobs chosen
     # for this plan (scoring chunk, micro-batches)
     workload: Workload | None = None
+    # seconds of host-memory copies per offloaded item (included in phase_seconds)
+    offload_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # for each call: what its most loaded device holds at its peak ({what: bytes}, "working"
+    # being the call's transient bytes)
+    memory_breakdown: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v:.3g}s" for k, v in self.phase_seconds.items())
@@ -101,7 +120,8 @@ def _param_table(
     )
 
 
-def _dim_axes(logical: tuple, spec: MeshSpec, rules: str) -> list[tuple[str, ...]]:
+@functools.lru_cache(maxsize=16384)
+def _dim_axes(logical: tuple, spec: MeshSpec, rules: str) -> tuple[tuple[str, ...], ...]:
     """Mesh axes each dimension is split over: the rule set's PartitionSpec on this mesh shape.
 
     ``logical_to_spec`` only reads ``mesh.shape``, so a stand-in with the MeshSpec's axis sizes
@@ -111,7 +131,7 @@ def _dim_axes(logical: tuple, spec: MeshSpec, rules: str) -> list[tuple[str, ...
     out = []
     for part in logical_to_spec(logical, fake, get_rules(rules)):
         out.append(() if part is None else (part,) if isinstance(part, str) else tuple(part))
-    return out
+    return tuple(out)
 
 
 def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -198,6 +218,7 @@ class _Geometry:
     nodes: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
     spec = p.mesh
 
@@ -419,6 +440,8 @@ def reshard_seconds(
 ) -> float:
     """Bytes each target device receives (from the shardings) over the links the move spans."""
     cfg, head = w.models()[edge.role]
+    # the layouts do not depend on the remat policy: one cache entry for every policy
+    cfg = replace(cfg, remat_policy="none") if cfg.remat_policy != "none" else cfg
     src, dst = plan[edge.src], plan[edge.dst]
     per_device = reshard_bytes_per_device(cfg, head, src, dst)
     devices = src.devices | dst.devices
@@ -437,8 +460,13 @@ def _state_bytes(cfg: ModelConfig, head: str, p: CallPlacement, train: bool) -> 
     """Parameters (and, for a trained model, fp32 AdamW moments) on one device."""
     b = shard_bytes(cfg, head, p)
     if train:
-        b += b // itemsize(cfg.param_dtype) * MOMENT_BYTES
+        b += _moment_bytes(cfg, head, p)
     return b
+
+
+def _moment_bytes(cfg: ModelConfig, head: str, p: CallPlacement) -> int:
+    """fp32 AdamW moments of the parameters one device holds."""
+    return shard_bytes(cfg, head, p) // itemsize(cfg.param_dtype) * MOMENT_BYTES
 
 
 def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
@@ -448,36 +476,101 @@ def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
     return int(per_shard / g.kv_tensor)
 
 
-def _resident(
+def _resident_parts(
     w: Workload, plan: ExecutionPlan, profile: DeviceProfile
-) -> dict[int, dict[str, int]]:
-    """device -> {what: bytes} for everything that lives on the device across the iteration."""
-    out: dict[int, dict[str, int]] = {}
-
-    def add(devices, what: str, nbytes: int):
-        for d in devices:
-            out.setdefault(d, {})
-            out[d][what] = out[d].get(what, 0) + int(nbytes)
-
+) -> list[tuple[str, str | None, frozenset[int], int]]:
+    """Everything that can live on the devices across an iteration, as (what, knob, devices,
+    bytes per device); ``knob`` names the memory knob that can take it off the devices
+    (an RLConfig.offload item or "generation_copy"), None for what always stays."""
+    out = []
     models = w.models()
     for role, (cfg, head) in models.items():
         if role in ("actor", "critic"):
             train = plan.for_role(role, "train")
-            add(train.devices, f"{role} params+adam", _state_bytes(cfg, head, train, True))
-        elif role == "reference":
-            p = plan["reference_infer"]
-            add(p.devices, "reference params", _state_bytes(cfg, head, p, False))
-        elif role == "reward":
-            p = plan["reward_infer"]
-            add(p.devices, "reward params", _state_bytes(cfg, head, p, False))
+            out.append((f"{role} params", None, train.devices, shard_bytes(cfg, head, train)))
+            out.append(
+                (
+                    f"{role} adam",
+                    f"{role}_optimizer",
+                    train.devices,
+                    _moment_bytes(cfg, head, train),
+                )
+            )
+        else:  # reference, reward
+            p = plan[f"{role}_infer"]
+            out.append((f"{role} params", role, p.devices, shard_bytes(cfg, head, p)))
     gen = plan["actor_generate"]
-    # the generation copy always exists in the trainer (the resharder's output); it is the
-    # "shadow" copy when generation has its own devices
-    add(gen.devices, "actor generation copy", _state_bytes(w.actor, "lm", gen, False))
-    add(gen.devices, "kv pool", _kv_pool_bytes(w, _geometry(gen, profile)))
+    # the generation copy is the resharder's output: the "shadow" copy when generation has its
+    # own devices
+    copy = shard_bytes(w.actor, "lm", gen)
+    out.append(("actor generation copy", "generation_copy", gen.devices, copy))
+    out.append(("kv pool", None, gen.devices, _kv_pool_bytes(w, _geometry(gen, profile))))
     if "critic" in models and plan["critic_infer"] != plan["critic_train"]:
         p = plan["critic_infer"]
-        add(p.devices, "critic inference copy", _state_bytes(w.critic, "value", p, False))
+        out.append(("critic inference copy", None, p.devices, shard_bytes(w.critic, "value", p)))
+    return out
+
+
+def _on_device(w: Workload, knob: str | None, phase: str) -> bool:
+    """Whether state under ``knob`` is on the devices during ``phase`` with ``w``'s settings:
+    offloaded items only in their phases (``OFFLOAD_PHASES``), a dropped generation copy only
+    from the reshard to the end of generation."""
+    if knob is None:
+        return True
+    if knob == "generation_copy":
+        return w.generation_copy != "dropped" or phase in DROPPED_COPY_PHASES
+    return knob not in w.offload or phase in OFFLOAD_PHASES[knob]
+
+
+def _resident(
+    w: Workload, plan: ExecutionPlan, profile: DeviceProfile, phase: str
+) -> dict[int, dict[str, int]]:
+    """device -> {what: bytes} for everything that lives on the device during ``phase`` (one of
+    PHASES): all of it without memory knobs."""
+    out: dict[int, dict[str, int]] = {}
+    for what, knob, devices, nbytes in _resident_parts(w, plan, profile):
+        if not _on_device(w, knob, phase):
+            continue
+        for d in devices:
+            out.setdefault(d, {})
+            out[d][what] = out[d].get(what, 0) + int(nbytes)
+    return out
+
+
+def _offload_items(w: Workload, plan: ExecutionPlan) -> dict[str, tuple[frozenset[int], int]]:
+    """item -> (devices, bytes per device) of each offloaded item this workload has."""
+    models = w.models()
+    out = {}
+    for item in w.offload:
+        role = item.removesuffix("_optimizer")
+        if role not in models:
+            continue
+        cfg, head = models[role]
+        if item.endswith("_optimizer"):
+            p = plan.for_role(role, "train")
+            out[item] = (p.devices, _moment_bytes(cfg, head, p))
+        else:
+            p = plan[f"{role}_infer"]
+            out[item] = (p.devices, _state_bytes(cfg, head, p, False))
+    return out
+
+
+def offload_seconds(
+    w: Workload, plan: ExecutionPlan, profile: DeviceProfile
+) -> dict[str, dict[str, float]]:
+    """item -> {phase: seconds} of the host-memory copies an offloaded item costs per iteration:
+    back to the device when its phase begins, out again when the next phase begins (where
+    ``jrlhf.ppo.residency`` makes them; the trainer waits for each). Every device copies its own
+    shard over its own link (all at once); on a shared host they share the machine's memory
+    bandwidth. An unknown ``host_bandwidth`` prices them at infinity."""
+    out: dict[str, dict[str, float]] = {}
+    for item, (devices, nbytes) in _offload_items(w, plan).items():
+        total = nbytes * (len(devices) if profile.shared_host else 1)
+        one = total / profile.host_bandwidth if profile.host_bandwidth > 0 else math.inf
+        back = OFFLOAD_PHASES[item][0]
+        out_phase = PHASES[(PHASES.index(OFFLOAD_PHASES[item][-1]) + 1) % len(PHASES)]
+        out[item] = {back: one}
+        out[item][out_phase] = out[item].get(out_phase, 0.0) + one
     return out
 
 
@@ -627,11 +720,21 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         "train": train,
         "reshard": sum(reshard.values()),
     }
+    offload = {}
+    for item, by_phase in offload_seconds(w, plan, profile).items():
+        offload[item] = sum(by_phase.values())
+        for phase, secs in by_phase.items():
+            phases[phase] += secs
+        if not math.isfinite(offload[item]):
+            reasons.append(f"offload {item}: profile {profile.name} has no host_bandwidth")
 
-    resident = _resident(w, plan, profile)
     memory = {c: 0 for c in CALLS}
+    breakdown: dict[str, dict[str, int]] = {}
+    capacity = profile.usable_bytes
+    residents = {ph: _resident(w, plan, profile, ph) for ph in ("generate", "score", "train")}
     for call in active:
         p = plan[call]
+        resident = residents[CALL_PHASE[CALLS[call][1]]]
         working = _working_bytes(w, call, p, profile)
         worst_device, worst = None, -1.0
         for d in p.devices:
@@ -639,14 +742,20 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
             if total > worst:
                 worst_device, worst = d, total
         memory[call] = int(worst)
-        if worst > profile.memory_bytes:
+        breakdown[call] = {**resident.get(worst_device, {}), "working": int(working)}
+        if worst > capacity:
             parts = ", ".join(
                 f"{k} {_fmt(v)}" for k, v in sorted(resident.get(worst_device, {}).items())
+            )
+            reserve = (
+                f" less a {_fmt(profile.memory_reserve_bytes)} reserve"
+                if profile.memory_reserve_bytes
+                else ""
             )
             reasons.append(
                 f"{call}: needs {_fmt(worst)} per device on device {worst_device} "
                 f"({parts}, working {_fmt(working)}) but {profile.name} has "
-                f"{_fmt(profile.memory_bytes)}"
+                f"{_fmt(profile.memory_bytes)}{reserve}"
             )
     return PlanEstimate(
         plan=plan,
@@ -662,6 +771,8 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         fits=not reasons,
         reasons=reasons,
         workload=w,
+        offload_seconds=offload,
+        memory_breakdown=breakdown,
     )
 
 
@@ -670,81 +781,193 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pick(options: list[tuple[float, float, int]], capacity: float) -> int:
-    """The knob value of the fastest option whose peak fits ``capacity`` (ties: the earlier
+def _pick(options: list[tuple[float, float, object]], capacity: float) -> int:
+    """The index of the fastest option whose peak fits ``capacity`` (ties: the earlier
     option); when none fits, the one least over memory. Options: (seconds, peak, value)."""
-    fitting = [o for o in options if o[1] <= capacity]
+    fitting = [i for i, o in enumerate(options) if o[1] <= capacity]
     if fitting:
-        return min(fitting, key=lambda o: o[0])[2]
-    return min(options, key=lambda o: (o[1], o[0]))[2]
+        return min(fitting, key=lambda i: options[i][0])
+    return min(range(len(options)), key=lambda i: (options[i][1], options[i][0]))
 
 
-def tune_batches(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> Workload:
-    """``workload`` with the scoring chunk (``infer_batch_size``) and the actor's and critic's
-    micro-batches chosen for ``plan``: the fastest that fit in memory, else the least over.
+def _remat_options(cfg: ModelConfig) -> list[str]:
+    """Remat policies to try for a training call: the config's first (it wins ties), then
+    none, dots, full (dots_no_batch is priced as dots)."""
+    out = [cfg.remat_policy]
+    for policy in ("none", "dots", "full"):
+        if policy not in out:
+            out.append(policy)
+    return out
 
-    The knobs are independent in the estimate: the chunk changes only the scoring calls' time
-    and working memory, a role's micro-batches only its training call's (residents do not
-    depend on them), so each is chosen on its own calls. Candidates divide the batch they split
-    (the rollout rows, the minibatch) and split over every affected call's batch shards.
+
+def _residency_options(w: Workload, profile: DeviceProfile) -> list[tuple[str, tuple[str, ...]]]:
+    """(generation_copy, offload) settings to try, fewest knobs first (they win ties). Offload
+    only where the profile knows the host link's bandwidth."""
+    models = w.models()
+    items = [
+        item
+        for item in ("reference", "reward", "actor_optimizer", "critic_optimizer")
+        if item.removesuffix("_optimizer") in models
+    ]
+    if profile.host_bandwidth <= 0:
+        items = []
+    subsets = [
+        tuple(item for i, item in enumerate(items) if mask >> i & 1)
+        for mask in range(1 << len(items))
+    ]
+    subsets.sort(key=len)
+    return [(copy, sub) for sub in subsets for copy in ("kept", "dropped")]
+
+
+@functools.lru_cache(maxsize=65536)
+def _call_cost(
+    w: Workload, call: str, p: CallPlacement, profile: DeviceProfile
+) -> tuple[float, float]:
+    """(seconds, working bytes) of a scoring or training call: the search meets the same call
+    placement in many plans, and the tuner prices every knob value of it."""
+    role, phase = CALLS[call]
+    if phase == "infer":
+        seconds = infer_seconds(w, role, p, profile)
+    else:
+        seconds = train_seconds(w, role, p, profile)
+    return seconds, _working_bytes(w, call, p, profile)
+
+
+def tune_batches(
+    plan: ExecutionPlan, workload: Workload, profile: DeviceProfile, memory_knobs: bool = True
+) -> Workload:
+    """``workload`` with its knobs chosen for ``plan``: the scoring chunk (``infer_batch_size``),
+    the actor's and critic's micro-batches and, with ``memory_knobs``, each training call's
+    remat policy, the generation copy's lifetime and what is offloaded to host memory. The
+    fastest setting that fits in ``usable_bytes``, else the one least over.
+
+    Each knob changes only some calls: the chunk the scoring calls' time and working memory, a
+    role's micro-batches and remat policy only its training call's, and the residency knobs the
+    residents of each phase (hence every call's headroom) and the host copies' time. So the
+    per-call options are priced once, and for each residency setting the fastest fitting
+    option of each call is taken; the setting with the smallest total (its host copies plus
+    the chosen calls' seconds) among those where every call fits wins. Candidates divide the
+    batch they split (the rollout rows, the minibatch) and split over every affected call's
+    batch shards.
     """
     w = workload
     active = _active_calls(w)
-    resident = _resident(w, plan, profile)
+    capacity = profile.usable_bytes
 
-    def peak(wk: Workload, call: str) -> float:
-        p = plan[call]
-        top = max((sum(resident.get(d, {}).values()) for d in p.devices), default=0)
-        return top + _working_bytes(wk, call, p, profile)
-
-    def options(calls: list[str], variants: list[tuple[int, Workload]]):
+    def priced(calls: list[str], variants: list[tuple[object, Workload]]):
+        """(seconds over ``calls``, {call: working bytes}, value) per admissible variant."""
         out = []
         for value, wk in variants:
             if any(batch_problem(wk, c, plan[c]) for c in calls):
                 continue
-            seconds = 0.0
+            seconds, working = 0.0, {}
             for c in calls:
-                role, phase = CALLS[c]
-                if phase == "infer":
-                    seconds += infer_seconds(wk, role, plan[c], profile)
-                else:
-                    seconds += train_seconds(wk, role, plan[c], profile)
-            out.append((seconds, max(peak(wk, c) for c in calls), value))
+                secs, working[c] = _call_cost(wk, c, plan[c], profile)
+                seconds += secs
+            out.append((seconds, working, value))
         return out
 
-    changes: dict[str, int] = {}
+    # the knob groups: the scoring chunk over every scoring call, then each trained role
+    groups: list[tuple[list[str], list]] = []
     infer_calls = [c for c in INFERENCE_CALLS if c in active]
     # largest chunk first, so a tie in time keeps the fewer calls
     chunks = sorted(_divisors(w.rows), reverse=True)
-    variants = [(c, dataclasses.replace(w, infer_batch_size=c)) for c in chunks]
-    found = options(infer_calls, variants)
-    if found:
-        chosen = _pick(found, profile.memory_bytes)
-        changes["infer_batch_size"] = 0 if chosen == w.rows else chosen
+    groups.append(
+        (
+            infer_calls,
+            priced(
+                infer_calls,
+                [
+                    ({"infer_batch_size": 0 if c == w.rows else c}, replace(w, infer_batch_size=c))
+                    for c in chunks
+                ],
+            ),
+        )
+    )
     for role in ("actor", "critic"):
         call = f"{role}_train"
         if call not in active:
             continue
-        ms = _divisors(min(w.minibatch_size, w.rows))
-        variants = [(m, dataclasses.replace(w, **{f"{role}_microbatches": m})) for m in ms]
-        found = options([call], variants)
-        if found:
-            changes[f"{role}_microbatches"] = _pick(found, profile.memory_bytes)
-    return dataclasses.replace(w, **changes)
+        cfg = getattr(w, role)
+        policies = _remat_options(cfg) if memory_knobs else [cfg.remat_policy]
+        variants = []
+        for policy in policies:
+            rcfg = replace(cfg, remat_policy=policy) if policy != cfg.remat_policy else cfg
+            for m in _divisors(min(w.minibatch_size, w.rows)):
+                change = {f"{role}_microbatches": m, role: rcfg}
+                variants.append((change, replace(w, **change)))
+        groups.append(([call], priced([call], variants)))
+
+    settings = _residency_options(w, profile) if memory_knobs else []
+    settings = settings or [(w.generation_copy, w.offload)]
+    # Devices holding the same parts hold the same bytes in every setting: price one of each.
+    parts = _resident_parts(w, plan, profile)
+    holds: dict[int, list[int]] = {}
+    for i, (_, _, devices, _) in enumerate(parts):
+        for d in devices:
+            holds.setdefault(d, []).append(i)
+    kinds = {c: {tuple(holds.get(d, ())) for d in plan[c].devices} for c in active}
+    # Host copies only add time: a setting whose copies alone, with every call at its fastest,
+    # take longer than the best fitting total so far cannot win (settings in order of copies).
+    fastest = sum(min(o[0] for o in options) for _, options in groups if options)
+
+    def copies(setting) -> float:
+        wr = replace(w, generation_copy=setting[0], offload=setting[1])
+        return sum(sum(v.values()) for v in offload_seconds(wr, plan, profile).values())
+
+    costed = sorted(((copies(st), i, st) for i, st in enumerate(settings)), key=lambda x: x[:2])
+    best = None
+    for host_s, _, (copy, offload) in costed:
+        if best is not None and not best[0][0] and host_s + fastest >= best[0][1]:
+            break
+        wr = replace(w, generation_copy=copy, offload=offload)
+
+        def top(call: str, wr: Workload = wr) -> float:
+            phase = CALL_PHASE[CALLS[call][1]]
+            return max(
+                sum(parts[i][3] for i in kind if _on_device(wr, parts[i][1], phase))
+                for kind in kinds[call]
+            )
+
+        seconds = host_s
+        over = 0.0  # the largest peak / capacity over the calls
+        if "actor_generate" in active:
+            gen_peak = top("actor_generate") + _working_bytes(
+                wr, "actor_generate", plan["actor_generate"], profile
+            )
+            over = gen_peak / capacity
+        changes: dict = {"generation_copy": copy, "offload": offload}
+        for calls, options in groups:
+            if not options:
+                continue
+            tops = {c: top(c) for c in calls}
+            peaks = [(o[0], max(tops[c] + o[1][c] for c in calls), o[2]) for o in options]
+            i = _pick(peaks, capacity)
+            seconds += peaks[i][0]
+            over = max(over, peaks[i][1] / capacity)
+            changes.update(peaks[i][2])
+        key = (over > 1, seconds if over <= 1 else over)
+        if best is None or key < best[0]:
+            best = (key, changes)
+    return replace(w, **best[1])
 
 
 def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) -> PlanEstimate:
-    """``estimate`` with the batch knobs ``tune_batches`` chooses for this plan (the estimate's
-    ``workload`` carries them)."""
+    """``estimate`` with the batch and memory knobs ``tune_batches`` chooses for this plan (the
+    estimate's ``workload`` carries them)."""
     return estimate(plan, tune_batches(plan, workload, profile), profile)
 
 
 def batch_bindings(workload: Workload) -> list[str]:
-    """Gin bindings that make the trainer use ``workload``'s batch knobs."""
+    """Gin bindings that make the trainer use ``workload``'s batch and memory knobs."""
     lines = [f"RLConfig.infer_batch_size = {workload.infer_batch_size}"]
     lines.append(f"actor/RoleConfig.microbatches = {workload.actor_microbatches}")
+    lines.append(f"actor/RoleConfig.remat_policy = {workload.actor.remat_policy!r}")
     if workload.critic is not None:
         lines.append(f"critic/RoleConfig.microbatches = {workload.critic_microbatches}")
+        lines.append(f"critic/RoleConfig.remat_policy = {workload.critic.remat_policy!r}")
+    lines.append(f"RLConfig.generation_copy = {workload.generation_copy!r}")
+    lines.append(f"RLConfig.offload = {tuple(workload.offload)!r}")
     return lines
 
 

@@ -42,6 +42,12 @@ class DeviceProfile:
     intra_node_bandwidth: float = 1e11  # per device, one direction, inside a node
     inter_node_bandwidth: float = 1e10  # per device, one direction, across nodes
     devices_per_node: int = 8
+    # device <-> host memory, per device, one direction (PCIe on GPUs): what parking state in
+    # host memory costs (RLConfig.offload). 0: unknown, and the planner does not offload.
+    host_bandwidth: float = 0.0
+    # held back from memory_bytes in the fit check (allocator fragmentation, runtime buffers);
+    # ``python -m jrlhf.plan --memory-reserve`` sets it
+    memory_reserve_bytes: int = 0
     # fixed costs
     call_overhead_s: float = 0.0  # one jitted call: dispatch + host sync
     forward_layer_overhead_s: float = 0.0  # per layer of a forward (kernel launches, small ops)
@@ -62,8 +68,19 @@ class DeviceProfile:
         for field in ("forward_efficiency", "train_efficiency", "decode_efficiency"):
             if not 0 < getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in (0, 10]")
+        if self.host_bandwidth < 0:
+            raise ValueError(f"profile {self.name!r}: host_bandwidth must be >= 0")
+        if not 0 <= self.memory_reserve_bytes < self.memory_bytes:
+            raise ValueError(
+                f"profile {self.name!r}: memory_reserve_bytes must be in [0, memory_bytes)"
+            )
         if self.devices_per_node < 1:
             raise ValueError(f"profile {self.name!r}: devices_per_node must be >= 1")
+
+    @property
+    def usable_bytes(self) -> int:
+        """Device memory a plan may fill: ``memory_bytes`` less the reserve."""
+        return self.memory_bytes - self.memory_reserve_bytes
 
     def replace(self, **changes: Any) -> DeviceProfile:
         return dataclasses.replace(self, **changes)

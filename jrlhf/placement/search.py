@@ -390,15 +390,16 @@ def search(
     profile)``. With more than ``exhaustive_limit`` plans in the space the search runs
     ``restarts`` annealing chains of ``steps`` proposals each (seeded by ``seed``).
 
-    ``tune_batches``: also choose, per plan, the scoring chunk and the actor's and critic's
-    micro-batches (``estimator.tune_batches``; each estimate's ``workload`` says which). The
+    ``tune_batches``: also choose, per plan, the scoring chunk, the actor's and critic's
+    micro-batches and remat policies, and the memory knobs (generation copy, offload;
+    ``estimator.tune_batches``; each estimate's ``workload`` says which). The
     candidate slots are still those the config's batch sizes admit.
     """
     if cost_fn is None:
         if profile is None:
             raise ValueError("search needs a device profile or a cost_fn")
         cost_fn = default_cost_fn(workload, profile, tune_batches)
-    capacity = getattr(profile, "memory_bytes", None)
+    capacity = getattr(profile, "usable_bytes", getattr(profile, "memory_bytes", None))
     space = space or SearchSpace(
         workload, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
     )
@@ -570,23 +571,31 @@ def check_device_count(num_devices: int, profile: Any) -> None:
 
 
 def check_fits_somewhere(workload: Any, num_devices: int, profile: Any) -> None:
-    """One-line error when no plan can fit: the parameters of every model, the AdamW moments of
-    the trained ones and the actor's generation copy exist in every plan, so even spread evenly
-    over all ``num_devices`` devices they need at least this much per device (working memory,
-    the KV pool and uneven shards only add to it)."""
-    total = 0
+    """One-line error when no plan can fit, whatever its memory knobs: while scoring, every
+    model's parameters are on the devices; while training, the trained models' parameters and
+    AdamW moments (frozen models, the generation copy and optimizer state can leave the devices
+    only outside those phases). Even spread evenly over all ``num_devices`` devices, the larger
+    of the two needs at least this much per device (working memory, the KV pool and uneven
+    shards only add to it)."""
+    params = moments = 0
     for role, (cfg, head) in workload.models().items():
-        total += param_bytes(cfg, head)
+        params += param_bytes(cfg, head)
         if role in ("actor", "critic"):
-            total += num_params(cfg, head) * MOMENT_BYTES
-    total += param_bytes(workload.actor, "lm")  # the generation copy
-    floor, capacity = total / num_devices, profile.memory_bytes
+            moments += num_params(cfg, head) * MOMENT_BYTES
+    trained = sum(
+        param_bytes(cfg, head)
+        for role, (cfg, head) in workload.models().items()
+        if role in ("actor", "critic")
+    )
+    total = max(params, trained + moments)
+    floor, capacity = total / num_devices, profile.usable_bytes
     if floor > capacity:
         raise ValueError(
-            f"no plan can fit: the models' weights, AdamW moments and the actor's generation copy "
-            f"alone need {floor / 2**30:.1f} GiB per device on {num_devices} devices "
-            f"({profile.name} has {capacity / 2**30:.1f} GiB); plan for at least "
-            f"{math.ceil(total / capacity)} devices (more for working memory) or smaller models"
+            f"no plan can fit: the models' weights (while scoring) or the trained models' "
+            f"weights and AdamW moments (while training) alone need {floor / 2**30:.1f} GiB per "
+            f"device on {num_devices} devices ({profile.name} has {capacity / 2**30:.1f} GiB "
+            f"usable); plan for at least {math.ceil(total / capacity)} devices (more for "
+            "working memory) or smaller models"
         )
 
 

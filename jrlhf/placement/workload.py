@@ -52,6 +52,10 @@ class Workload:
     # RLConfig.max_staleness: with >= 1, generation of the next batch may overlap the rest of
     # the iteration (jrlhf.placement.estimator.iteration_seconds).
     max_staleness: int = 0
+    # Memory knobs (RLConfig.generation_copy, RLConfig.offload; jrlhf.ppo.residency). The remat
+    # policy of each training call is the role's ModelConfig.remat_policy.
+    generation_copy: str = "kept"
+    offload: tuple[str, ...] = ()
 
     @property
     def slots(self) -> int:
@@ -129,6 +133,8 @@ class Workload:
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
             max_staleness=getattr(cfg.rl, "max_staleness", 0) or 0,
+            generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
+            offload=tuple(getattr(cfg.rl, "offload", ())),
         )
 
 

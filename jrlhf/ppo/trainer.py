@@ -43,6 +43,7 @@ from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
 from jrlhf.ppo.staleness import (
@@ -281,6 +282,8 @@ class RLTrainer:
         self.resharder = Resharder()
         self.moved: dict[str, Any] = {}
         self.sync_weights()
+        # The memory knobs (RLConfig.offload, generation_copy): idle state off the devices.
+        self.residency = Residency(self)
 
         self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
         self.kl_ctl = algos.make_kl_controller(
@@ -329,14 +332,24 @@ class RLTrainer:
                 self.rl.max_staleness, sorted(gen), sorted(rest),
             )  # fmt: skip
             return None
+        if self.rl.offload or self.rl.generation_copy != "kept":
+            # Each side holds only its own process's state; the memory knobs move state of
+            # both sides at phase boundaries the two processes no longer share.
+            raise ValueError(
+                "RLConfig.max_staleness >= 1 with generation and training on separate processes "
+                "does not support RLConfig.offload or RLConfig.generation_copy='dropped' yet"
+            )
         return "generate" if jax.process_index() == 0 else "train"
 
-    def sync_weights(self) -> int:
-        """Follow the plan's reshard edges: each trained role's parameters move from its
-        training layout to the layout of the call that reads them next (between processes
-        when the plan separates them: jrlhf.reshard). Returns the bytes that crossed devices."""
+    def sync_weights(self, roles: Sequence[str] | None = None) -> int:
+        """Follow the plan's reshard edges (of ``roles``, default all): each trained role's
+        parameters move from its training layout to the layout of the call that reads them next
+        (between processes when the plan separates them: jrlhf.reshard). Returns the bytes that
+        crossed devices."""
         moved = 0
         for edge in self.edges:
+            if roles is not None and edge.role not in roles:
+                continue
             setup = self.roles[edge.role]
             phase = "generate" if edge.dst.endswith("_generate") else "infer"
             params = self.states[edge.role].params
@@ -389,10 +402,12 @@ class RLTrainer:
         kept = 0
         while True:
             with timer.phase("generate"):
+                self.residency.enter("generate")
                 # Round 0 samples as an iteration without dynamic sampling does.
                 sampling = self.rollout.sampling(it, salt=len(rounds))
                 rep_prompts, result = self.rollout.generate(self.gen_params, prompts, sampling)
             with timer.phase("score"):
+                self.residency.enter("score")
                 rep_meta = sample_meta(meta, result.prompt_index)
                 arrays = self.scorer(
                     rep_prompts, result.completion_ids, result.raw_logprobs, meta=rep_meta
@@ -455,11 +470,13 @@ class RLTrainer:
         it, k = self.iteration, self.rl.max_staleness
         timer = PhaseTimer()
         with timer.phase("generate"):
+            self.residency.enter("generate")
             self.fill_pipeline(draw)
         gen = self.pending.popleft()
         if gen.index != it:
             raise StalenessError(f"iteration {it} would train on batch {gen.index}")
         with timer.phase("score"):
+            self.residency.enter("score")
             arrays = self.score_batch(gen)
         versions = versions_bt(gen.token_versions, self.R)
         # The bound, checked on the tokens themselves, whatever produced them.
@@ -577,9 +594,11 @@ class RLTrainer:
             os._exit(137)
 
         with timer.phase("train"):
+            self.residency.enter("train")
             train_metrics = self.update(batch, kl_coef)  # fetches its metrics: synchronous
 
         with timer.phase("reshard") as ph:
+            self.residency.enter("reshard")
             moved = self.sync_weights()
             ph.block_on((self.gen_params, self.critic_infer_params))
 
@@ -725,6 +744,7 @@ class RLTrainer:
         """Sampled completions on held-out prompts: ground truth, reward model and KL to ref
         (the same rollout and sampling as ``python -m jrlhf.evaluate``); ``meta`` as in
         :meth:`run_iteration`."""
+        self.residency.fetch_all()
         return self.rollout.evaluate(self.gen_params, prompts, samples, meta=meta)
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -732,6 +752,7 @@ class RLTrainer:
         """Asynchronous save of everything a resume needs (layout: jrlhf.checkpoint); Orbax
         renames the step into place only once every item is written, so a crash mid-save
         leaves the last good step."""
+        self.residency.fetch_all()
         meta = {
             "iteration": self.iteration,
             "algorithm": self.algorithm,
@@ -756,6 +777,7 @@ class RLTrainer:
 
     def restore(self) -> dict[str, int] | None:
         """Restore the latest complete checkpoint; returns the loader state (None if none)."""
+        self.residency.fetch_all()
         targets = {}
         for role in self.trained:
             setup = self.roles[role]

@@ -147,7 +147,19 @@ def frozen_infer(
     seed: int,
     batch_size: int = 0,
 ) -> Callable[[dict], Any]:
-    """Load a frozen model (reference, reward) onto ``mesh`` and return ``arrays -> fn(...)``."""
+    """Load a frozen model (reference, reward) onto ``mesh`` and return ``arrays -> fn(...)``
+    (a :class:`FrozenModel`, whose ``params`` may be moved off the device while idle)."""
     params = load_weights(source, mesh, rules, seed)
-    infer = make_infer(source.model, mesh, rules, fn, batch_size)
-    return lambda arrays: infer(params, arrays)
+    return FrozenModel(make_infer(source.model, mesh, rules, fn, batch_size), params)
+
+
+class FrozenModel:
+    """A frozen model's parameters and its inference call: ``model(arrays)``. ``params`` is a
+    plain attribute so the trainer can park it in host memory between scoring phases
+    (jrlhf.ppo.residency) and put it back before the next call."""
+
+    def __init__(self, infer: Callable[[Params, dict], Any], params: Params):
+        self.infer, self.params = infer, params
+
+    def __call__(self, arrays: dict) -> Any:
+        return self.infer(self.params, arrays)
