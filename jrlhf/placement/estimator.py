@@ -233,7 +233,10 @@ def _comm_s(bytes_per_device: float, count: int, g: _Geometry, profile: DevicePr
     if bytes_per_device <= 0 or g.n <= 1:
         return 0.0
     bw = _link_bandwidth(g.nodes, profile)
-    return _work_s(bytes_per_device, g, bw, profile) + count * profile.collective_latency_s
+    # each collective's rendezvous: on a shared host every device's thread takes part in it on
+    # the same cores (calibrate.collective_fit measures it that way)
+    latency = _fixed_s(count * profile.collective_latency_s, g, profile)
+    return _work_s(bytes_per_device, g, bw, profile) + latency
 
 
 def _ring(bytes_total: float, k: int) -> float:
