@@ -47,9 +47,7 @@ def test_collective_fit_recovers_bandwidth_and_latency(shared):
         return k * received / bw + k * lat
 
     small, large = 64 * 1024 * 7 / 8, 8 * 2**20 * 7 / 8
-    got_bw, got_lat = cal.collective_fit(
-        (small, extra(small)), (large, extra(large)), n, shared
-    )
+    got_bw, got_lat = cal.collective_fit((small, extra(small)), (large, extra(large)), n, shared)
     assert got_bw == pytest.approx(bw, rel=1e-9)
     assert got_lat == pytest.approx(lat, rel=1e-6)
 
