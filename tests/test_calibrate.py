@@ -40,14 +40,25 @@ def test_measure_interleaved_rounds_alternate_tasks():
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_collective_fit_recovers_bandwidth_and_latency(shared):
-    n, bw, lat = 8, 6e9, 4e-5
-    k = n if shared else 1
+    n, bw, lat, cores = 8, 6e9, 4e-5, 2
+    profile = DeviceProfile(
+        name="t",
+        memory_bytes=2**33,
+        matmul_flops=5e10,
+        intra_node_bandwidth=bw,
+        collective_latency_s=lat,
+        shared_host=shared,
+        host_cores=cores,
+    )
+    g = est._Geometry(n, n, 1, 1, frozenset(range(n)), 1)
 
-    def extra(received):  # the estimator's _comm_s for one collective
-        return k * received / bw + k * lat
+    def extra(received):  # the estimator's price of one all-gather
+        return est._comm_s(received, 1, g, profile)
 
     small, large = 64 * 1024 * 7 / 8, 8 * 2**20 * 7 / 8
-    got_bw, got_lat = cal.collective_fit((small, extra(small)), (large, extra(large)), n, shared)
+    got_bw, got_lat = cal.collective_fit(
+        (small, extra(small)), (large, extra(large)), n, shared, cores
+    )
     assert got_bw == pytest.approx(bw, rel=1e-9)
     assert got_lat == pytest.approx(lat, rel=1e-6)
 
@@ -82,6 +93,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
         call_overhead_s=2e-5,
         collective_latency_s=3e-5,
         shared_host=shared,
+        host_cores=2,
     )
     truth = base.replace(
         forward_efficiency=0.6,
@@ -106,3 +118,18 @@ def test_fit_profile_recovers_a_known_profile(shared):
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
     assert set(fits) == {"forward", "train", "generate", "reshard"}
+
+
+def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
+    def fixed(n, shared, cores):
+        profile = DeviceProfile(
+            name="t", memory_bytes=1, matmul_flops=1.0, shared_host=shared, host_cores=cores
+        )
+        g = est._Geometry(n, n, 1, 1, frozenset(range(n)), 1)
+        return est._fixed_s(1.0, g, profile)
+
+    assert [fixed(n, True, 2) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
+    assert [fixed(n, True, 1) for n in (1, 2, 8)] == [1.0, 2.0, 8.0]  # the default: n times
+    assert [fixed(n, False, 2) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
+    with pytest.raises(ValueError, match="host_cores"):
+        DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)

@@ -60,9 +60,9 @@ CALIBRATION_MODELS = (
     dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2),
     dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
 )
-# (model index, fraction of the devices): the half-device runs separate per-device fixed costs
-# (which a shared host pays once per device program) and collectives from compute
-CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5))
+# (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
+# costs (which a shared host pays once per device program) and collectives from compute
+CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.125))
 MODEL_KINDS = ("forward", "train", "generate", "reshard")
 # A sample more than this many (scaled) median absolute deviations above the median is load from
 # elsewhere, not the measured program.
@@ -173,21 +173,35 @@ def microbenchmark_tasks(
     return tasks
 
 
+def _host_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this OS
+        return max(1, os.cpu_count() or 1)
+
+
 def collective_fit(
-    small: tuple[float, float], large: tuple[float, float], n: int, shared: bool
+    small: tuple[float, float],
+    large: tuple[float, float],
+    n: int,
+    shared: bool,
+    cores: int = 1,
 ) -> tuple[float, float]:
     """(bandwidth, latency per collective) from two all-gathers: (bytes received per device,
     seconds beyond the same program without the gather) at a small and a large size.
 
     In the estimator's terms (``estimator._comm_s``): ``extra = received / bandwidth + latency``
-    per device; on a shared host every device's copy and rendezvous run on the same cores, so
-    ``extra = n x received / bandwidth + n x latency``.
+    per device; on a shared host every device's copy runs on the same cores and memory, and
+    every device's thread takes part in the rendezvous, ``cores`` at a time, so
+    ``extra = n x received / bandwidth + n / min(n, cores) x latency``.
     """
     k = n if shared else 1
+    k_latency = n / min(n, cores) if shared else 1
     (b0, t0), (b1, t1) = small, large
     slope = max(t1 - t0, 1e-12) / max(b1 - b0, 1.0)  # seconds per received byte per device
     bandwidth = k / slope
-    latency = max(0.0, t0 - b0 * slope) / k
+    latency = max(0.0, t0 - b0 * slope) / k_latency
     return float(bandwidth), float(latency)
 
 
@@ -417,7 +431,9 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
             )
             for label in ("small", "large")
         }
-        coll_bw, coll_latency = collective_fit(extra["small"], extra["large"], n, shared)
+        coll_bw, coll_latency = collective_fit(
+            extra["small"], extra["large"], n, shared, _host_cores()
+        )
     else:
         copy = coll_bw = float("nan")
         coll_latency = 0.0
@@ -444,6 +460,7 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
         call_overhead_s=float(overhead / n if shared else overhead),
         collective_latency_s=float(coll_latency),
         shared_host=bool(shared),
+        host_cores=_host_cores() if shared else 1,
     )
     runs = [
         (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
