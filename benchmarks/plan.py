@@ -143,11 +143,20 @@ def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
 
 def _searched(args, n: int, profile) -> tuple[ExecutionPlan, dict[str, int], dict]:
     """The planner's best plan (and its batch knobs) for the bench's workload under
-    ``profile``, searched as ``python -m jrlhf.plan`` does."""
+    ``profile``, searched as ``python -m jrlhf.plan`` does but with shorter annealing chains
+    (``--search-steps``, ``--search-restarts``) to keep the bench short."""
     from jrlhf.placement.search import search
 
     base = _workload(_bindings(args, strategy("flatten", n), {}))
-    result = search(base, n, profile, tune_batches=True, devices_per_node=n)
+    result = search(
+        base,
+        n,
+        profile,
+        tune_batches=True,
+        devices_per_node=n,
+        steps=args.search_steps,
+        restarts=args.search_restarts,
+    )
     best = result.best
     plan = dataclasses.replace(best.plan, name="searched")
     info = {
@@ -191,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--iterations", type=int, default=4, help="trainer iterations per plan (first dropped)"
     )
+    p.add_argument("--search-steps", type=int, default=300, help="MCMC steps per chain")
+    p.add_argument("--search-restarts", type=int, default=2, help="MCMC chains")
     p.add_argument("--save-profile", help="also write the calibrated profile JSON here")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -223,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     t_calibrated = time.perf_counter()
     n = jax.device_count()
     results, errors = [], []
-    search_info = None
+    search_info, search_s = None, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             if name == "searched":
+                t0 = time.perf_counter()
                 plan, knobs, search_info = _searched(args, n, profile)
+                search_s = time.perf_counter() - t0
             else:
                 build, knobs = PLANS[name]
                 plan = build(n)
@@ -323,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "seconds": {
             "calibration": t_calibrated - t_start,
+            "search": search_s,
             "total": time.perf_counter() - t_start,
         },
     }
