@@ -168,6 +168,29 @@ def _searched(args, n: int, profile) -> tuple[ExecutionPlan, dict[str, int], dic
     return plan, _knobs(best.estimate.workload or base), info
 
 
+def _speed_probe() -> Callable[[], float]:
+    """A fixed piece of work (matmuls on all devices) whose robust time, taken before each plan
+    and after the calibration, shows whether the machine's speed changed in between (load from
+    other processes): it is reported, not used to adjust anything."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jrlhf.pipeline.calibrate import measure_interleaved
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("d",))
+    x = jax.device_put(jnp.ones((n, 256, 256)), NamedSharding(mesh, PartitionSpec("d")))
+    f = jax.jit(lambda v: jnp.einsum("nij,njk->nik", v, v))
+
+    def work():
+        for _ in range(8):
+            r = f(x)
+        r.block_until_ready()
+
+    return lambda: measure_interleaved({"probe": work}, rounds=3, repeat=3)["probe"]["seconds"]
+
+
 def _rel(e: float, m: float) -> float:
     return (e - m) / m if m > 0 else float("nan")
 
@@ -232,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_profile:
             profile.save(args.save_profile)
     t_calibrated = time.perf_counter()
+    probe = _speed_probe()
+    probe_calibrated = probe()
     n = jax.device_count()
     results, errors = [], []
     search_info, search_s = None, 0.0
@@ -246,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan = build(n)
             bindings = _bindings(args, plan, knobs)
             workload = _workload(bindings)
+            slowdown = probe() / probe_calibrated
             t0 = time.perf_counter()
             measured = _measure(bindings, Path(tmp) / name)
             run_s = time.perf_counter() - t0
@@ -278,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                     "estimated_memory_bytes": est.memory_bytes,
                     "fits": est.fits,
                     "trainer_run_s": run_s,
+                    "probe_slowdown": slowdown,
                 }
             )
     iteration_errors = [abs(r["iteration"]["rel_error"]) for r in results]
@@ -307,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
             "searched_knobs": by_name["searched"]["knobs"],
             **(search_info or {}),
         }
+    summary["probe_slowdown"] = {
+        "what": "time of a fixed matmul probe before each plan's run over its time right after "
+        "calibration: far from 1 means the machine's load changed between them",
+        **{r["plan"]: round(r["probe_slowdown"], 2) for r in results},
+    }
     out = {
         "benchmark": "plan_estimator",
         "device": f"{n} x {jax.devices()[0].platform}",
