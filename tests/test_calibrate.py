@@ -133,3 +133,28 @@ def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
     assert [fixed(n, False, 2) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
     with pytest.raises(ValueError, match="host_cores"):
         DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)
+
+
+def test_identity_reshard_still_pays_the_target_copy():
+    """The resharder's compiled transition writes a new copy even when training and generation
+    share a layout (nothing crosses devices): the estimate charges that copy."""
+    from jrlhf.meshes.mesh import MeshSpec
+    from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
+
+    _, _, w = cal._calibration_setup(cal.CALIBRATION_MODELS[0], "float32", 8)
+    same = CallPlacement(MeshSpec((("data", 4), ("tensor", 2)), tuple(range(8))), "dp_tp")
+    plan = ExecutionPlan.of("dp", **{c: same for c in CALLS})
+    (edge,) = plan.reshard_edges()
+    assert est.reshard_bytes(w.actor, "lm", same, same) == 0
+    for shared in (True, False):
+        profile = DeviceProfile(
+            name="t",
+            memory_bytes=2**33,
+            matmul_flops=5e10,
+            memory_bandwidth=2e9,
+            intra_node_bandwidth=4e9,
+            shared_host=shared,
+        )
+        shard = est.shard_bytes(w.actor, "lm", same)
+        want = shard * 8 / 4e9 if shared else 2 * shard / 2e9
+        assert est.reshard_seconds(w, edge, plan, profile) == pytest.approx(want)

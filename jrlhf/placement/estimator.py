@@ -423,19 +423,27 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
 def reshard_seconds(
     w: Workload, edge: ReshardEdge, plan: ExecutionPlan, profile: DeviceProfile
 ) -> float:
-    """Bytes each target device receives (from the shardings) over the links the move spans."""
+    """Bytes each target device receives (from the shardings) over the links the move spans,
+    plus writing the target copy: the resharder's compiled transition produces a new array on
+    every target device (read and written at memory bandwidth; on a shared host at the same
+    rate as the bytes from other devices, all being copies in one memory) even where nothing
+    crosses devices, e.g. an identity when training and generation share a layout."""
     cfg, head = w.models()[edge.role]
     src, dst = plan[edge.src], plan[edge.dst]
     per_device = reshard_bytes_per_device(cfg, head, src, dst)
     devices = src.devices | dst.devices
     nodes = len({d // profile.devices_per_node for d in devices})
     bw = _link_bandwidth(nodes, profile) * profile.reshard_efficiency
+    target = shard_bytes(cfg, head, dst)
     if profile.shared_host:
+        # one memory: a byte from another device and a local one are the same memcpy
         moved = sum(per_device.values()) / bw
+        copy = target * dst.mesh.size / bw
     else:
         moved = max(per_device.values(), default=0) / bw
+        copy = 2 * target / profile.memory_bandwidth
     latency = profile.collective_latency_s if moved > 0 else 0.0
-    return profile.reshard_overhead_s + moved + latency
+    return profile.reshard_overhead_s + moved + latency + copy
 
 
 # ------------------------------------------------------------------------------- memory model
