@@ -1,11 +1,18 @@
 """``python -m jrlhf.bench plan``: the cost estimator's error against measured trainer phase times.
 
-For each strategy (flatten, interleave, separate) this runs the real PPO trainer for a few
-iterations on the available devices (8 fake CPU devices without an accelerator), reads the phase
-times the trainer logs (``time/generate|score|train|reshard`` in logs/ppo/metrics.jsonl; the first
-iteration is dropped, it compiles), and compares their median with ``estimate()`` of the same plan
-under a calibrated device profile. Prints one JSON object: per plan and phase the measured and
-estimated seconds and the relative error, and the median / max absolute relative error.
+For each plan (``--plans``, default all of ``PLANS``: the named strategies, variants with other
+mesh shapes and batch knobs, and ``searched``, the planner's best plan for the profile) this runs
+the real PPO trainer for a few iterations on the available devices (8 fake CPU devices without an
+accelerator), reads the phase times the trainer logs (``time/generate|score|train|reshard`` in
+logs/ppo/metrics.jsonl; the first iteration is dropped, it compiles), and compares their median
+with ``estimate()`` of the same plan and batch knobs under a calibrated device profile.
+
+Prints one JSON object. ``summary`` comes first and says it all: the median and max absolute
+relative error over every (plan, phase) pair and over the plans' iteration times, and the
+searched plan's measured and estimated speed-up over flatten (flatten's iteration time over the
+searched plan's, both measured in this run). ``table`` gives one row per plan: measured and
+estimated seconds and the relative error per phase and for the iteration. ``results`` has the
+details (each iteration's phase times, the placements, the estimate's per-call seconds).
 
 Held-out check: by default the profile is calibrated first in this process (microbenchmarks plus
 two small models, ``jrlhf.pipeline.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
@@ -16,22 +23,63 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jrlhf.config import DEFAULT_CONFIG, ROLES, load_config
+from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.pipeline.task_data import task_model_overrides
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, flatten, strategy
 from jrlhf.placement.workload import Workload
 from jrlhf.runtime.model_source import resolve_model
 
 PHASE_KEYS = ("generate", "score", "train", "reshard")
 
 
-def _bindings(args, plan) -> list[str]:
+def _everywhere(name: str, mesh: MeshSpec, rules: str) -> ExecutionPlan:
+    return ExecutionPlan.of(name, **{call: CallPlacement(mesh, rules) for call in CALLS})
+
+
+def _data_parallel(n: int) -> ExecutionPlan:
+    """Every call on all devices with replicated weights (``dp_tp``, data x tensor 2): no FSDP
+    gathers, and the reshard to the generation layout is an identity."""
+    tensor = 2 if n % 2 == 0 else 1
+    mesh = MeshSpec((("data", n // tensor), ("tensor", tensor)), tuple(range(n)))
+    return _everywhere("flatten-dp", mesh, "dp_tp")
+
+
+# plan name -> (plan builder over n devices, workload knobs: RLConfig.infer_batch_size and the
+# actor's and critic's micro-batches). ``searched`` is added at run time.
+PLANS: dict[str, tuple[Callable[[int], ExecutionPlan], dict[str, int]]] = {
+    "flatten": (lambda n: strategy("flatten", n), {}),
+    "flatten-fsdp8": (
+        lambda n: dataclasses.replace(flatten(n, tensor=1), name="flatten-fsdp8"),
+        {},
+    ),
+    "flatten-dp": (_data_parallel, {}),
+    "flatten-mb2": (
+        lambda n: dataclasses.replace(strategy("flatten", n), name="flatten-mb2"),
+        {"infer_batch_size": 16, "actor_microbatches": 2, "critic_microbatches": 2},
+    ),
+    "interleave": (lambda n: strategy("interleave", n), {}),
+    "separate": (lambda n: strategy("separate", n), {}),
+    "separate-t1": (
+        lambda n: dataclasses.replace(
+            strategy("separate", n, tensor=1, gen_tensor=1), name="separate-t1"
+        ),
+        {},
+    ),
+}
+DEFAULT_PLANS = (*PLANS, "searched")
+
+
+def _bindings(args, plan: ExecutionPlan, knobs: dict[str, int]) -> list[str]:
     overrides = (
         f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.intermediate}), "
         f"('num_layers', {args.layers}), ('num_heads', {args.heads}), ('num_kv_heads', 2))"
@@ -50,6 +98,9 @@ def _bindings(args, plan) -> list[str]:
         "RLConfig.epochs=2",
         "TaskConfig.num_heldout=8",
         f"TaskConfig.max_response_len={args.gen_len}",
+        f"RLConfig.infer_batch_size={knobs.get('infer_batch_size', 0)}",
+        f"actor/RoleConfig.microbatches={knobs.get('actor_microbatches', 1)}",
+        f"critic/RoleConfig.microbatches={knobs.get('critic_microbatches', 1)}",
     ]
     for role in ("actor", "critic", "reference", "reward"):
         out.append(f"{role}/RoleConfig.init='tiny'")
@@ -60,11 +111,19 @@ def _bindings(args, plan) -> list[str]:
     return out
 
 
-def _workload(bindings: list[str]):
+def _workload(bindings: list[str]) -> Workload:
     cfg = load_config([str(DEFAULT_CONFIG)], bindings)
     overrides = task_model_overrides(cfg)
     models = {role: resolve_model(cfg, role, overrides, init="tiny").model.config for role in ROLES}
     return Workload.from_config(cfg, models)
+
+
+def _knobs(w: Workload) -> dict[str, int]:
+    return {
+        "infer_batch_size": w.infer_batch_size,
+        "actor_microbatches": w.actor_microbatches,
+        "critic_microbatches": w.critic_microbatches,
+    }
 
 
 def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
@@ -79,8 +138,68 @@ def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
         json.loads(line) for line in (run_dir / "logs/ppo/metrics.jsonl").read_text().splitlines()
     ]
     rows = [r for r in rows if "time/train" in r]
-    out = {k: [r[f"time/{k}"] for r in rows[1:]] for k in PHASE_KEYS}  # drop the compile iteration
-    return out
+    return {k: [r[f"time/{k}"] for r in rows[1:]] for k in PHASE_KEYS}  # drop the compile one
+
+
+def _searched(args, n: int, profile) -> tuple[ExecutionPlan, dict[str, int], dict]:
+    """The planner's best plan (and its batch knobs) for the bench's workload under
+    ``profile``, searched as ``python -m jrlhf.plan`` does but with shorter annealing chains
+    (``--search-steps``, ``--search-restarts``) to keep the bench short."""
+    from jrlhf.placement.search import search
+
+    base = _workload(_bindings(args, strategy("flatten", n), {}))
+    result = search(
+        base,
+        n,
+        profile,
+        tune_batches=True,
+        devices_per_node=n,
+        steps=args.search_steps,
+        restarts=args.search_restarts,
+    )
+    best = result.best
+    plan = dataclasses.replace(best.plan, name="searched")
+    info = {
+        "method": result.method,
+        "evaluated": result.evaluated,
+        "estimated_speedup_over_flatten": result.speedup("flatten"),
+        "found_as": best.plan.name,
+    }
+    return plan, _knobs(best.estimate.workload or base), info
+
+
+def _speed_probe() -> Callable[[], float]:
+    """A fixed piece of work (matmuls on all devices) whose robust time, taken before each plan
+    and after the calibration, shows whether the machine's speed changed in between (load from
+    other processes): it is reported, not used to adjust anything."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jrlhf.pipeline.calibrate import measure_interleaved
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("d",))
+    x = jax.device_put(jnp.ones((n, 256, 256)), NamedSharding(mesh, PartitionSpec("d")))
+    f = jax.jit(lambda v: jnp.einsum("nij,njk->nik", v, v))
+
+    def work():
+        for _ in range(8):
+            r = f(x)
+        r.block_until_ready()
+
+    return lambda: measure_interleaved({"probe": work}, rounds=3, repeat=3)["probe"]["seconds"]
+
+
+def _rel(e: float, m: float) -> float:
+    return (e - m) / m if m > 0 else float("nan")
+
+
+def _row(phases: dict, iteration: dict) -> dict:
+    def cell(d):
+        return [round(d["measured_s"], 4), round(d["estimated_s"], 4), round(d["rel_error"], 3)]
+
+    return {**{k: cell(v) for k, v in phases.items()}, "iteration": cell(iteration)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m jrlhf.bench plan", description=__doc__.split("\n")[0]
     )
     p.add_argument("--profile", help="device profile name or JSON (default: calibrate now)")
-    p.add_argument("--plans", default="flatten,interleave,separate")
+    p.add_argument(
+        "--plans",
+        default=",".join(DEFAULT_PLANS),
+        help=f"comma-separated, from {', '.join(DEFAULT_PLANS)}",
+    )
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (no accelerator)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=704)
@@ -97,9 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--minibatch", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=12)
-    p.add_argument("--iterations", type=int, default=4)
+    p.add_argument(
+        "--iterations", type=int, default=4, help="trainer iterations per plan (first dropped)"
+    )
+    p.add_argument("--search-steps", type=int, default=300, help="MCMC steps per chain")
+    p.add_argument("--search-restarts", type=int, default=2, help="MCMC chains")
+    p.add_argument("--save-profile", help="also write the calibrated profile JSON here")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
+    names = [x for x in args.plans.split(",") if x]
+    unknown = [x for x in names if x not in DEFAULT_PLANS]
+    if unknown:
+        p.error(f"unknown plan(s) {unknown} (known: {', '.join(DEFAULT_PLANS)})")
+    if args.iterations < 2:
+        p.error("--iterations must be >= 2 (the first iteration compiles and is dropped)")
 
     from jrlhf.runtime.devices import ensure_host_devices
 
@@ -107,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jrlhf.placement.estimator import estimate
-    from jrlhf.placement.plan import strategy
     from jrlhf.placement.profile import DeviceProfile
 
     t_start = time.perf_counter()
@@ -119,49 +252,106 @@ def main(argv: list[str] | None = None) -> int:
 
         profile = calibrate("cpu" if jax.devices()[0].platform == "cpu" else None, quick=True)
         calibrated_here = True
+        if args.save_profile:
+            profile.save(args.save_profile)
+    t_calibrated = time.perf_counter()
+    probe = _speed_probe()
+    probe_calibrated = probe()
     n = jax.device_count()
     results, errors = [], []
+    search_info, search_s = None, 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.plans.split(","):
-            plan = strategy(name, n)
-            bindings = _bindings(args, plan)
+        for name in names:
+            if name == "searched":
+                t0 = time.perf_counter()
+                plan, knobs, search_info = _searched(args, n, profile)
+                search_s = time.perf_counter() - t0
+            else:
+                build, knobs = PLANS[name]
+                plan = build(n)
+            bindings = _bindings(args, plan, knobs)
             workload = _workload(bindings)
+            slowdown = probe() / probe_calibrated
+            t0 = time.perf_counter()
             measured = _measure(bindings, Path(tmp) / name)
+            run_s = time.perf_counter() - t0
             est = estimate(plan, workload, profile)
             phases = {}
             for k in PHASE_KEYS:
                 m = statistics.median(measured[k])
                 e = est.phase_seconds[k]
-                rel = (e - m) / m if m > 0 else float("nan")
                 phases[k] = {
                     "measured_s": m,
                     "estimated_s": e,
-                    "rel_error": rel,
+                    "rel_error": _rel(e, m),
                     "runs": measured[k],
                 }
-                errors.append(abs(rel))
-            m_iter = sum(statistics.median(measured[k]) for k in PHASE_KEYS)
+                errors.append(abs(phases[k]["rel_error"]))
+            m_iter = sum(v["measured_s"] for v in phases.values())
+            iteration = {
+                "measured_s": m_iter,
+                "estimated_s": est.iteration_seconds,
+                "rel_error": _rel(est.iteration_seconds, m_iter),
+            }
             results.append(
                 {
                     "plan": name,
                     "placements": {c: str(pl) for c, pl in plan.placements},
+                    "knobs": _knobs(workload),
                     "phases": phases,
-                    "iteration": {
-                        "measured_s": m_iter,
-                        "estimated_s": est.iteration_seconds,
-                        "rel_error": (est.iteration_seconds - m_iter) / m_iter,
-                    },
+                    "iteration": iteration,
                     "estimated_call_seconds": est.call_seconds,
                     "estimated_memory_bytes": est.memory_bytes,
                     "fits": est.fits,
+                    "trainer_run_s": run_s,
+                    "probe_slowdown": slowdown,
                 }
             )
     iteration_errors = [abs(r["iteration"]["rel_error"]) for r in results]
+    by_name = {r["plan"]: r for r in results}
+    summary = {
+        "phase_error": {
+            "median_abs_rel": statistics.median(errors),
+            "max_abs_rel": max(errors),
+            "count": len(errors),
+            "worst": max(
+                ((r["plan"], k, v["rel_error"]) for r in results for k, v in r["phases"].items()),
+                key=lambda x: abs(x[2]),
+            ),
+        },
+        "iteration_error": {
+            "median_abs_rel": statistics.median(iteration_errors),
+            "max_abs_rel": max(iteration_errors),
+            "count": len(iteration_errors),
+        },
+    }
+    if "searched" in by_name and "flatten" in by_name:
+        s, f = by_name["searched"]["iteration"], by_name["flatten"]["iteration"]
+        summary["searched_vs_flatten"] = {
+            "measured_speedup": f["measured_s"] / s["measured_s"],
+            "estimated_speedup": f["estimated_s"] / s["estimated_s"],
+            "searched_placements": by_name["searched"]["placements"],
+            "searched_knobs": by_name["searched"]["knobs"],
+            **(search_info or {}),
+        }
+    summary["probe_slowdown"] = {
+        "what": "time of a fixed matmul probe before each plan's run over its time right after "
+        "calibration: far from 1 means the machine's load changed between them",
+        **{r["plan"]: round(r["probe_slowdown"], 2) for r in results},
+    }
     out = {
         "benchmark": "plan_estimator",
         "device": f"{n} x {jax.devices()[0].platform}",
+        "summary": summary,
+        "table_columns": "per phase and iteration: [measured_s, estimated_s, rel_error]; "
+        "measured = median over iterations 2..N of the trainer's logged phase time; "
+        "rel_error = (estimated - measured) / measured",
+        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
         "profile": profile.name,
         "calibrated_in_this_run": calibrated_here,
+        "profile_rates": {
+            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
+        },
         "profile_fits": profile.measured.get("fits"),
         "model": {
             "hidden": args.hidden,
@@ -176,16 +366,11 @@ def main(argv: list[str] | None = None) -> int:
             "iterations": args.iterations,
         },
         "results": results,
-        "phase_error": {
-            "median_abs_rel": statistics.median(errors),
-            "max_abs_rel": max(errors),
-            "count": len(errors),
+        "seconds": {
+            "calibration": t_calibrated - t_start,
+            "search": search_s,
+            "total": time.perf_counter() - t_start,
         },
-        "iteration_error": {
-            "median_abs_rel": statistics.median(iteration_errors),
-            "max_abs_rel": max(iteration_errors),
-        },
-        "seconds": time.perf_counter() - t_start,
     }
     text = json.dumps(out, indent=2)
     print(text)

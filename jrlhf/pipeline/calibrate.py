@@ -4,14 +4,25 @@ Two kinds of short measurements, a minute or two in all:
 
 1. Microbenchmarks: matmul throughput at a few sizes (one device, and all devices at once, which
    tells whether the devices share compute as XLA's fake CPU devices do), memory bandwidth (a
-   streaming elementwise op), device-to-device copy bandwidth between two devices, and the fixed
-   cost of one jitted call on all devices.
-2. Short real profiles of small jrlhf models (two sizes, different from anything the plan bench
-   evaluates): a forward (the trainer's log-prob call), a training step (the PPO actor loss with
-   AdamW) and a generation (the paged-KV decode engine). Each measured time is fitted to the
-   estimator's own cost model, which is linear in the unknowns: for every kind,
+   streaming elementwise op), device-to-device copy bandwidth between two devices, an all-gather
+   over all devices inside a jitted program at two sizes (the collectives FSDP and tensor
+   parallelism issue: their bandwidth and per-collective latency), and the fixed cost of one
+   jitted call on all devices.
+2. Short real profiles of small jrlhf models (two sizes, each on all and on half the devices,
+   different from anything the plan bench evaluates): a forward (the trainer's log-prob call), a
+   training step (the PPO actor loss with AdamW), a generation (the paged-KV decode engine) and
+   the train-to-generation reshard. Each measured time is fitted to the estimator's own cost
+   model, which is linear in the unknowns: for every kind,
    ``measured = fixed + compute_at_full_efficiency / efficiency + layers x layer_overhead``,
-   solved by non-negative least squares over the sizes.
+   solved by non-negative least squares over the runs (relative errors, so the small model
+   counts as much as the large one).
+
+Robust to a shared, noisy machine: every measurement is taken in several rounds, and the rounds
+interleave all the measurements of a kind (round 1 of every model, then round 2, ...), so a burst
+of load from another process lands on one round of many measurements instead of every repeat of
+one. Each measurement's samples are cleaned of high outliers (more than ``OUTLIER_MADS`` median
+absolute deviations above the median: load only ever adds time) and reduced to their median
+(``robust_seconds``). The samples' spread is kept in the profile's ``measured`` section.
 
 The result is a ``DeviceProfile`` JSON; raw numbers go under ``measured``.
 """
@@ -21,6 +32,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -48,88 +60,151 @@ CALIBRATION_MODELS = (
     dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2),
     dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
 )
-# (model index, fraction of the devices): the half-device run separates per-device fixed costs
-# (which a shared host pays once per device program) from compute
-CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5))
+# (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
+# costs (which a shared host pays once per device program) and collectives from compute
+CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.125))
+MODEL_KINDS = ("forward", "train", "generate", "reshard")
+# A sample more than this many (scaled) median absolute deviations above the median is load from
+# elsewhere, not the measured program.
+OUTLIER_MADS = 3.0
 
 
-def _time(fn, repeat: int = 5, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` (which must block until its work is done)."""
-    for _ in range(warmup):
-        fn()
-    times = []
+# ------------------------------------------------------------------------------ robust timing
+def robust_seconds(samples: Sequence[float]) -> float:
+    """The median of ``samples`` after dropping high outliers.
+
+    Another process's load only ever adds time, so samples far above the bulk are dropped: more
+    than ``OUTLIER_MADS`` x 1.4826 x MAD above the median (1.4826 x MAD estimates the standard
+    deviation of normal noise). With fewer than three samples, or no spread, the plain median.
+    """
+    xs = sorted(float(x) for x in samples)
+    if not xs:
+        raise ValueError("no samples")
+    med = statistics.median(xs)
+    if len(xs) < 3:
+        return med
+    mad = statistics.median(abs(x - med) for x in xs)
+    if mad <= 0:
+        return med
+    kept = [x for x in xs if x <= med + OUTLIER_MADS * 1.4826 * mad]
+    return statistics.median(kept)
+
+
+def _samples(fn: Callable[[], Any], repeat: int) -> list[float]:
+    out = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# ----------------------------------------------------------------------------- microbenchmarks
-def matmul_flops(sizes=(256, 512, 1024), dtype=jnp.float32) -> dict[str, float]:
-    """FLOP/s of an (s x s) @ (s x s) matmul on one device, per size."""
-    out = {}
-    dev = jax.devices()[0]
-    f = jax.jit(lambda a, b: a @ b)
-    for s in sizes:
-        a = jax.device_put(jnp.ones((s, s), dtype), dev)
-        b = jax.device_put(jnp.ones((s, s), dtype), dev)
-        reps = max(1, int(2e9 // (2 * s**3)))  # enough work per timing to drown dispatch
-
-        def run(a=a, b=b, reps=reps):
-            for _ in range(reps):
-                r = f(a, b)
-            r.block_until_ready()
-
-        out[str(s)] = reps * 2 * s**3 / _time(run, repeat=3)
+        out.append(time.perf_counter() - t0)
     return out
 
 
-def matmul_flops_all_devices(size: int = 512, dtype=jnp.float32) -> float:
-    """Total FLOP/s when every device runs its own (s x s) matmul at the same time."""
-    n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("d",))
-    sh = NamedSharding(mesh, PartitionSpec("d"))
-    a = jax.device_put(jnp.ones((n, size, size), dtype), sh)
-    f = jax.jit(lambda x: jnp.einsum("nij,njk->nik", x, x))
-    reps = max(1, int(4e9 // (2 * n * size**3)))
+def measure_interleaved(
+    tasks: Mapping[str, Callable[[], Any]], rounds: int, repeat: int
+) -> dict[str, dict[str, Any]]:
+    """Robust seconds of each task (each call must block until its work is done).
 
+    Every task is called once to warm up (compile), then ``rounds`` times over all tasks in
+    turn, ``repeat`` calls each: a burst of load from elsewhere hits one round of several tasks,
+    which ``robust_seconds`` drops as outliers, rather than every sample of one task. Returns
+    name -> {"seconds", "samples" (count), "spread" ((max - min) / robust seconds)}.
+    """
+    for fn in tasks.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in tasks}
+    for _ in range(rounds):
+        for name, fn in tasks.items():
+            samples[name] += _samples(fn, repeat)
+    out = {}
+    for name, xs in samples.items():
+        s = robust_seconds(xs)
+        out[name] = {"seconds": s, "samples": len(xs), "spread": (max(xs) - min(xs)) / s}
+    return out
+
+
+# ----------------------------------------------------------------------------- microbenchmarks
+def _repeated(f, args, reps: int) -> Callable[[], None]:
     def run():
         for _ in range(reps):
-            r = f(a)
-        r.block_until_ready()
+            r = f(*args)
+        jax.block_until_ready(r)
 
-    return reps * 2 * n * size**3 / _time(run, repeat=3)
-
-
-def memory_bandwidth(mbytes: int = 64) -> float:
-    """Bytes/s of a streaming ``x * 2 + 1`` (read + write) on one device."""
-    n = mbytes * 2**20 // 4
-    x = jax.device_put(jnp.ones((n,), jnp.float32), jax.devices()[0])
-    f = jax.jit(lambda v: v * 2.0 + 1.0)
-    return 2 * n * 4 / _time(lambda: f(x).block_until_ready())
+    return run
 
 
-def copy_bandwidth(mbytes: int = 32) -> float:
-    """Bytes/s of a device-to-device copy between the first two devices."""
+def microbenchmark_tasks(
+    sizes: Sequence[int], dtype, mbytes: int, collective_mbytes: int
+) -> dict[str, tuple[Callable[[], Any], float]]:
+    """name -> (blocking call, units of work per call): FLOPs for matmuls, bytes for memory
+    and copies, bytes received per device for the all-gathers ("allgather_*" come with a
+    "local_*" twin, the same elementwise program without the gather), 1 for the call overhead."""
     devs = jax.devices()
-    if len(devs) < 2:
-        return float("nan")
-    n = mbytes * 2**20 // 4
-    x = jax.device_put(jnp.ones((n,), jnp.float32), devs[0])
-    return n * 4 / _time(lambda: jax.device_put(x, devs[1]).block_until_ready())
-
-
-def call_overhead() -> float:
-    """Seconds of one trivial jitted call over all devices, including the host sync."""
-    n = jax.device_count()
+    n = len(devs)
+    tasks: dict[str, tuple[Callable[[], Any], float]] = {}
+    mm = jax.jit(lambda a, b: a @ b)
+    for s in sizes:
+        a = jax.device_put(jnp.ones((s, s), dtype), devs[0])
+        reps = max(1, int(2e9 // (2 * s**3)))  # enough work per timing to drown dispatch
+        tasks[f"matmul_{s}"] = (_repeated(mm, (a, a), reps), reps * 2.0 * s**3)
     mesh = jax.make_mesh((n,), ("d",))
-    x = jax.device_put(jnp.ones((n * 8,), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
-    f = jax.jit(lambda v: v + 1.0)
-    return _time(lambda: f(x).block_until_ready(), repeat=51, warmup=3)
+    split = NamedSharding(mesh, PartitionSpec("d"))
+    s = 512
+    x = jax.device_put(jnp.ones((n, s, s), dtype), split)
+    reps = max(1, int(4e9 // (2 * n * s**3)))
+    bmm = jax.jit(lambda v: jnp.einsum("nij,njk->nik", v, v))
+    tasks["matmul_all_devices"] = (_repeated(bmm, (x,), reps), reps * 2.0 * n * s**3)
+    elems = mbytes * 2**20 // 4
+    v = jax.device_put(jnp.ones((elems,), jnp.float32), devs[0])
+    stream = jax.jit(lambda v: v * 2.0 + 1.0)
+    tasks["memory"] = (lambda: stream(v).block_until_ready(), 2.0 * elems * 4)
+    if n > 1:
+        tasks["copy"] = (lambda: jax.device_put(v, devs[1]).block_until_ready(), elems * 4.0)
+        gather = jax.jit(lambda v: v * 1.0, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        local = jax.jit(lambda v: v * 1.0)
+        for label, nbytes in (("small", 64 * 1024), ("large", collective_mbytes * 2**20)):
+            count = nbytes // 4 // n * n
+            y = jax.device_put(jnp.ones((count,), jnp.float32), split)
+            received = count * 4.0 * (n - 1) / n
+            tasks[f"allgather_{label}"] = (lambda y=y: gather(y).block_until_ready(), received)
+            tasks[f"local_{label}"] = (lambda y=y: local(y).block_until_ready(), received)
+    tiny = jax.device_put(jnp.ones((n * 8,), jnp.float32), split)
+    inc = jax.jit(lambda v: v + 1.0)
+    tasks["call"] = (lambda: inc(tiny).block_until_ready(), 1.0)
+    return tasks
 
 
-# ------------------------------------------------------------------------------ model profiles
+def _host_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this OS
+        return max(1, os.cpu_count() or 1)
+
+
+def collective_fit(
+    small: tuple[float, float],
+    large: tuple[float, float],
+    n: int,
+    shared: bool,
+    cores: int = 1,
+) -> tuple[float, float]:
+    """(bandwidth, latency per collective) from two all-gathers: (bytes received per device,
+    seconds beyond the same program without the gather) at a small and a large size.
+
+    In the estimator's terms (``estimator._comm_s``): ``extra = received / bandwidth + latency``
+    per device; on a shared host every device's copy runs on the same cores and memory, and
+    every device's thread takes part in the rendezvous, ``cores`` at a time, so
+    ``extra = n x received / bandwidth + n / min(n, cores) x latency``.
+    """
+    k = n if shared else 1
+    k_latency = n / min(n, cores) if shared else 1
+    (b0, t0), (b1, t1) = small, large
+    slope = max(t1 - t0, 1e-12) / max(b1 - b0, 1.0)  # seconds per received byte per device
+    bandwidth = k / slope
+    latency = max(0.0, t0 - b0 * slope) / k_latency
+    return float(bandwidth), float(latency)
+
+
 def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
 
     cfg = tiny_config(vocab_size=64, max_position_embeddings=256, **overrides).replace(
@@ -152,9 +227,10 @@ def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
     return cfg, plan, w
 
 
-def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str, float]:
-    """Measured seconds of one forward, one train step, one generation and one reshard (train
-    to generation layout) for a small model on the first ``devices`` devices."""
+def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str, Callable]:
+    """Blocking calls (already compiled) of one forward, one train step, one generation and one
+    reshard (train to generation layout) for a small model on the first ``devices`` devices,
+    keyed by ``MODEL_KINDS``; time them with ``measure_interleaved``."""
     cfg, plan, w = _calibration_setup(overrides, dtype, devices)
     P, R = w.prompt_len, w.gen_len
     rng = np.random.default_rng(0)
@@ -171,11 +247,10 @@ def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[s
     fwd_batch = {k: arrays[k] for k in fields}
 
     # as the trainer's score phase does it: three calls dispatched back to back, then fetched
+    # (the estimator prices one forward: the fit divides by three)
     def three_forwards():
         outs = [infer(params, fwd_batch) for _ in range(3)]
         return [np.asarray(o) for o in outs]
-
-    forward = _time(three_forwards, repeat=5) / 3
 
     opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
     state = init_train_state(model, opt, mesh, train_p.rules, params=params)
@@ -194,16 +269,11 @@ def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[s
         holder["state"], m = step(holder["state"], tb)
         jax.device_get(m)
 
-    train = _time(train_once, repeat=5)
-
     gen_p = plan["actor_generate"]
     gen_mesh = make_mesh(gen_p.mesh)
     resharder = Resharder()
     gen_shardings = model.shardings(gen_mesh, gen_p.rules)
     gen_params = resharder(holder["state"].params, gen_shardings)
-    reshard = _time(
-        lambda: jax.block_until_ready(resharder(holder["state"].params, gen_shardings)), repeat=5
-    )
     engine = DecodeEngine(
         model,
         gen_mesh,
@@ -220,8 +290,31 @@ def profile_model(overrides: dict[str, Any], dtype: str, devices: int) -> dict[s
     )
     # no stop ids: every sample runs the full gen_len, as the cost model assumes
     sp = SamplingParams(seed=1, stop_ids=(), max_new_tokens=R)
-    generate = _time(lambda: engine.generate(gen_params, prompts, sp), repeat=3)
-    return {"forward": forward, "train": train, "generate": generate, "reshard": reshard}
+    return {
+        "forward": three_forwards,
+        "train": train_once,
+        "generate": lambda: engine.generate(gen_params, prompts, sp),
+        "reshard": lambda: jax.block_until_ready(resharder(holder["state"].params, gen_shardings)),
+    }
+
+
+def profile_models(
+    runs: Sequence[tuple[dict[str, Any], int]], dtype: str, rounds: int = 3, repeat: int = 2
+) -> list[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]]:
+    """(overrides, devices, robust seconds per kind, spread per kind) for each (overrides,
+    devices) run, all runs' measurements interleaved in rounds (``measure_interleaved``)."""
+    tasks = {}
+    for i, (overrides, devices) in enumerate(runs):
+        for kind, fn in model_tasks(overrides, dtype, devices).items():
+            tasks[(i, kind)] = fn
+    timed = measure_interleaved(tasks, rounds, repeat)
+    out = []
+    for i, (overrides, devices) in enumerate(runs):
+        seconds = {k: timed[(i, k)]["seconds"] for k in MODEL_KINDS}
+        seconds["forward"] /= 3  # three forwards per call
+        spread = {k: timed[(i, k)]["spread"] for k in MODEL_KINDS}
+        out.append((overrides, devices, seconds, spread))
+    return out
 
 
 def _nnls2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -247,7 +340,9 @@ def fit_profile(
     """Fit efficiencies and per-layer overheads so the estimator reproduces ``measurements``.
 
     The estimator is linear in ``1/efficiency`` and in the layer overhead of each kind, so each
-    coefficient is read off by evaluating it at two settings.
+    coefficient is read off by evaluating it at two settings. Each run's equation is divided by
+    its measured time: the fit minimises relative errors, as the plan bench judges them, so the
+    largest run does not decide alone.
     """
     kinds = (
         ("forward", "forward_efficiency", "forward_layer_overhead_s"),
@@ -275,8 +370,9 @@ def fit_profile(
             work = 2 * (t0 - t_half)  # the term divided by efficiency, at efficiency 1
             layers = (t_layer - t0) / 1e-3  # the coefficient of the layer overhead
             fixed = t0 - work
-            rows.append([work, layers])
-            ys.append(measured[kind] - fixed)
+            scale = 1.0 / max(measured[kind], 1e-9)
+            rows.append([work * scale, layers * scale])
+            ys.append((measured[kind] - fixed) * scale)
         inv_eff, layer_overhead = _nnls2(np.array(rows), np.array(ys))
         eff = 1.0 / inv_eff if inv_eff > 0 else 10.0
         eff = float(min(10.0, eff))
@@ -288,8 +384,11 @@ def fit_profile(
         _, plan, w = _calibration_setup(overrides, dtype, devices)
         edge = plan.reshard_edges()[0]
         p0 = profile.replace(reshard_overhead_s=0.0, reshard_efficiency=1.0)
-        rows.append([1.0, est.reshard_seconds(w, edge, plan, p0)])
-        ys.append(measured["reshard"])
+        t0 = est.reshard_seconds(w, edge, plan, p0)
+        moved = 2 * (t0 - est.reshard_seconds(w, edge, plan, p0.replace(reshard_efficiency=2.0)))
+        scale = 1.0 / max(measured["reshard"], 1e-9)
+        rows.append([scale, moved * scale])
+        ys.append((measured["reshard"] - (t0 - moved)) * scale)  # less the collective latency
     overhead, inv_eff = _nnls2(np.array(rows), np.array(ys))
     profile = profile.replace(
         reshard_overhead_s=float(overhead),
@@ -303,20 +402,45 @@ def fit_profile(
 
 
 def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProfile:
+    """Measure this machine's devices (microbenchmarks, then the calibration models, each in
+    interleaved rounds) and fit a profile. ``quick``: fewer sizes and rounds."""
     devices = jax.devices()
     platform = devices[0].platform
     n = len(devices)
     dtype = "float32" if platform == "cpu" else "bfloat16"
     jdtype = jnp.dtype(dtype)
     sizes = (256, 512) if quick else (256, 512, 1024)
-    mm = matmul_flops(sizes, jdtype)
+    tasks = microbenchmark_tasks(sizes, jdtype, 32 if quick else 64, 8 if quick else 16)
+    timed = measure_interleaved({k: fn for k, (fn, _) in tasks.items()}, 3 if quick else 5, 3)
+    rate = {k: work / timed[k]["seconds"] for k, (_, work) in tasks.items()}
+    mm = {str(s): rate[f"matmul_{s}"] for s in sizes}
     one = max(mm.values())
-    all_devices = matmul_flops_all_devices(512, jdtype)
+    all_devices = rate["matmul_all_devices"]
     # Fake CPU devices share the host's cores: n devices together are not n times faster.
     shared = platform == "cpu" and all_devices < 0.5 * n * one
-    bw = memory_bandwidth(32 if quick else 64)
-    copy = copy_bandwidth(16 if quick else 32)
-    overhead = call_overhead()
+    bw = rate["memory"]
+    overhead = timed["call"]["seconds"]
+    if n > 1:
+        copy = rate["copy"]
+        extra = {
+            label: (
+                tasks[f"allgather_{label}"][1],
+                max(
+                    0.0, timed[f"allgather_{label}"]["seconds"] - timed[f"local_{label}"]["seconds"]
+                ),
+            )
+            for label in ("small", "large")
+        }
+        coll_bw, coll_latency = collective_fit(
+            extra["small"], extra["large"], n, shared, _host_cores()
+        )
+    else:
+        copy = coll_bw = float("nan")
+        coll_latency = 0.0
+    # Collectives on one host (fake CPU devices, or one node's links) move at the all-gather's
+    # measured rate; a device_put between two devices is a different path (host dispatch of a
+    # whole-array copy), kept for reference.
+    link = coll_bw if n > 1 and np.isfinite(coll_bw) else bw
     if platform == "cpu":
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // n
     else:
@@ -329,19 +453,24 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
         matmul_flops=float(max(one, all_devices) if shared else one),
         peak_flops=float(max(one, all_devices / n if not shared else all_devices)),
         memory_bandwidth=float(bw),
-        intra_node_bandwidth=float(copy),
-        inter_node_bandwidth=float(copy),
+        intra_node_bandwidth=float(link),
+        inter_node_bandwidth=float(link),
         devices_per_node=n,
         # on a shared host the measured call is n device programs on the same cores
         call_overhead_s=float(overhead / n if shared else overhead),
-        collective_latency_s=0.0,
+        collective_latency_s=float(coll_latency),
         shared_host=bool(shared),
+        host_cores=_host_cores() if shared else 1,
+        # Fake CPU devices and host memory are the same RAM: parking is a memcpy. A real
+        # accelerator's host link is not measured here (0: offload is priced as impossible).
+        host_bandwidth=float(bw) if shared else 0.0,
     )
-    measurements = []
-    for index, fraction in CALIBRATION_RUNS:
-        k = max(1, int(n * fraction))
-        overrides = CALIBRATION_MODELS[index]
-        measurements.append((overrides, k, profile_model(overrides, dtype, k)))
+    runs = [
+        (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
+        for index, fraction in CALIBRATION_RUNS
+    ]
+    profiled = profile_models(runs, dtype, rounds=3 if quick else 5, repeat=2)
+    measurements = [(o, k, m) for o, k, m, _ in profiled]
     profile, fits = fit_profile(base, measurements, dtype)
     notes = (
         f"measured by python -m jrlhf.plan.calibrate on {n} x {platform} "
@@ -354,15 +483,23 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
             "costs n x the per-device work, and calls on disjoint devices do not overlap "
             "usefully - interleaving is not faster here. memory_bytes is host RAM / devices. "
             "The machine is shared with other jobs, so rates vary by tens of percent run to run."
+            " host_bandwidth (not calibrated): the fake devices and pinned_host are both host "
+            "RAM, so parking is a memcpy, priced at memory_bandwidth."
         )
+    else:
+        notes += " host_bandwidth not measured: set it to the host link's rate to price offload."
     measured = {
         "matmul_flops_one_device": mm,
         "matmul_flops_all_devices": all_devices,
         "memory_bandwidth": bw,
         "copy_bandwidth_device0_to_1": copy,
+        "allgather_bandwidth": coll_bw,
+        "allgather_latency_s": coll_latency,
         "call_overhead_s": overhead,
+        "microbenchmark_spread": {k: round(v["spread"], 3) for k, v in timed.items()},
         "models": [
-            {"overrides": o, "devices": k, "seconds": m, "dtype": dtype} for o, k, m in measurements
+            {"overrides": o, "devices": k, "seconds": m, "spread": sp, "dtype": dtype}
+            for o, k, m, sp in profiled
         ],
         "fits": fits,
     }

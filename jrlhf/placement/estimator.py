@@ -241,8 +241,11 @@ def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile
 
 def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
     """A fixed per-device cost (dispatch, per-op launch): on a shared host every device's
-    program runs its ops on the same cores, so the cost is paid n times over."""
-    return seconds * (g.n if profile.shared_host else 1)
+    program runs its ops on the same cores, so the cost is paid n times over, ``host_cores``
+    programs at a time (8 fake devices on 2 cores: 4 times a device's cost, 1 device: once)."""
+    if not profile.shared_host:
+        return seconds
+    return seconds * g.n / min(g.n, profile.host_cores)
 
 
 def _link_bandwidth(nodes: int, profile: DeviceProfile) -> float:
@@ -254,7 +257,10 @@ def _comm_s(bytes_per_device: float, count: int, g: _Geometry, profile: DevicePr
     if bytes_per_device <= 0 or g.n <= 1:
         return 0.0
     bw = _link_bandwidth(g.nodes, profile)
-    return _work_s(bytes_per_device, g, bw, profile) + count * profile.collective_latency_s
+    # each collective's rendezvous: on a shared host every device's thread takes part in it on
+    # the same cores (calibrate.collective_fit measures it that way)
+    latency = _fixed_s(count * profile.collective_latency_s, g, profile)
+    return _work_s(bytes_per_device, g, bw, profile) + latency
 
 
 def _ring(bytes_total: float, k: int) -> float:
@@ -438,7 +444,11 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
 def reshard_seconds(
     w: Workload, edge: ReshardEdge, plan: ExecutionPlan, profile: DeviceProfile
 ) -> float:
-    """Bytes each target device receives (from the shardings) over the links the move spans."""
+    """Bytes each target device receives (from the shardings) over the links the move spans,
+    plus writing the target copy: the resharder's compiled transition produces a new array on
+    every target device (read and written at memory bandwidth; on a shared host at the same
+    rate as the bytes from other devices, all being copies in one memory) even where nothing
+    crosses devices, e.g. an identity when training and generation share a layout."""
     cfg, head = w.models()[edge.role]
     # the layouts do not depend on the remat policy: one cache entry for every policy
     cfg = replace(cfg, remat_policy="none") if cfg.remat_policy != "none" else cfg
@@ -447,12 +457,16 @@ def reshard_seconds(
     devices = src.devices | dst.devices
     nodes = len({d // profile.devices_per_node for d in devices})
     bw = _link_bandwidth(nodes, profile) * profile.reshard_efficiency
+    target = shard_bytes(cfg, head, dst)
     if profile.shared_host:
+        # one memory: a byte from another device and a local one are the same memcpy
         moved = sum(per_device.values()) / bw
+        copy = target * dst.mesh.size / bw
     else:
         moved = max(per_device.values(), default=0) / bw
+        copy = 2 * target / profile.memory_bandwidth
     latency = profile.collective_latency_s if moved > 0 else 0.0
-    return profile.reshard_overhead_s + moved + latency
+    return profile.reshard_overhead_s + moved + latency + copy
 
 
 # ------------------------------------------------------------------------------- memory model

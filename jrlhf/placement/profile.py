@@ -11,7 +11,8 @@ Two regimes:
   links; rates are per device, calls on disjoint devices run concurrently.
 * ``shared_host=True`` (XLA's fake CPU devices): all "devices" are threads on the same cores and
   memory, so rates are for the whole machine, work on n devices costs n times the per-device
-  work at that aggregate rate, and calls on disjoint devices do not speed each other up.
+  work at that aggregate rate, fixed per-device costs are paid n times over on ``host_cores``
+  cores, and calls on disjoint devices do not speed each other up.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class DeviceProfile:
     reshard_overhead_s: float = 0.0  # one cached resharder transition: tree walk, dispatch, sync
     reshard_efficiency: float = 1.0  # fraction of the link bandwidth a transition achieves
     shared_host: bool = False
+    # shared_host: the cores the device programs share. A fixed per-device cost (dispatch, op
+    # launches, a collective's rendezvous) is paid by each of the n device programs, up to
+    # host_cores of them at once: n / min(n, host_cores) times over. 1 = every device program
+    # pays in turn (n times over).
+    host_cores: int = 1
     optimizer_bytes_per_param: float = 28.0  # AdamW: read p,g,m,v + write p,m,v at 4 bytes
     notes: str = ""
     measured: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
@@ -74,6 +80,8 @@ class DeviceProfile:
             raise ValueError(
                 f"profile {self.name!r}: memory_reserve_bytes must be in [0, memory_bytes)"
             )
+        if self.host_cores < 1:
+            raise ValueError(f"profile {self.name!r}: host_cores must be >= 1")
         if self.devices_per_node < 1:
             raise ValueError(f"profile {self.name!r}: devices_per_node must be >= 1")
 

@@ -1,0 +1,160 @@
+"""Calibration: robust timing statistics, interleaved rounds, and that the fits recover a known
+profile from measurements the estimator itself produces (no timing of real programs here; the
+plan bench, ``python -m jrlhf.bench plan``, checks the fitted profile against the trainer)."""
+
+import statistics
+
+import pytest
+
+from jrlhf.pipeline import calibrate as cal
+from jrlhf.placement import estimator as est
+from jrlhf.placement.profile import DeviceProfile
+
+
+def test_robust_seconds_drops_high_outliers_only():
+    clean = [1.00, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97]
+    # two bursts of load from another process
+    assert cal.robust_seconds([*clean, 3.5, 2.9]) == pytest.approx(statistics.median(clean))
+    # a plain median would move with them
+    assert statistics.median([*clean, 3.5, 2.9]) > statistics.median(clean)
+    # nothing is an outlier in an even spread; a low value is never dropped
+    assert cal.robust_seconds([1.0, 2.0, 3.0, 4.0]) == 2.5
+    assert cal.robust_seconds([0.1, *clean]) == statistics.median([0.1, *clean])
+    # too few samples or no spread: the median
+    assert cal.robust_seconds([1.0, 9.0]) == 5.0
+    assert cal.robust_seconds([2.0, 2.0, 2.0, 7.0]) == 2.0
+    with pytest.raises(ValueError):
+        cal.robust_seconds([])
+
+
+def test_measure_interleaved_rounds_alternate_tasks():
+    calls = []
+    tasks = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    out = cal.measure_interleaved(tasks, rounds=3, repeat=2)
+    # one warm-up each, then round after round over all tasks, ``repeat`` calls per task
+    assert calls[:3] == ["a", "b", "c"]
+    assert calls[3:] == ["a", "a", "b", "b", "c", "c"] * 3
+    assert {k: v["samples"] for k, v in out.items()} == {"a": 6, "b": 6, "c": 6}
+    assert all(v["seconds"] >= 0 for v in out.values())
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_collective_fit_recovers_bandwidth_and_latency(shared):
+    n, bw, lat, cores = 8, 6e9, 4e-5, 2
+    profile = DeviceProfile(
+        name="t",
+        memory_bytes=2**33,
+        matmul_flops=5e10,
+        intra_node_bandwidth=bw,
+        collective_latency_s=lat,
+        shared_host=shared,
+        host_cores=cores,
+    )
+    g = est._Geometry(n, n, 1, 1, frozenset(range(n)), 1)
+
+    def extra(received):  # the estimator's price of one all-gather
+        return est._comm_s(received, 1, g, profile)
+
+    small, large = 64 * 1024 * 7 / 8, 8 * 2**20 * 7 / 8
+    got_bw, got_lat = cal.collective_fit(
+        (small, extra(small)), (large, extra(large)), n, shared, cores
+    )
+    assert got_bw == pytest.approx(bw, rel=1e-9)
+    assert got_lat == pytest.approx(lat, rel=1e-6)
+
+
+def _truth_measurements(truth: DeviceProfile, dtype: str):
+    """What the calibration runs would measure on a machine that behaves exactly as ``truth``
+    says (the estimator's own prices of the calibration calls)."""
+    out = []
+    for index, fraction in cal.CALIBRATION_RUNS:
+        overrides, devices = cal.CALIBRATION_MODELS[index], max(1, int(8 * fraction))
+        _, plan, w = cal._calibration_setup(overrides, dtype, devices)
+        edge = plan.reshard_edges()[0]
+        seconds = {
+            "forward": est.infer_seconds(w, "reference", plan["reference_infer"], truth),
+            "train": est.train_seconds(w, "actor", plan["actor_train"], truth) / w.train_steps,
+            "generate": est.generate_seconds(w, plan["actor_generate"], truth),
+            "reshard": est.reshard_seconds(w, edge, plan, truth),
+        }
+        out.append((overrides, devices, seconds))
+    return out
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fit_profile_recovers_a_known_profile(shared):
+    base = DeviceProfile(
+        name="t",
+        memory_bytes=2**33,
+        matmul_flops=5e10,
+        memory_bandwidth=3e9,
+        intra_node_bandwidth=6e9,
+        inter_node_bandwidth=6e9,
+        call_overhead_s=2e-5,
+        collective_latency_s=3e-5,
+        shared_host=shared,
+        host_cores=2,
+    )
+    truth = base.replace(
+        forward_efficiency=0.6,
+        forward_layer_overhead_s=2e-4,
+        train_efficiency=0.45,
+        train_layer_overhead_s=1.2e-3,
+        decode_efficiency=2.5,
+        decode_layer_overhead_s=3e-4,
+        reshard_overhead_s=1.5e-3,
+        reshard_efficiency=0.8,
+    )
+    fitted, fits = cal.fit_profile(base, _truth_measurements(truth, "float32"), "float32")
+    for field in (
+        "forward_efficiency",
+        "forward_layer_overhead_s",
+        "train_efficiency",
+        "train_layer_overhead_s",
+        "decode_efficiency",
+        "decode_layer_overhead_s",
+        "reshard_overhead_s",
+        "reshard_efficiency",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
+    assert set(fits) == {"forward", "train", "generate", "reshard"}
+
+
+def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
+    def fixed(n, shared, cores):
+        profile = DeviceProfile(
+            name="t", memory_bytes=1, matmul_flops=1.0, shared_host=shared, host_cores=cores
+        )
+        g = est._Geometry(n, n, 1, 1, frozenset(range(n)), 1)
+        return est._fixed_s(1.0, g, profile)
+
+    assert [fixed(n, True, 2) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
+    assert [fixed(n, True, 1) for n in (1, 2, 8)] == [1.0, 2.0, 8.0]  # the default: n times
+    assert [fixed(n, False, 2) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
+    with pytest.raises(ValueError, match="host_cores"):
+        DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)
+
+
+def test_identity_reshard_still_pays_the_target_copy():
+    """The resharder's compiled transition writes a new copy even when training and generation
+    share a layout (nothing crosses devices): the estimate charges that copy."""
+    from jrlhf.meshes.mesh import MeshSpec
+    from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
+
+    _, _, w = cal._calibration_setup(cal.CALIBRATION_MODELS[0], "float32", 8)
+    same = CallPlacement(MeshSpec((("data", 4), ("tensor", 2)), tuple(range(8))), "dp_tp")
+    plan = ExecutionPlan.of("dp", **{c: same for c in CALLS})
+    (edge,) = plan.reshard_edges()
+    assert est.reshard_bytes(w.actor, "lm", same, same) == 0
+    for shared in (True, False):
+        profile = DeviceProfile(
+            name="t",
+            memory_bytes=2**33,
+            matmul_flops=5e10,
+            memory_bandwidth=2e9,
+            intra_node_bandwidth=4e9,
+            shared_host=shared,
+        )
+        shard = est.shard_bytes(w.actor, "lm", same)
+        want = shard * 8 / 4e9 if shared else 2 * shard / 2e9
+        assert est.reshard_seconds(w, edge, plan, profile) == pytest.approx(want)
