@@ -11,6 +11,12 @@ compiles are excluded:
 * ``throughput``: tokens/s of paged decode for a ~40M-parameter Llama (hidden 512, 8 layers,
   vocab 8192, batch 16, 64-token prompts, 128 new tokens, float32).
 
+* ``groups``: shared prompt prefixes for GRPO groups of 4 and 16 (``--groups``) on the throughput
+  model: ``--batch`` samples (batch / group prompts), sampled at temperature 1, generated with
+  ``EngineConfig.share_prefixes`` off and on. Reports KV pages taken and at peak, prefill rows and
+  the prefill time (a generate call with one new token: prefill plus sampling the first token,
+  best of ``--repeats``), the whole generate time, and whether both runs gave the same tokens.
+
 On a GPU it also reports the achieved fraction of HBM bandwidth: (bytes of weights + KV read per
 decode step) / step time / peak bandwidth (``--peak-gbps``, default from the device kind).
 
@@ -162,6 +168,77 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
     return result
 
 
+def _groups(md, params, mesh, args) -> dict:
+    """Shared prompt prefixes off vs on, for each group size (see module docstring)."""
+    import numpy as np
+
+    from jrlhf.decode.engine import DecodeEngine, EngineConfig
+    from jrlhf.decode.sampling import SamplingParams
+
+    def engine(share: bool):
+        return DecodeEngine(
+            md,
+            mesh,
+            "dp_tp",
+            EngineConfig(
+                num_slots=args.batch,
+                page_size=args.page_size,
+                max_prompt_len=args.prompt_len,
+                max_new_tokens=args.new_tokens,
+                chunk_steps=args.chunk_steps,
+                max_prefill_rows=args.batch,
+                kernel=args.kernel,
+                share_prefixes=share,
+            ),
+        )
+
+    engines = {share: engine(share) for share in (False, True)}
+    out = {}
+    for group in args.groups:
+        if args.batch % group:
+            raise SystemExit(f"--batch {args.batch} is not a multiple of group size {group}")
+        prompts = _prompts(args.batch // group, args.prompt_len, args.vocab, mixed=False)
+        full = SamplingParams(num_samples=group, seed=1, stop_ids=())
+        first = SamplingParams(num_samples=group, seed=1, stop_ids=(), max_new_tokens=1)
+        res = {}
+        for sp, key in ((first, "prefill"), (full, "generate")):
+            for eng in engines.values():
+                eng.generate(params, prompts, sp)  # warm-up: compiles
+            best = {}
+            for _ in range(args.repeats):  # alternating, so both see the same machine load
+                for share, eng in engines.items():
+                    got = eng.generate(params, prompts, sp)
+                    if share not in best or got.stats["seconds"] < best[share].stats["seconds"]:
+                        best[share] = got
+            res[key] = best
+        row = {"prompts": len(prompts), "samples": args.batch}
+        for share, name in ((False, "unshared"), (True, "shared")):
+            pre, gen = res["prefill"][share], res["generate"][share]
+            row[name] = {
+                "prefill_rows": int(pre.stats["prefill_rows"]),
+                "prefill_seconds": round(pre.stats["seconds"], 4),
+                "pages_taken": int(gen.stats["pages_taken"]),
+                "pages_peak": int(gen.stats["peak_pages_used"]),
+                "generate_seconds": round(gen.stats["seconds"], 4),
+                "tokens_per_s": round(gen.stats["generated_tokens"] / gen.stats["seconds"], 1),
+            }
+        a, b = res["generate"][False], res["generate"][True]
+        row["pages_saved"] = row["unshared"]["pages_taken"] - row["shared"]["pages_taken"]
+        row["pages_saved_fraction"] = round(row["pages_saved"] / row["unshared"]["pages_taken"], 3)
+        row["prefill_seconds_saved"] = round(
+            row["unshared"]["prefill_seconds"] - row["shared"]["prefill_seconds"], 4
+        )
+        row["prefill_speedup"] = round(
+            row["unshared"]["prefill_seconds"] / row["shared"]["prefill_seconds"], 2
+        )
+        row["same_tokens"] = a.completion_ids == b.completion_ids
+        row["max_logprob_diff"] = float(
+            max(np.max(np.abs(x - y)) for x, y in zip(a.raw_logprobs, b.raw_logprobs))
+        )
+        out[f"group_{group}"] = row
+    return out
+
+
 def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
     """Streaming read bandwidth of the default device: a jitted sum over ``mib`` MiB, best of
     ``repeats`` (the array is far larger than any cache)."""
@@ -296,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--only", choices=("comparison", "throughput"), default=None)
+    p.add_argument("--only", choices=("comparison", "throughput", "groups"), default=None)
+    p.add_argument(
+        "--groups",
+        type=lambda text: [int(g) for g in text.split(",")],
+        default=[4, 16],
+        help="groups: samples per prompt to compare with and without shared prefixes",
+    )
     p.add_argument("--mesh", default=None, help='generation mesh, e.g. "data=2,tensor=4"')
     p.add_argument("--kernel", default="auto")
     p.add_argument("--chunk-steps", type=int, default=32)
@@ -444,6 +527,26 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             **res,
+        }
+    if args.only in (None, "groups"):
+        md = _model(
+            args.hidden,
+            args.layers,
+            args.vocab,
+            args.heads,
+            args.kv_heads,
+            args.mlp,
+            args.prompt_len + args.new_tokens,
+            args.dtype,
+        )
+        params = md.init_sharded(mesh, "dp_tp", seed=0)
+        out["groups"] = {
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "page_size": args.page_size,
+            "mlp": args.mlp,
+            **_groups(md, params, mesh, args),
         }
     print(json.dumps(out, indent=2))
     return 0
