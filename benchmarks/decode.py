@@ -23,12 +23,13 @@ decode step) / step time / peak bandwidth (``--peak-gbps``, default from the dev
 Elsewhere (CPU) the throughput run measures this machine's streaming read bandwidth in the same
 process (a jitted sum over a 256 MiB array, best of a few) and reports tokens/s as a fraction of
 the weight-read limit: batch / (bytes of weights read per decode step / bandwidth). The untied
-embedding table is not counted (a step gathers one row per sequence from it). It also times the step's
-matmuls alone at their decode shapes (a loop of the same projections on ``--batch`` rows, no
-attention) and large square matmuls (the machine's matmul peak): at batch 16 in float32 a step
-does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth is lower than that,
-the step is compute-bound and ``weight_read_fraction_at_matmul_peak`` (weight-read time over
-FLOPs at peak) bounds the fraction of the weight-read limit any implementation can reach. ``--peers`` also
+embedding table is not counted (a step gathers one row per sequence from it). It also
+times the step's matmuls alone at their decode shapes (a loop of the same projections on
+``--batch`` rows, no attention) and large square matmuls (the machine's matmul peak): at batch 16
+in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
+is lower than that, the step is compute-bound and ``weight_read_fraction_at_matmul_peak``
+(weight-read time over FLOPs at peak) bounds the fraction of the weight-read limit any
+implementation can reach. ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
 weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
 repeat so both see the same machine load, and prints the ratio.
