@@ -11,13 +11,25 @@ compiles are excluded:
 * ``throughput``: tokens/s of paged decode for a ~40M-parameter Llama (hidden 512, 8 layers,
   vocab 8192, batch 16, 64-token prompts, 128 new tokens, float32).
 
+* ``groups``: shared prompt prefixes for GRPO groups of 4 and 16 (``--groups``) on the throughput
+  model: ``--batch`` samples (batch / group prompts), sampled at temperature 1, generated with
+  ``EngineConfig.share_prefixes`` off and on. Reports KV pages taken and at peak, prefill rows and
+  the prefill time (a generate call with one new token: prefill plus sampling the first token,
+  best of ``--repeats``), the whole generate time, and whether both runs gave the same tokens.
+
 On a GPU it also reports the achieved fraction of HBM bandwidth: (bytes of weights + KV read per
 decode step) / step time / peak bandwidth (``--peak-gbps``, default from the device kind).
 
 Elsewhere (CPU) the throughput run measures this machine's streaming read bandwidth in the same
 process (a jitted sum over a 256 MiB array, best of a few) and reports tokens/s as a fraction of
 the weight-read limit: batch / (bytes of weights read per decode step / bandwidth). The untied
-embedding table is not counted (a step gathers one row per sequence from it). ``--peers`` also
+embedding table is not counted (a step gathers one row per sequence from it). It also
+times the step's matmuls alone at their decode shapes (a loop of the same projections on
+``--batch`` rows, no attention) and large square matmuls (the machine's matmul peak): at batch 16
+in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
+is lower than that, the step is compute-bound and ``weight_read_fraction_at_matmul_peak``
+(weight-read time over FLOPs at peak) bounds the fraction of the weight-read limit any
+implementation can reach. ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
 weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
 repeat so both see the same machine load, and prints the ratio.
@@ -162,6 +174,77 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
     return result
 
 
+def _groups(md, params, mesh, args) -> dict:
+    """Shared prompt prefixes off vs on, for each group size (see module docstring)."""
+    import numpy as np
+
+    from jrlhf.decode.engine import DecodeEngine, EngineConfig
+    from jrlhf.decode.sampling import SamplingParams
+
+    def engine(share: bool):
+        return DecodeEngine(
+            md,
+            mesh,
+            "dp_tp",
+            EngineConfig(
+                num_slots=args.batch,
+                page_size=args.page_size,
+                max_prompt_len=args.prompt_len,
+                max_new_tokens=args.new_tokens,
+                chunk_steps=args.chunk_steps,
+                max_prefill_rows=args.batch,
+                kernel=args.kernel,
+                share_prefixes=share,
+            ),
+        )
+
+    engines = {share: engine(share) for share in (False, True)}
+    out = {}
+    for group in args.groups:
+        if args.batch % group:
+            raise SystemExit(f"--batch {args.batch} is not a multiple of group size {group}")
+        prompts = _prompts(args.batch // group, args.prompt_len, args.vocab, mixed=False)
+        full = SamplingParams(num_samples=group, seed=1, stop_ids=())
+        first = SamplingParams(num_samples=group, seed=1, stop_ids=(), max_new_tokens=1)
+        res = {}
+        for sp, key in ((first, "prefill"), (full, "generate")):
+            for eng in engines.values():
+                eng.generate(params, prompts, sp)  # warm-up: compiles
+            best = {}
+            for _ in range(args.repeats):  # alternating, so both see the same machine load
+                for share, eng in engines.items():
+                    got = eng.generate(params, prompts, sp)
+                    if share not in best or got.stats["seconds"] < best[share].stats["seconds"]:
+                        best[share] = got
+            res[key] = best
+        row = {"prompts": len(prompts), "samples": args.batch}
+        for share, name in ((False, "unshared"), (True, "shared")):
+            pre, gen = res["prefill"][share], res["generate"][share]
+            row[name] = {
+                "prefill_rows": int(pre.stats["prefill_rows"]),
+                "prefill_seconds": round(pre.stats["seconds"], 4),
+                "pages_taken": int(gen.stats["pages_taken"]),
+                "pages_peak": int(gen.stats["peak_pages_used"]),
+                "generate_seconds": round(gen.stats["seconds"], 4),
+                "tokens_per_s": round(gen.stats["generated_tokens"] / gen.stats["seconds"], 1),
+            }
+        a, b = res["generate"][False], res["generate"][True]
+        row["pages_saved"] = row["unshared"]["pages_taken"] - row["shared"]["pages_taken"]
+        row["pages_saved_fraction"] = round(row["pages_saved"] / row["unshared"]["pages_taken"], 3)
+        row["prefill_seconds_saved"] = round(
+            row["unshared"]["prefill_seconds"] - row["shared"]["prefill_seconds"], 4
+        )
+        row["prefill_speedup"] = round(
+            row["unshared"]["prefill_seconds"] / row["shared"]["prefill_seconds"], 2
+        )
+        row["same_tokens"] = a.completion_ids == b.completion_ids
+        row["max_logprob_diff"] = float(
+            max(np.max(np.abs(x - y)) for x, y in zip(a.raw_logprobs, b.raw_logprobs))
+        )
+        out[f"group_{group}"] = row
+    return out
+
+
 def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
     """Streaming read bandwidth of the default device: a jitted sum over ``mib`` MiB, best of
     ``repeats`` (the array is far larger than any cache)."""
@@ -177,6 +260,61 @@ def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
         total(x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return x.nbytes / best / 1e9
+
+
+def _matmul_bound(model_def, batch: int, steps: int = 64, repeats: int = 3) -> dict:
+    """The decode step's matmuls alone, at its shapes: a jitted loop of ``steps`` steps of the
+    per-layer projections (q, k, v, o, gate, up, down) and the LM head on ``batch`` rows, with
+    fresh weights of the model's shapes and no attention, norms or sampling. Its time per step is
+    what the step would cost if everything but the matmuls were free; its FLOP/s are this
+    machine's matmul throughput at decode shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    c = model_def.config
+    e, q, kv, f = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    dt = c.jnp_dtype
+    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e)]
+    keys = iter(jax.random.split(jax.random.key(1), len(shapes) * c.num_layers + 1))
+    layers = [
+        [(0.02 * jax.random.normal(next(keys), s)).astype(dt) for s in shapes]
+        for _ in range(c.num_layers)
+    ]
+    head = (0.02 * jax.random.normal(next(keys), (e, c.vocab_size))).astype(dt)
+    reps = q // kv
+
+    @jax.jit
+    def run(x, layers, head):
+        def body(_, carry):
+            x, acc = carry
+            for wq, wk, wv, wo, wg, wu, wd in layers:
+                a = x @ wq + jnp.tile(x @ wk + x @ wv, (1, reps))
+                x = x + a @ wo
+                x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+            return 0.5 * x, acc + (x @ head)[:, 0].astype(jnp.float32).sum()
+
+        return jax.lax.fori_loop(0, steps, body, (x, jnp.float32(0)))
+
+    x = jnp.ones((batch, e), dt)
+    jax.block_until_ready(run(x, layers, head))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(x, layers, head))
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes) + e * c.vocab_size)
+    step = best / steps
+    return {
+        "matmul_flops_per_step": flops,
+        "matmul_only_step_ms": round(step * 1e3, 3),
+        "matmul_gflops_at_decode_shapes": round(flops / step / 1e9, 1),
+        "matmul_limit_tokens_per_s": round(batch / step, 1),
+    }
 
 
 def _weight_read_bytes(model_def) -> int:
@@ -296,7 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--only", choices=("comparison", "throughput"), default=None)
+    p.add_argument("--only", choices=("comparison", "throughput", "groups"), default=None)
+    p.add_argument(
+        "--groups",
+        type=lambda text: [int(g) for g in text.split(",")],
+        default=[4, 16],
+        help="groups: samples per prompt to compare with and without shared prefixes",
+    )
     p.add_argument("--mesh", default=None, help='generation mesh, e.g. "data=2,tensor=4"')
     p.add_argument("--kernel", default="auto")
     p.add_argument("--chunk-steps", type=int, default=32)
@@ -423,6 +567,22 @@ def main(argv: list[str] | None = None) -> int:
             res["weight_bytes_read_per_step"] = read
             res["weight_read_limit_tokens_per_s"] = round(limit, 1)
             res["fraction_of_weight_read_limit"] = round(res["tokens_per_s"] / limit, 3)
+            # What the step's matmuls alone cost here: if this limit is below the weight-read
+            # one, the step is bound by matmul throughput at batch ``batch``, not by bandwidth.
+            res.update(_matmul_bound(md, args.batch))
+            res["fraction_of_matmul_limit"] = round(
+                res["tokens_per_s"] / res["matmul_limit_tokens_per_s"], 3
+            )
+            # Even at the machine's best matmul rate (large square products), a step cannot
+            # beat flops / peak: the best fraction of the weight-read limit reachable is then
+            # (weight bytes / bandwidth) / (flops / peak).
+            from benchmarks.rl import _matmul_peak  # one home for the peak measurement
+
+            peak = _matmul_peak(2048, repeats=3)
+            res["matmul_peak_gflops"] = round(peak / 1e9, 1)
+            res["weight_read_fraction_at_matmul_peak"] = round(
+                (read / (gbps * 1e9)) / (res["matmul_flops_per_step"] / peak), 3
+            )
         if peer is not None:
             hf = res.pop("_peer")
             same = sum(a == b for a, b in zip(completions, hf.pop("_completions")))
@@ -444,6 +604,26 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             **res,
+        }
+    if args.only in (None, "groups"):
+        md = _model(
+            args.hidden,
+            args.layers,
+            args.vocab,
+            args.heads,
+            args.kv_heads,
+            args.mlp,
+            args.prompt_len + args.new_tokens,
+            args.dtype,
+        )
+        params = md.init_sharded(mesh, "dp_tp", seed=0)
+        out["groups"] = {
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "page_size": args.page_size,
+            "mlp": args.mlp,
+            **_groups(md, params, mesh, args),
         }
     print(json.dumps(out, indent=2))
     return 0

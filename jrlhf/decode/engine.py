@@ -6,6 +6,9 @@ act on it, both donating it so the pools are updated in place:
 
 * ``insert``: batched prefill of a few new prompts (rows and prompt length bucketed to powers of
   two, so compiles are bounded), writing their K/V into their pages and sampling their first token.
+  Samples of one prompt admitted together (a GRPO group) share one prefill row and the prompt's
+  full pages; each gets its own copy of the page holding the prompt's end (which its decode steps
+  write into) and its own first token, drawn from the shared logits with its own key.
 * ``decode_chunk``: a ``lax.while_loop`` of up to ``chunk_steps`` decode steps over all slots; it
   stops early once no slot is active.
 
@@ -61,6 +64,10 @@ class EngineConfig:
     (made once per ``generate``, so the layer weights are held twice while it runs) instead of
     scanning the stacked weights; None picks it on CPU, where the scan copies every layer's
     weights at every step (see ``Transformer.run_layers``).
+
+    ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
+    and land on the same data shard share that prompt's prefill and its full KV pages (tokens
+    and log-probs are the same as without: only pages and prefill work are saved).
     """
 
     num_slots: int = 8
@@ -73,6 +80,7 @@ class EngineConfig:
     min_prefill_len: int = 16
     kernel: str = "auto"
     unroll_layers: bool | None = None
+    share_prefixes: bool = True
 
     def __post_init__(self):
         for name in (
@@ -288,12 +296,14 @@ class DecodeEngine:
         state,
         tokens_nt,
         lens_n,
-        slots_n,
         page_rows_np,
-        seeds_n,
-        prompt_idx_n,
-        sample_idx_n,
-        max_new_n,
+        slots_m,
+        src_m,
+        copy_page_m,
+        seeds_m,
+        prompt_idx_m,
+        sample_idx_m,
+        max_new_m,
         stop_ids,
         temperature,
         top_k,
@@ -302,10 +312,20 @@ class DecodeEngine:
         greedy,
         filtered,
     ):
-        """Prefill ``n`` prompts into ``slots_n`` (out-of-range slot = padding row)."""
+        """Prefill ``n`` prompts (rows with length 0 are padding) into the pages of
+        ``page_rows_np`` and start ``m`` samples: sample ``j`` continues prompt row ``src_m[j]``
+        in slot ``slots_m[j]`` (out of range: padding). ``copy_page_m[j]`` (out of range: none)
+        receives a copy of the prompt's last, partial page for a sample that shares the row's
+        full pages but must write its own tokens after the prompt."""
         ps = self.config.page_size
         n, t = tokens_nt.shape
         total_pages = state.k_pages.shape[1]
+        lens_m = lens_n[src_m]
+        # The partial page's positions in the prompt row, and where each copy writes them.
+        part_pos_mp = (lens_m // ps * ps)[:, None] + jnp.arange(ps, dtype=jnp.int32)
+        part_page_mp = jnp.where(part_pos_mp < lens_m[:, None], copy_page_m[:, None], total_pages)
+        part_pos_mp = jnp.minimum(part_pos_mp, t - 1)
+        part_off_mp = jnp.broadcast_to(jnp.arange(ps, dtype=jnp.int32), part_pos_mp.shape)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
         valid = positions < lens_n[:, None]
         segments = valid.astype(jnp.int32)
@@ -318,6 +338,12 @@ class DecodeEngine:
             kp, vp = cache
             kp = kp.at[layer, page_idx, offsets].set(k.astype(kp.dtype), mode="drop")
             vp = vp.at[layer, page_idx, offsets].set(v.astype(vp.dtype), mode="drop")
+            # Copy-on-write of the shared prompt's last page, written straight from this layer's
+            # K/V (the same values the row's own page receives).
+            part_k = k[src_m[:, None], part_pos_mp].astype(kp.dtype)
+            part_v = v[src_m[:, None], part_pos_mp].astype(vp.dtype)
+            kp = kp.at[layer, part_page_mp, part_off_mp].set(part_k, mode="drop")
+            vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
             return masked_attention(q, k, v, mask), (kp, vp)
 
         with activation_sharding(self.mesh, self.rules):
@@ -326,33 +352,33 @@ class DecodeEngine:
                 model.embed(tokens_nt), positions, attend, (state.k_pages, state.v_pages)
             )
             last = jnp.take_along_axis(hidden, jnp.maximum(lens_n - 1, 0)[:, None, None], axis=1)
-            logits = model.logits(last[:, 0])
+            logits = model.logits(last[:, 0])[src_m]
 
-        keys = jax.vmap(jax.random.PRNGKey)(seeds_n)
+        keys = jax.vmap(jax.random.PRNGKey)(seeds_m)
         keys = jnp.where(
-            (prompt_idx_n >= 0)[:, None],
-            jax.vmap(jax.random.fold_in)(keys, jnp.maximum(prompt_idx_n, 0)),
+            (prompt_idx_m >= 0)[:, None],
+            jax.vmap(jax.random.fold_in)(keys, jnp.maximum(prompt_idx_m, 0)),
             keys,
         )
-        keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_n)
-        step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_n))
+        keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_m)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_m))
         tok, slp, rlp = sample_tokens(
             logits, step_keys, temperature, top_k, top_p, greedy=greedy, filtered=filtered
         )
-        done = self._is_stop(tok, stop_ids) | (max_new_n <= 1)
-        put = lambda a, x: a.at[slots_n].set(x, mode="drop")  # noqa: E731
+        done = self._is_stop(tok, stop_ids) | (max_new_m <= 1)
+        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
         return state.replace(
             k_pages=kp,
             v_pages=vp,
-            lengths=put(state.lengths, lens_n),
+            lengths=put(state.lengths, lens_m),
             last_token=put(state.last_token, tok),
-            num_generated=put(state.num_generated, jnp.ones_like(lens_n)),
-            max_new=put(state.max_new, max_new_n),
+            num_generated=put(state.num_generated, jnp.ones_like(lens_m)),
+            max_new=put(state.max_new, max_new_m),
             active=put(state.active, ~done),
             keys=put(state.keys, keys),
-            tokens=state.tokens.at[slots_n, 0].set(tok, mode="drop"),
-            sampling_lp=state.sampling_lp.at[slots_n, 0].set(slp, mode="drop"),
-            raw_lp=state.raw_lp.at[slots_n, 0].set(rlp, mode="drop"),
+            tokens=state.tokens.at[slots_m, 0].set(tok, mode="drop"),
+            sampling_lp=state.sampling_lp.at[slots_m, 0].set(slp, mode="drop"),
+            raw_lp=state.raw_lp.at[slots_m, 0].set(rlp, mode="drop"),
         )
 
     def _paged_attend(self, state: DecodeState):
@@ -572,22 +598,15 @@ class DecodeEngine:
         t0 = time.perf_counter()
         try:
             while queue or any(r is not None for r in slot_req):
-                admitted = []
-                for slot in range(ec.num_slots):
-                    if not queue or len(admitted) == ec.max_prefill_rows:
-                        break
-                    if slot_req[slot] is None and alloc.can_admit(slot, queue[0].max_cached):
-                        req = queue.popleft()
-                        alloc.admit(slot, req.max_cached)
-                        alloc.grow(slot, len(req.prompt))
-                        slot_req[slot] = req
-                        admitted.append((slot, req))
+                admitted = self._admit(queue, slot_req, alloc, stats)
                 if admitted:
-                    state = self._insert_batch(params, state, admitted, alloc, scalars, flags)
+                    state = self._insert_batch(
+                        params, state, admitted, alloc, scalars, flags, stats
+                    )
                     stats["prefill_calls"] += 1
                     # Not synced: a slot whose first token already ended it just makes the chunk's
                     # while loop stop at once, and its pages are released below as usual.
-                    for slot, _ in admitted:
+                    for slot, _, _ in admitted:
                         active_host[slot], num_gen[slot] = True, 1
                 elif all(r is None for r in slot_req):
                     raise RuntimeError("no sequence could be admitted into an empty page pool")
@@ -622,6 +641,7 @@ class DecodeEngine:
             self.state = state
         stats["seconds"] = time.perf_counter() - t0
         stats["peak_pages_used"] = alloc.peak_used
+        stats["pages_taken"] = alloc.taken
         stats["pool_pages"] = ec.total_pages
         stats["generated_tokens"] = sum(len(o[0]) for o in outputs)
         return GenerationResult(
@@ -632,24 +652,71 @@ class DecodeEngine:
             stats=dict(stats),
         )
 
-    def _insert_batch(self, params, state, admitted, alloc: PageAllocator, scalars, flags):
+    def _admit(self, queue, slot_req, alloc: PageAllocator, stats) -> list[tuple[int, Any, int]]:
+        """Move queued requests into free slots (taking their prompt pages): a list of (slot,
+        request, prefill row). A request joins the row of an earlier sample of its prompt admitted
+        in this call on the same data shard, sharing its full pages; otherwise it opens a row (at
+        most ``max_prefill_rows``)."""
         ec = self.config
-        rows = _bucket(len(admitted), 1, ec.max_prefill_rows)
-        longest = max(len(r.prompt) for _, r in admitted)
+        admitted: list[tuple[int, _Request, int]] = []
+        owners: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, shard) -> (slot, row)
+        rows = 0
+        for slot in range(ec.num_slots):
+            if not queue:
+                break
+            if slot_req[slot] is not None:
+                continue
+            req = queue[0]
+            group = (req.prompt_index, alloc.shard_of(slot))
+            owner = owners.get(group) if ec.share_prefixes else None
+            shared = len(req.prompt) // ec.page_size if owner is not None else 0
+            if owner is None and rows == ec.max_prefill_rows:
+                break
+            if not alloc.can_admit(slot, req.max_cached, shared):
+                continue
+            queue.popleft()
+            if owner is None:
+                alloc.admit(slot, req.max_cached)
+                owners[group] = owner = (slot, rows)
+                rows += 1
+            else:
+                alloc.admit(slot, req.max_cached, share_from=owner[0], shared=shared)
+                stats["shared_pages"] += shared
+            alloc.grow(slot, len(req.prompt))
+            slot_req[slot] = req
+            admitted.append((slot, req, owner[1]))
+        return admitted
+
+    def _insert_batch(self, params, state, admitted, alloc: PageAllocator, scalars, flags, stats):
+        ec = self.config
+        heads = {row: (slot, req) for slot, req, row in reversed(admitted)}  # first of each row
+        n = len(heads)
+        rows = _bucket(n, 1, ec.max_prefill_rows)
+        samples = _bucket(len(admitted), 1, max(ec.num_slots, ec.max_prefill_rows))
+        longest = max(len(r.prompt) for _, r in heads.values())
         t = _bucket(longest, ec.min_prefill_len, max(ec.max_prompt_len, ec.min_prefill_len))
         tokens = np.zeros((rows, t), np.int32)
         lens = np.zeros((rows,), np.int32)
-        slots = np.full((rows,), ec.num_slots, np.int32)
         page_rows = np.full((rows, ec.max_pages_per_seq), ec.total_pages, np.int32)
-        seeds = np.zeros((rows,), np.uint32)
-        prompt_idx = np.full((rows,), -1, np.int32)
-        sample_idx = np.zeros((rows,), np.int32)
-        max_new = np.zeros((rows,), np.int32)
-        for i, (slot, req) in enumerate(admitted):
-            tokens[i, : len(req.prompt)] = req.prompt
-            lens[i] = len(req.prompt)
+        for row, (slot, req) in heads.items():
+            tokens[row, : len(req.prompt)] = req.prompt
+            lens[row] = len(req.prompt)
+            page_rows[row] = alloc.global_rows(slot)
+        stats["prefill_rows"] += n
+        stats["prefill_tokens"] += int(lens.sum())
+        slots = np.full((samples,), ec.num_slots, np.int32)
+        src = np.zeros((samples,), np.int32)
+        copy_page = np.full((samples,), ec.total_pages, np.int32)
+        seeds = np.zeros((samples,), np.uint32)
+        prompt_idx = np.full((samples,), -1, np.int32)
+        sample_idx = np.zeros((samples,), np.int32)
+        max_new = np.zeros((samples,), np.int32)
+        for i, (slot, req, row) in enumerate(admitted):
             slots[i] = slot
-            page_rows[i] = alloc.global_rows(slot)
+            src[i] = row
+            last = len(req.prompt) // ec.page_size
+            if heads[row][0] != slot and len(req.prompt) % ec.page_size:
+                copy_page[i] = alloc.global_rows(slot)[last]
             seeds[i] = req.seed
             prompt_idx[i] = req.prompt_index if req.derived_seed else -1
             sample_idx[i] = req.sample_index
@@ -659,8 +726,10 @@ class DecodeEngine:
             state,
             tokens,
             lens,
-            slots,
             page_rows,
+            slots,
+            src,
+            copy_page,
             seeds,
             prompt_idx,
             sample_idx,

@@ -9,6 +9,11 @@ pages, but pages are only taken from the free list as the sequence grows, and al
 unused reservation) return when it finishes. So an admitted sequence can always grow (no
 preemption, no crash), and a full pool simply admits fewer sequences (back-pressure). Free lists
 are min-heaps: allocation is deterministic.
+
+Samples of one prompt can share its full prompt pages (``admit(..., share_from=owner)``): their
+table rows start with the owner's page ids, each page counts its holders, and it returns to the
+free list when the last one releases it. Only full pages are shared; the page holding the end of
+the prompt is written by every sample's decode steps, so each sample has its own copy of it.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ class PageAllocator:
         self._reserved = [0] * num_shards  # pages promised to admitted sequences, not yet taken
         self._owned: dict[int, list[int]] = {}
         self._budget: dict[int, int] = {}  # slot -> pages it may still take
+        self._holders = np.zeros((num_shards, pages_per_shard), np.int32)  # slots per page
         self.used = 0
         self.peak_used = 0
+        self.taken = 0  # pages ever taken from the free lists
         self.dirty = True
 
     def shard_of(self, slot: int) -> int:
@@ -58,19 +65,40 @@ class PageAllocator:
         """Pages of ``shard`` neither taken nor promised."""
         return len(self._free[shard]) - self._reserved[shard]
 
-    def can_admit(self, slot: int, max_tokens: int) -> bool:
-        return pages_for(max_tokens, self.page_size) <= self.available(self.shard_of(slot))
+    def can_admit(self, slot: int, max_tokens: int, shared: int = 0) -> bool:
+        """Whether ``slot`` can reserve a sequence of ``max_tokens`` cached tokens whose first
+        ``shared`` pages come from another slot."""
+        return pages_for(max_tokens, self.page_size) - shared <= self.available(self.shard_of(slot))
 
-    def admit(self, slot: int, max_tokens: int) -> None:
-        """Reserve pages for a sequence that will cache at most ``max_tokens`` tokens."""
+    def admit(
+        self, slot: int, max_tokens: int, share_from: int | None = None, shared: int = 0
+    ) -> None:
+        """Reserve pages for a sequence that will cache at most ``max_tokens`` tokens; with
+        ``share_from``, its first ``shared`` pages are that slot's (already taken) pages."""
         if slot in self._owned:
             raise RuntimeError(f"slot {slot} is already in use")
+        shard = self.shard_of(slot)
         need = pages_for(max_tokens, self.page_size)
-        if need > self.max_pages_per_seq or need > self.available(self.shard_of(slot)):
-            raise RuntimeError(f"slot {slot}: cannot reserve {need} pages")
-        self._reserved[self.shard_of(slot)] += need
+        if share_from is None:
+            shared = 0
+        else:
+            source = self._owned.get(share_from)
+            if source is None or self.shard_of(share_from) != shard or len(source) < shared:
+                raise RuntimeError(
+                    f"slot {slot} cannot share {shared} pages of slot {share_from} (not in use, "
+                    "another shard, or fewer pages)"
+                )
+        if need > self.max_pages_per_seq or need - shared > self.available(shard):
+            raise RuntimeError(f"slot {slot}: cannot reserve {need - shared} pages")
+        self._reserved[shard] += need - shared
         self._owned[slot] = []
-        self._budget[slot] = need
+        self._budget[slot] = need - shared
+        if shared:
+            pages = self._owned[share_from][:shared]
+            self._owned[slot] = list(pages)
+            self.table[slot, :shared] = pages
+            self._holders[shard, pages] += 1
+            self.dirty = True
 
     def grow(self, slot: int, tokens: int) -> None:
         """Make sure ``slot`` has pages for ``tokens`` cached tokens (within its reservation)."""
@@ -79,20 +107,25 @@ class PageAllocator:
         want = min(pages_for(tokens, self.page_size), len(owned) + self._budget[slot])
         while len(owned) < want:
             page = heapq.heappop(self._free[shard])
+            self._holders[shard, page] = 1
             self._reserved[shard] -= 1
             self._budget[slot] -= 1
             self.table[slot, len(owned)] = page
             owned.append(page)
             self.used += 1
+            self.taken += 1
             self.dirty = True
         self.peak_used = max(self.peak_used, self.used)
 
     def release(self, slot: int) -> None:
-        """Return a finished sequence's pages and its unused reservation."""
+        """Drop a finished sequence's pages (a shared page returns once its last holder is done)
+        and its unused reservation."""
         shard = self.shard_of(slot)
         for page in self._owned.pop(slot):
-            heapq.heappush(self._free[shard], page)
-            self.used -= 1
+            self._holders[shard, page] -= 1
+            if not self._holders[shard, page]:
+                heapq.heappush(self._free[shard], page)
+                self.used -= 1
         self._reserved[shard] -= self._budget.pop(slot)
         self.table[slot] = self.pages_per_shard
         self.dirty = True
