@@ -162,8 +162,9 @@ class RunConfig:
 class TaskConfig:
     """Where prompts, demonstrations and preferences come from.
 
-    ``name="synthetic"`` or ``"arithmetic"`` uses a built-in task (jrlhf.tasks); ``name="files"``
-    reads JSONL/Parquet files tokenized with ``tokenizer`` (a directory or tokenizer.json path).
+    ``name="synthetic"``, ``"longtail"`` (long-tailed response lengths) or ``"arithmetic"`` uses a
+    built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet files tokenized with
+    ``tokenizer`` (a directory or tokenizer.json path).
     """
 
     name: str = "synthetic"
@@ -189,9 +190,9 @@ class TaskConfig:
     def validate(self) -> None:
         check_types(self, "TaskConfig")
         _check(
-            self.name in ("synthetic", "arithmetic", "files"),
+            self.name in ("synthetic", "longtail", "arithmetic", "files"),
             "TaskConfig.name",
-            "use synthetic, arithmetic or files",
+            "use synthetic, longtail, arithmetic or files",
         )
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
@@ -460,6 +461,12 @@ class RLConfig:
     # Metrics offpolicy/*: mismatch (mean |log-prob difference|, k3 KL), IS clip fraction.
     off_policy_correction: str = "none"
     is_cap: float = 2.0
+    # Inter-stage fusion (jrlhf.ppo.fusion): finished samples are scored (reference, reward,
+    # critic) in calls of fusion_score_rows rows while generation goes on (0: a quarter of the
+    # iteration's rows; rounded up to the scoring meshes' batch shards). Same samples and scores
+    # (to float rounding); time/generate then includes the scoring done during generation.
+    fusion: bool = False
+    fusion_score_rows: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -512,6 +519,9 @@ class RLConfig:
             "RLConfig.off_policy_correction",
             f"unknown correction {self.off_policy_correction!r}; valid: "
             f"{', '.join(OFF_POLICY_CORRECTIONS)}",
+        )
+        _check(
+            self.fusion_score_rows >= 0, "RLConfig.fusion_score_rows", "must be >= 0 (0: derived)"
         )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
         if self.dynamic_sampling:
