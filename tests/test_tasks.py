@@ -292,5 +292,11 @@ def test_longtail_lengths_are_heavy_tailed():
     # The same response is perfect for a prompt that asks for 4.
     short = next(p for p in prompts if task.target_length(p) == 4)
     assert task.score(short, task.ideal_response(short)) == 1.0
+    # Preference pairs show the reward model answers shorter than asked as well as longer.
+    pairs = task.preference_pairs(300)
+    responses = [(r.prompt_ids, x) for r in pairs for x in (r.chosen_ids, r.rejected_ids)]
+    terminated = [(p, x) for p, x in responses if x[-1] == task.eos_id]
+    assert any(len(x) - 1 < task.target_length(p) - 3 for p, x in terminated)
+    assert any(len(x) - 1 > task.target_length(p) for p, x in terminated)
     with pytest.raises(ValueError, match="tail_index"):
         LongTailTask(tail_index=0)

@@ -128,13 +128,14 @@ class Rollout:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams,
         meta: Sequence[Mapping[str, Any]] | None = None,
+        fuse: bool = True,
     ) -> RolloutBatch:
         """Generate, then score every sample (device calls dispatched before any is fetched;
-        with fusion, finished samples in chunks while generation goes on); ``meta`` (one per
-        prompt) reaches the reward function with each of its samples."""
+        with fusion, unless ``fuse=False``, finished samples in chunks while generation goes
+        on); ``meta`` (one per prompt) reaches the reward function with each of its samples."""
         if self.scorer is None:
             raise ValueError("this rollout has no scorer: use generate()")
-        if self.fusion_rows:
+        if self.fusion_rows and fuse:
             fused = FusedScoring(self.scorer, self.fusion_rows, prompts, meta)
             result = self.engine.generate(params, prompts, sampling, on_finished=fused)
             rep = [prompts[int(i)] for i in result.prompt_index]
@@ -155,6 +156,8 @@ class Rollout:
         meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Held-out summary: mean reward, KL to the reference, response length and the
-        ground-truth score when the task knows it."""
-        batch = self(params, prompts, self.evaluation_sampling(samples, greedy), meta=meta)
+        ground-truth score when the task knows it. Never fused: the held-out numbers stay
+        exactly those ``python -m jrlhf.evaluate`` reports."""
+        sampling = self.evaluation_sampling(samples, greedy)
+        batch = self(params, prompts, sampling, meta=meta, fuse=False)
         return self.scorer.summarize(batch.arrays, batch.prompts, batch.responses)

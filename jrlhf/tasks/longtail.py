@@ -10,7 +10,8 @@ capped by the grid. With the defaults the median target is 4 tokens, about 8% of
 while a few sequences finish, which is what inter-stage fusion (RLConfig.fusion) exploits.
 
 Everything else (ground truth with K read from the prompt, mediocre SFT demonstrations of the
-right length, preference pairs, splits, the tokenizer) is :class:`SyntheticTask`'s.
+right length, preference pairs, splits, the tokenizer) is :class:`SyntheticTask`'s, except that
+preference responses of a wrong length are drawn both shorter and longer than K.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class LongTailTask(SyntheticTask):
             if k is not None:
                 return k
         return self.response_len
+
+    def _other_length(self, k: int, rng: np.random.Generator) -> int:
+        # Both shorter and longer than asked: a reward model that saw only longer ones (the base
+        # task's range) learns "shorter is better", which a policy exploits by answering short.
+        return int(rng.integers(1, min(self.max_response_len, 2 * k + 2)))
 
     def _draw_prompt(self, rng: np.random.Generator) -> list[int]:
         prompt = super()._draw_prompt(rng)

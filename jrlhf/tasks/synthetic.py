@@ -264,8 +264,13 @@ class SyntheticTask:
             length, eos = self.max_response_len, False
         elif u < 0.4:
             # Other lengths, so the reward model sees what over/under-length costs.
-            length = int(rng.integers(max(1, k - 3), self.max_response_len))
+            length = self._other_length(k, rng)
         return self._mixed_response(rng, focus, q, (1.0 - q) / 2, length, eos)
+
+    def _other_length(self, k: int, rng: np.random.Generator) -> int:
+        """A length other than the ideal ``k`` for a preference response: from just under ``k``
+        up to the longest."""
+        return int(rng.integers(max(1, k - 3), self.max_response_len))
 
     def preference_pairs(self, n: int, split: str = "train") -> list[PreferenceRecord]:
         """``n`` (prompt, chosen, rejected) triples on prompts of ``split``, ranked by the true
