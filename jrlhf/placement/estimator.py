@@ -671,7 +671,7 @@ def fused_rollout_seconds(
     step = (generate - prefill) / max(1, longest - 1)
     chunk = max(1, w.decode_chunk_steps)
     # the decode step after which each row is handed over (its chunk's end), in finishing order
-    handed = sorted(min(-(-max(0, n - 1) // chunk) * chunk, longest - 1) for n in lengths)
+    handed = sorted(min(-(-max(0, int(n) - 1) // chunk) * chunk, longest - 1) for n in lengths)
     ready = [prefill + step * s for s in handed]
 
     scoring = [c for c in INFERENCE_CALLS if c in _active_calls(w)]
