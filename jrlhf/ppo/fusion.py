@@ -10,9 +10,10 @@ serves them all.
 
 What overlaps: the host work of a chunk (packing, a Python reward function) runs while the
 devices decode the next chunk. The device scoring calls overlap the tail's decode only where they
-run on other devices than generation *and* those devices execute concurrently: separate processes
-(or GPUs). On one CPU process XLA runs computations one at a time, so there the fused rollout
-costs the same device time as the unfused one plus one call overhead per chunk
+run on other devices than generation *and* those devices execute concurrently (GPUs, or devices
+of another process; neither measured here). On one CPU process XLA runs computations one at a
+time, so there the fused rollout costs the unfused one's device time plus the overheads of its
+extra, smaller scoring calls
 (``python -m jrlhf.bench fusion`` measures both; jrlhf.placement.estimator.fused_rollout_seconds
 prices them).
 
