@@ -175,8 +175,9 @@ class RunConfig:
 class TaskConfig:
     """Where prompts, demonstrations and preferences come from.
 
-    ``name="synthetic"`` or ``"arithmetic"`` uses a built-in task (jrlhf.tasks); ``name="files"``
-    reads JSONL/Parquet files tokenized with ``tokenizer`` (a directory or tokenizer.json path).
+    ``name="synthetic"``, ``"longtail"`` (long-tailed response lengths) or ``"arithmetic"`` uses a
+    built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet files tokenized with
+    ``tokenizer`` (a directory or tokenizer.json path).
     """
 
     name: str = "synthetic"
@@ -202,9 +203,9 @@ class TaskConfig:
     def validate(self) -> None:
         check_types(self, "TaskConfig")
         _check(
-            self.name in ("synthetic", "arithmetic", "files"),
+            self.name in ("synthetic", "longtail", "arithmetic", "files"),
             "TaskConfig.name",
-            "use synthetic, arithmetic or files",
+            "use synthetic, longtail, arithmetic or files",
         )
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
@@ -491,6 +492,12 @@ class RLConfig:
     # plan puts generation and training on different processes); no token is ever more than k
     # versions older than the policy being updated (checked). Pair with off_policy_correction.
     max_staleness: int = 0
+    # Inter-stage fusion (jrlhf.ppo.fusion): finished samples are scored (reference, reward,
+    # critic) in calls of fusion_score_rows rows while generation goes on (0: a quarter of the
+    # iteration's rows; rounded up to the scoring meshes' batch shards). Same samples and scores
+    # (to float rounding); time/generate then includes the scoring done during generation.
+    fusion: bool = False
+    fusion_score_rows: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -566,6 +573,9 @@ class RLConfig:
             f"unknown correction {self.off_policy_correction!r}; valid: "
             f"{', '.join(OFF_POLICY_CORRECTIONS)}",
         )
+        _check(
+            self.fusion_score_rows >= 0, "RLConfig.fusion_score_rows", "must be >= 0 (0: derived)"
+        )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
         _check(self.max_staleness >= 0, "RLConfig.max_staleness", "must be >= 0 (0: synchronous)")
         if self.max_staleness:
@@ -574,6 +584,20 @@ class RLConfig:
                 "RLConfig.max_staleness",
                 "asynchronous generation (max_staleness >= 1) does not support "
                 "RLConfig.dynamic_sampling (its extra rounds depend on the batch being trained)",
+            )
+            _check(
+                not self.fusion,
+                "RLConfig.fusion",
+                "is not supported with RLConfig.max_staleness >= 1 yet (asynchronous batches are "
+                "scored after generation)",
+            )
+        if self.fusion:
+            parked = sorted(set(self.offload) & {"reference", "reward"})
+            _check(
+                not parked,
+                "RLConfig.fusion",
+                f"scores while generating, when RLConfig.offload keeps {', '.join(parked)} in host "
+                "memory: offload only optimizer state with fusion",
             )
         if self.dynamic_sampling:
             _check(

@@ -1,4 +1,5 @@
-"""jrlhf.tasks: the synthetic task's ground truth, splits, determinism, tokenizer, files."""
+"""jrlhf.tasks: the synthetic task's ground truth, splits, determinism, tokenizer, files; the
+long-tailed variant's length distribution."""
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from jrlhf import data
 from jrlhf.tasks import (
     REWARD_FNS,
+    LongTailTask,
     SyntheticTask,
     get_reward_fn,
     register_reward_fn,
@@ -254,3 +256,47 @@ def test_arithmetic_task_data_for_a_run():
     assert data_.decode(p).endswith("=")
     with pytest.raises(ValueError, match="the arithmetic task needs max_prompt_len >= 7"):
         build_task_data(load_config([], [*bindings, "TaskConfig.max_prompt_len=6"]))
+
+
+def test_longtail_lengths_are_heavy_tailed():
+    """Target lengths follow the discretized Pareto law of jrlhf.tasks.longtail (re-derived
+    here): median 4, a few prompts ask for 6-12x the median; the SFT demonstrations and the ideal
+    response have the prompt's length, and the ground truth reads it from the prompt."""
+    task = LongTailTask(seed=0)
+    assert task.lengths == (3, 4, 6, 8, 12, 17, 24, 34, 48)
+    assert task.max_prompt_len == 11 and task.vocab_size == 40
+    # The synthetic task's ids are unchanged; the length tokens come after the class symbols.
+    base = SyntheticTask()
+    assert task.tokens[:30] == base.tokens[:30]
+    assert task.tokens[task.length_token(48)] == "<len48>"
+    prompts = task.prompts(4000)
+    assert max(len(p) for p in prompts) <= task.max_prompt_len
+    k = np.array([task.target_length(p) for p in prompts])
+    expected = 2.0 ** (-np.arange(9) / 2)
+    expected /= expected.sum()
+    freq = np.array([np.mean(k == n) for n in task.lengths])
+    # 4000 draws: each frequency within 4 standard errors of its probability.
+    assert np.all(np.abs(freq - expected) < 4 * np.sqrt(expected * (1 - expected) / 4000) + 1e-3)
+    assert np.median(k) == 4
+    assert 0.05 < np.mean(k >= 24) < 0.12 and np.mean(k == 48) > 0.01
+    assert np.percentile(k, 99) >= 10 * np.median(k)
+    # Demonstrations are K symbols plus <eos>; the ideal response scores 1, one symbol too many
+    # costs overflow_penalty / K.
+    for rec in task.sft_examples(50):
+        assert len(rec.response_ids) == task.target_length(rec.prompt_ids) + 1
+    long = next(p for p in prompts if task.target_length(p) == 48)
+    ideal = task.ideal_response(long)
+    assert len(ideal) == 49 and task.score(long, ideal) == 1.0
+    assert task.score(long, [*ideal[:-1], ideal[0], task.eos_id]) == pytest.approx(1 - 0.5 / 48)
+    assert task.score(long, [*ideal[:4], task.eos_id]) == pytest.approx(4 / 48)
+    # The same response is perfect for a prompt that asks for 4.
+    short = next(p for p in prompts if task.target_length(p) == 4)
+    assert task.score(short, task.ideal_response(short)) == 1.0
+    # Preference pairs show the reward model answers shorter than asked as well as longer.
+    pairs = task.preference_pairs(300)
+    responses = [(r.prompt_ids, x) for r in pairs for x in (r.chosen_ids, r.rejected_ids)]
+    terminated = [(p, x) for p, x in responses if x[-1] == task.eos_id]
+    assert any(len(x) - 1 < task.target_length(p) - 3 for p, x in terminated)
+    assert any(len(x) - 1 > task.target_length(p) for p, x in terminated)
+    with pytest.raises(ValueError, match="tail_index"):
+        LongTailTask(tail_index=0)

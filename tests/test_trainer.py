@@ -31,9 +31,13 @@ def test_colocated_run_outputs(colocated_run):
 def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
     """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
     numbers. The searched plan's run also scores in chunks of 8 rows
-    (RLConfig.infer_batch_size), which must not change a number either."""
+    (RLConfig.infer_batch_size), and the separated one fuses scoring into generation in calls of
+    4 rows (RLConfig.fusion), which must not change a number either."""
     run_dir = tmp_path / placement
-    extra = ["RLConfig.infer_batch_size=8"] if placement == "search" else []
+    extra = {
+        "search": ["RLConfig.infer_batch_size=8"],
+        "separate": ["RLConfig.fusion=True", "RLConfig.fusion_score_rows=4"],
+    }.get(placement, [])
     bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'", *extra)
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     plan_text = (run_dir / "plan.gin").read_text()

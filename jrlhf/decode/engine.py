@@ -30,8 +30,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,21 @@ class GenerationResult:
     @property
     def lengths(self) -> np.ndarray:
         return np.array([len(c) for c in self.completion_ids], np.int32)
+
+
+class FinishedRow(NamedTuple):
+    """One completion as ``generate`` hands it to ``on_finished``: its request index (the
+    position in the result), its prompt's index, tokens and log-probs (as in GenerationResult)."""
+
+    index: int
+    prompt_index: int
+    completion_ids: list[int]
+    sampling_logprobs: np.ndarray
+    raw_logprobs: np.ndarray
+
+
+# Called with the rows that finished in a decode chunk (jrlhf.ppo.fusion scores them early).
+FinishedCallback = Callable[[list[FinishedRow]], None]
 
 
 @dataclasses.dataclass
@@ -554,8 +569,15 @@ class DecodeEngine:
         params: Params,
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams | None = None,
+        on_finished: FinishedCallback | None = None,
     ) -> GenerationResult:
-        """Generate ``sampling.num_samples`` completions for every prompt (token-id lists)."""
+        """Generate ``sampling.num_samples`` completions for every prompt (token-id lists).
+
+        ``on_finished``, when given, receives the rows that finished in each decode chunk, once
+        the next chunk has been dispatched (so the host work it does overlaps that chunk's
+        decode), and the last ones after the loop; it must not touch the engine. The samples are
+        the same with or without it.
+        """
         sp = sampling or SamplingParams()
         ec = self.config
         max_new = sp.max_new_tokens or ec.max_new_tokens
@@ -593,6 +615,7 @@ class DecodeEngine:
         outputs: list[tuple | None] = [None] * len(requests)
         table_sharding = self.state_shardings.page_table
         stats = collections.Counter()
+        done_rows: list[FinishedRow] = []  # finished, not yet handed to on_finished
         active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
         num_gen = np.zeros((ec.num_slots,), np.int32)
         t0 = time.perf_counter()
@@ -620,6 +643,9 @@ class DecodeEngine:
                     alloc.dirty = False
                 state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
                 stats["decode_chunks"] += 1
+                if on_finished is not None and done_rows:
+                    on_finished(done_rows)
+                    done_rows = []
                 # The one sync per chunk (plus the outputs of finished slots, when there are any).
                 active_host, num_gen = map(np.array, to_host((state.active, state.num_generated)))
                 finished = [
@@ -637,6 +663,11 @@ class DecodeEngine:
                         )
                         alloc.release(slot)
                         slot_req[slot] = None
+                        if on_finished is not None:
+                            row = FinishedRow(req.index, req.prompt_index, *outputs[req.index])
+                            done_rows.append(row)
+            if on_finished is not None and done_rows:
+                on_finished(done_rows)
         finally:
             self.state = state
         stats["seconds"] = time.perf_counter() - t0

@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import math
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -788,6 +788,70 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         offload_seconds=offload,
         memory_breakdown=breakdown,
     )
+
+
+# ------------------------------------------------------------------------------ fusion
+def fused_rollout_seconds(
+    plan: ExecutionPlan,
+    workload: Workload,
+    profile: DeviceProfile,
+    lengths: Sequence[int],
+    score_rows: int,
+) -> dict[str, float]:
+    """Time to a scored batch without and with inter-stage fusion (jrlhf.ppo.fusion), for rows
+    whose responses have ``lengths`` tokens (``workload.gen_len``: the packed response length
+    scoring sees, TaskConfig.max_response_len).
+
+    Generation runs until the longest row ends; every decode step costs the same (the engine
+    steps all its slots), and a row is handed over at the end of the decode chunk it finished
+    in. Unfused, scoring (all rows) follows generation. Fused, a call of ``score_rows`` rows is
+    dispatched whenever that many rows have finished and the rest after generation; those calls
+    overlap the tail's decode only when the scoring calls run on devices generation does not use
+    and devices run concurrently (not ``shared_host``); otherwise they queue behind the decode and
+    the fused time is generation plus every call (one overhead per call more than unfused).
+    Returns unfused and fused seconds, the generation and scoring parts, and the overlap flag.
+    """
+    w, rows = workload, len(lengths)
+    gen_p = plan["actor_generate"]
+    longest = max(int(n) for n in lengths)
+    prefill = generate_seconds(dataclasses.replace(w, gen_len=1), gen_p, profile)
+    generate = generate_seconds(dataclasses.replace(w, gen_len=longest), gen_p, profile)
+    step = (generate - prefill) / max(1, longest - 1)
+    chunk = max(1, w.decode_chunk_steps)
+    # the decode step after which each row is handed over (its chunk's end), in finishing order
+    handed = sorted(min(-(-max(0, int(n) - 1) // chunk) * chunk, longest - 1) for n in lengths)
+    ready = [prefill + step * s for s in handed]
+
+    scoring = [c for c in INFERENCE_CALLS if c in _active_calls(w)]
+    overlap_calls = plan.overlapping_inference(scoring) and not profile.shared_host
+
+    def score(n: int) -> float:
+        wk = dataclasses.replace(w, prompts=n, samples_per_prompt=1)
+        t = [infer_seconds(wk, CALLS[c][0], plan[c], profile) for c in scoring]
+        return (max(t) if overlap_calls and t else sum(t)) + profile.call_overhead_s
+
+    unfused = generate + score(rows)
+    per_call = score(score_rows)
+    full, rest = divmod(rows, score_rows)
+    early = [ready[(j + 1) * score_rows - 1] for j in range(full)]
+    scoring_devices = set().union(*(plan[c].devices for c in scoring)) if scoring else set()
+    overlap = not (scoring_devices & gen_p.devices) and not profile.shared_host
+    if overlap:
+        busy = 0.0  # when the scoring devices are free again
+        for t in early:
+            busy = max(busy, t) + per_call
+        fused = max(busy, generate) + (per_call if rest else 0.0)
+    else:
+        fused = generate + (full + (1 if rest else 0)) * per_call
+    return {
+        "unfused_s": unfused,
+        "fused_s": fused,
+        "generate_s": generate,
+        "score_all_s": score(rows),
+        "score_call_s": per_call,
+        "score_calls": full + (1 if rest else 0),
+        "overlap": overlap,
+    }
 
 
 # ------------------------------------------------------------------------------ batch knobs

@@ -4,7 +4,8 @@ One path for every caller: the trainer's iterations, its held-out evaluation, ``
 jrlhf.evaluate`` and ``python -m jrlhf.generate`` (generation only). The engine's shapes come
 from the config in one place (``engine_config``), and the evaluation's sampling seed is fixed
 here (``Rollout.evaluation_sampling``), so the in-run and the command-line held-out scores of one
-checkpoint are the same numbers.
+checkpoint are the same numbers. With ``fusion_rows`` (RLConfig.fusion) finished samples are
+scored while generation goes on (jrlhf.ppo.fusion).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jrlhf.decode.engine import DecodeEngine, EngineConfig, GenerationResult, ro
 from jrlhf.decode.sampling import SamplingParams
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.ppo.fusion import FusedScoring
 from jrlhf.ppo.scoring import Scorer, sample_meta
 
 # The (iteration, salt) the held-out evaluation draws its sampling seed from: no training
@@ -68,8 +70,11 @@ class Rollout:
         scorer: Scorer | None = None,
         cfg: Config | None = None,
         eos_id: int | None = None,
+        fusion_rows: int = 0,
     ):
         self.engine, self.scorer, self.cfg, self.eos_id = engine, scorer, cfg, eos_id
+        self.fusion_rows = fusion_rows
+        self.fusion_stats: dict[str, int] = {}  # of the last fused rollout
 
     @classmethod
     def build(
@@ -80,11 +85,12 @@ class Rollout:
         scorer: Scorer | None,
         cfg: Config,
         eos_id: int | None,
+        fusion_rows: int = 0,
     ) -> Rollout:
-        """A rollout whose engine runs ``model`` on ``mesh`` with the config's engine shapes."""
-        return cls(
-            DecodeEngine(model, mesh, rules, engine_config(cfg, mesh, rules)), scorer, cfg, eos_id
-        )
+        """A rollout whose engine runs ``model`` on ``mesh`` with the config's engine shapes;
+        ``fusion_rows`` > 0 fuses scoring into generation in calls of that many rows."""
+        engine = DecodeEngine(model, mesh, rules, engine_config(cfg, mesh, rules))
+        return cls(engine, scorer, cfg, eos_id, fusion_rows)
 
     def sampling(
         self, iteration: int, *, num_samples: int | None = None, salt: int = 0, greedy: bool = False
@@ -122,14 +128,23 @@ class Rollout:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams,
         meta: Sequence[Mapping[str, Any]] | None = None,
+        fuse: bool = True,
     ) -> RolloutBatch:
-        """Generate, then score every sample (device calls dispatched before any is fetched);
-        ``meta`` (one per prompt) reaches the reward function with each of its samples."""
+        """Generate, then score every sample (device calls dispatched before any is fetched;
+        with fusion, unless ``fuse=False``, finished samples in chunks while generation goes
+        on); ``meta`` (one per prompt) reaches the reward function with each of its samples."""
         if self.scorer is None:
             raise ValueError("this rollout has no scorer: use generate()")
-        rep, result = self.generate(params, prompts, sampling)
-        rep_meta = sample_meta(meta, result.prompt_index)
-        arrays = self.scorer(rep, result.completion_ids, result.raw_logprobs, meta=rep_meta)
+        if self.fusion_rows and fuse:
+            fused = FusedScoring(self.scorer, self.fusion_rows, prompts, meta)
+            result = self.engine.generate(params, prompts, sampling, on_finished=fused)
+            rep = [prompts[int(i)] for i in result.prompt_index]
+            arrays = fused.finish(result)
+            self.fusion_stats = fused.stats
+        else:
+            rep, result = self.generate(params, prompts, sampling)
+            rep_meta = sample_meta(meta, result.prompt_index)
+            arrays = self.scorer(rep, result.completion_ids, result.raw_logprobs, meta=rep_meta)
         return RolloutBatch(rep, result.completion_ids, result, arrays)
 
     def evaluate(
@@ -141,6 +156,8 @@ class Rollout:
         meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Held-out summary: mean reward, KL to the reference, response length and the
-        ground-truth score when the task knows it."""
-        batch = self(params, prompts, self.evaluation_sampling(samples, greedy), meta=meta)
+        ground-truth score when the task knows it. Never fused: the held-out numbers stay
+        exactly those ``python -m jrlhf.evaluate`` reports."""
+        sampling = self.evaluation_sampling(samples, greedy)
+        batch = self(params, prompts, sampling, meta=meta, fuse=False)
         return self.scorer.summarize(batch.arrays, batch.prompts, batch.responses)

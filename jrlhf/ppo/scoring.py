@@ -7,6 +7,7 @@ dispatched back to back and only then fetched, so calls on disjoint devices can 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,18 @@ def sample_meta(
     """Per-prompt meta repeated for each sample (``prompt_index[i]``: sample i's prompt), the
     form :meth:`Scorer.__call__` takes; None stays None."""
     return None if meta is None else [meta[int(i)] for i in prompt_index]
+
+
+@dataclasses.dataclass
+class PendingScores:
+    """A scoring call dispatched but not yet fetched (:meth:`Scorer.dispatch`): the packed
+    arrays with the rollout's log-probs, and the reference, critic and reward outputs (device
+    values, possibly longer than the rows when padded; the reward function's already on host)."""
+
+    arrays: dict[str, np.ndarray]
+    ref_lp: Any
+    values: Any
+    scores: Any
 
 
 class Scorer:
@@ -79,28 +92,55 @@ class Scorer:
         ``meta``: one prompt-record meta per row (row i is sample i, so a prompt's meta repeats
         for each of its samples), handed to ``reward_fn``; None means ``{}`` for every row.
         """
+        return self.collect(self.dispatch(prompts, responses, rollout_logprobs, meta))
+
+    def dispatch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        rollout_logprobs: Sequence[np.ndarray],
+        meta: Sequence[Mapping[str, Any]] | None = None,
+        pad_to: int = 0,
+    ) -> PendingScores:
+        """The first half of :meth:`__call__`: pack the rows, dispatch every device call and run
+        the reward function, without waiting for the devices. With ``pad_to`` > len(rows) the
+        device calls see the rows repeated up to ``pad_to`` rows (one compiled shape for every
+        chunk of jrlhf.ppo.fusion); the reward function sees only the real rows."""
         if meta is not None and len(meta) != len(prompts):
             raise ValueError(f"{len(meta)} meta entries for {len(prompts)} rows")
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
+        rows = len(responses)
+        device_arrays = arrays
+        if pad_to > rows:
+            idx = np.arange(pad_to) % rows
+            device_arrays = {k: v[idx] for k, v in arrays.items()}
         # Dispatch every device call before fetching any result.
-        ref_lp = self.reference(arrays) if self.reference is not None else None
-        values = self.critic(arrays) if self.critic is not None else None
+        ref_lp = self.reference(device_arrays) if self.reference is not None else None
+        values = self.critic(device_arrays) if self.critic is not None else None
         if self.reward_model is not None:
-            scores = self.reward_model(arrays)
+            scores = self.reward_model(device_arrays)
         else:
             metas = meta if meta is not None else [{}] * len(prompts)
             scores = self.reward_fn(RewardBatch(prompts, responses, metas, self.decode))
-        old_lp = np.zeros((len(responses), self.R), np.float32)
+        old_lp = np.zeros((rows, self.R), np.float32)
         for i, lp in enumerate(rollout_logprobs):
             old_lp[i, : len(lp)] = lp
         arrays["old_logprobs"] = old_lp
-        ref_lp, values, scores = to_host((ref_lp, values, scores))
+        return PendingScores(arrays, ref_lp, values, scores)
+
+    def collect(self, pending: PendingScores) -> dict[str, np.ndarray]:
+        """The second half of :meth:`__call__`: wait for the device calls of ``pending`` and
+        return its scored arrays (padding rows dropped)."""
+        arrays = pending.arrays
+        old_lp = arrays["old_logprobs"]
+        rows = len(old_lp)
+        ref_lp, values, scores = to_host((pending.ref_lp, pending.values, pending.scores))
         if ref_lp is not None:
-            arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)
+            arrays["ref_logprobs"] = np.asarray(ref_lp, np.float32)[:rows]
         arrays["old_values"] = (
-            np.asarray(values, np.float32) if values is not None else np.zeros_like(old_lp)
+            np.asarray(values, np.float32)[:rows] if values is not None else np.zeros_like(old_lp)
         )
-        arrays["scores"] = np.asarray(scores, np.float32) * self.reward_scale
+        arrays["scores"] = np.asarray(scores, np.float32)[:rows] * self.reward_scale
         return arrays
 
     def summarize(self, arrays, prompts, responses) -> dict[str, float]:

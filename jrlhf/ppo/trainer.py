@@ -43,6 +43,7 @@ from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo.fusion import fusion_score_rows
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
@@ -274,9 +275,17 @@ class RLTrainer:
         # the plan's reshard edges (the actor to its generation layout after every update, the
         # critic to its inference layout when that differs) through the cached resharder.
         actor = roles["actor"]
+        fusion_rows = 0
+        if self.rl.fusion:  # scoring calls of this many rows must split over every scoring mesh
+            scoring = [roles[r] for r in ("reference", "reward", "critic") if r in roles]
+            fusion_rows = fusion_score_rows(
+                self.rl.fusion_score_rows,
+                self.rl.prompts_per_iteration * self.group,
+                [(r.meshes["infer"], r.rules["infer"]) for r in scoring],
+            )
         self.rollout = Rollout.build(
             actor.model, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
-            data.eos_id,
+            data.eos_id, fusion_rows,
         )  # fmt: skip
         self.edges = [e for e in plan.reshard_edges() if e.role in self.trained]
         self.resharder = Resharder()
@@ -405,13 +414,18 @@ class RLTrainer:
                 self.residency.enter("generate")
                 # Round 0 samples as an iteration without dynamic sampling does.
                 sampling = self.rollout.sampling(it, salt=len(rounds))
-                rep_prompts, result = self.rollout.generate(self.gen_params, prompts, sampling)
+                if self.rollout.fusion_rows:  # RLConfig.fusion: scored as they finish
+                    fused = self.rollout(self.gen_params, prompts, sampling, meta=meta)
+                    rep_prompts, result, arrays = fused.prompts, fused.result, fused.arrays
+                else:
+                    rep_prompts, result = self.rollout.generate(self.gen_params, prompts, sampling)
             with timer.phase("score"):
                 self.residency.enter("score")
-                rep_meta = sample_meta(meta, result.prompt_index)
-                arrays = self.scorer(
-                    rep_prompts, result.completion_ids, result.raw_logprobs, meta=rep_meta
-                )
+                if not self.rollout.fusion_rows:
+                    rep_meta = sample_meta(meta, result.prompt_index)
+                    arrays = self.scorer(
+                        rep_prompts, result.completion_ids, result.raw_logprobs, meta=rep_meta
+                    )
                 arrays["train_scores"] = self._shaped_scores(arrays)
             rounds.append((rep_prompts, result.completion_ids, arrays))
             if not self.rl.dynamic_sampling:

@@ -1,7 +1,8 @@
-"""Built-in tasks (a synthetic task with a known true preference; arithmetic with exact
-answers) and verifiable rewards."""
+"""Built-in tasks (a synthetic task with a known true preference, and its variant with
+long-tailed response lengths; arithmetic with exact answers) and verifiable rewards."""
 
 from jrlhf.tasks.arithmetic import ArithmeticTask
+from jrlhf.tasks.longtail import LongTailTask
 from jrlhf.tasks.rewards import (
     REWARD_FNS,
     BatchReward,
@@ -16,13 +17,14 @@ from jrlhf.tasks.rewards import (
 from jrlhf.tasks.synthetic import SyntheticTask
 
 # TaskConfig.name -> the built-in task class (constructed with the run's seed).
-BUILTIN_TASKS = {"synthetic": SyntheticTask, "arithmetic": ArithmeticTask}
+BUILTIN_TASKS = {"synthetic": SyntheticTask, "arithmetic": ArithmeticTask, "longtail": LongTailTask}
 
 __all__ = [
     "BUILTIN_TASKS",
     "REWARD_FNS",
     "ArithmeticTask",
     "BatchReward",
+    "LongTailTask",
     "RewardBatch",
     "RewardError",
     "RewardFn",

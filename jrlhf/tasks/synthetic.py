@@ -103,7 +103,7 @@ class SyntheticTask:
         self.label_noise_beta = label_noise_beta
 
         words = [f"{chr(ord('a') + c)}{j}" for c in range(num_classes) for j in range(class_size)]
-        tokens = [*SPECIAL_TOKENS, SEP, FILLER, *words]
+        tokens = [*SPECIAL_TOKENS, SEP, FILLER, *words, *self._extra_tokens()]
         needed = len(tokens)
         if vocab_size is None:
             vocab_size = -(-needed // 8) * 8
@@ -119,6 +119,10 @@ class SyntheticTask:
         self._class_of = np.full(vocab_size, -1, np.int64)
         n_sym = num_classes * class_size
         self._class_of[6 : 6 + n_sym] = np.arange(n_sym) // class_size
+
+    def _extra_tokens(self) -> tuple[str, ...]:
+        """Tokens a variant of the task adds after the class symbols (none here)."""
+        return ()
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -193,13 +197,19 @@ class SyntheticTask:
         stream = self._prompt_stream(np.random.default_rng([self.seed, _STREAM_PROMPTS]), split)
         return [next(stream) for _ in range(n)]
 
+    def target_length(self, prompt_ids: Sequence[int]) -> int:
+        """K, the number of target symbols the ideal response to ``prompt_ids`` has (here
+        always ``response_len``; jrlhf.tasks.longtail reads it from the prompt)."""
+        del prompt_ids
+        return self.response_len
+
     # -- responses --------------------------------------------------------------------------------
     def ideal_response(self, prompt_ids: Sequence[int], rng=None) -> list[int]:
         """A response with score 1.0: K target symbols then ``<eos>``."""
         rng = rng if rng is not None else np.random.default_rng(0)
         target = max(self.target_class(prompt_ids), 0)
         return [
-            *rng.choice(self.class_symbols(target), size=self.response_len).tolist(),
+            *rng.choice(self.class_symbols(target), size=self.target_length(prompt_ids)).tolist(),
             self.eos_id,
         ]
 
@@ -226,11 +236,10 @@ class SyntheticTask:
     def demo_response(self, prompt_ids: Sequence[int], rng: np.random.Generator) -> list[int]:
         """One noisy SFT demonstration (ideal with prob ``demo_good_frac``)."""
         target = max(self.target_class(prompt_ids), 0)
+        k = self.target_length(prompt_ids)
         if rng.random() < self.demo_good_frac:
-            return self._mixed_response(rng, target, 1.0, 0.0, self.response_len)
-        return self._mixed_response(
-            rng, target, self.demo_target_prob, self.demo_filler_prob, self.response_len
-        )
+            return self._mixed_response(rng, target, 1.0, 0.0, k)
+        return self._mixed_response(rng, target, self.demo_target_prob, self.demo_filler_prob, k)
 
     def sft_examples(self, n: int) -> list[SFTRecord]:
         """``n`` (train prompt, noisy demonstration) pairs; responses end with ``<eos>``."""
@@ -248,14 +257,20 @@ class SyntheticTask:
             focus = int(rng.choice([c for c in range(self.num_classes) if c != target]))
         q = float(rng.random())
         u = rng.random()
-        length, eos = self.response_len, True
+        k = self.target_length(prompt_ids)
+        length, eos = k, True
         if u < 0.15:
             # Unterminated, as generation cut at max_response_len produces.
             length, eos = self.max_response_len, False
         elif u < 0.4:
             # Other lengths, so the reward model sees what over/under-length costs.
-            length = int(rng.integers(max(1, self.response_len - 3), self.max_response_len))
+            length = self._other_length(k, rng)
         return self._mixed_response(rng, focus, q, (1.0 - q) / 2, length, eos)
+
+    def _other_length(self, k: int, rng: np.random.Generator) -> int:
+        """A length other than the ideal ``k`` for a preference response: from just under ``k``
+        up to the longest."""
+        return int(rng.integers(max(1, k - 3), self.max_response_len))
 
     def preference_pairs(self, n: int, split: str = "train") -> list[PreferenceRecord]:
         """``n`` (prompt, chosen, rejected) triples on prompts of ``split``, ranked by the true
@@ -296,7 +311,7 @@ class SyntheticTask:
                 r.pop()
         if target < 0:
             return 0.0
-        k = self.response_len
+        k = self.target_length(prompt_ids)
         good = sum(1 for t in r[:k] if self.class_of(t) == target)
         overflow = max(0, len(r) - k) + (0 if terminated else 1)
         return float(min(1.0, max(0.0, (good - self.overflow_penalty * overflow) / k)))

@@ -1,0 +1,178 @@
+"""``python -m jrlhf.bench fusion``: time to a scored batch with and without inter-stage fusion.
+
+On the long-tailed task (configs/longtail_ppo.gin; jrlhf/tasks/longtail.py) a tiny actor is
+first fine-tuned (``--sft-steps`` of the SFT stage) so that its response lengths follow the
+prompts' long-tailed targets. Then one PPO trainer is built as ``python -m jrlhf.train`` builds
+it (reference from the SFT checkpoint, random reward model and critic) and its rollout is timed
+on one batch of prompts, fused (RLConfig.fusion: finished rows scored ``--score-rows`` at a time
+while the tail decodes) and unfused (generate, then score everything), alternating, after one
+warm-up of each (compiles). The two runs give the same samples (checked) and the same scores to
+float rounding (the largest difference is reported).
+
+One JSON object on stdout: the measured medians and ratio, the batch's length distribution, the
+fused rollout's chunk counts, and jrlhf.placement.estimator.fused_rollout_seconds' prediction for
+the same plan and lengths on the ``--profile`` device profile (by default the CPU one, which
+serializes calls on this one process: there fusion cannot overlap scoring with decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from jrlhf.runtime.devices import ensure_host_devices
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "longtail_ppo.gin"
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jrlhf.bench fusion", description=__doc__)
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices (without a GPU)")
+    p.add_argument("--placement", default="flatten", help="RunConfig.placement")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per batch")
+    p.add_argument("--score-rows", type=int, default=8, help="RLConfig.fusion_score_rows")
+    p.add_argument("--chunk-steps", type=int, default=8, help="DecodeConfig.chunk_steps")
+    p.add_argument("--sft-steps", type=int, default=150, help="SFT steps before timing")
+    p.add_argument("--repeats", type=int, default=3, help="timed rollouts of each kind")
+    p.add_argument("--profile", default="cpu", help="device profile of the prediction")
+    return p.parse_args(argv)
+
+
+def _bindings(args) -> list[str]:
+    return [
+        f"RunConfig.host_devices={args.devices}",
+        f"RunConfig.placement='{args.placement}'",
+        "RunConfig.tensorboard=False",
+        "RunConfig.progress_bar=False",
+        "TaskConfig.num_heldout=8",
+        f"SFTConfig.steps={args.sft_steps}",
+        "SFTConfig.checkpoint_every=0",
+        f"RLConfig.prompts_per_iteration={args.prompts}",
+        f"RLConfig.minibatch_size={args.prompts}",
+        "RLConfig.fusion=True",
+        f"RLConfig.fusion_score_rows={args.score_rows}",
+        f"DecodeConfig.chunk_steps={args.chunk_steps}",
+    ]
+
+
+def _trainer(args, run_dir: Path):
+    """The PPO trainer on the long-tailed task, its config and the effective plan."""
+    import jax
+
+    from jrlhf.config import load_config
+    from jrlhf.pipeline.task_data import build_task_data
+    from jrlhf.placement import effective_plan
+    from jrlhf.ppo.trainer import RLTrainer
+    from jrlhf.runtime.model_source import resolve_model
+    from jrlhf.runtime.roles import setup_role
+
+    sft = run_dir / "sft"
+    bindings = [
+        *_bindings(args),
+        "RunConfig.stages=('ppo',)",
+        f"actor/RoleConfig.init='ckpt:{sft}'",
+        f"reference/RoleConfig.init='ckpt:{sft}'",
+        "reward/RoleConfig.init='tiny'",
+        "critic/RoleConfig.init='tiny'",
+    ]
+    cfg = load_config([str(CONFIG)], bindings)
+    data = build_task_data(cfg)
+    plan = effective_plan(cfg, jax.device_count(), None)
+    roles = {
+        role: setup_role(cfg, role, plan, resolve_model(cfg, role, data.model_overrides, run_dir))
+        for role in ("actor", "reference", "reward", "critic")
+    }
+    trainer = RLTrainer(cfg, "ppo", roles, plan, data, run_dir / "ppo")
+    return trainer, cfg, plan, data
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    ensure_host_devices(args.devices)
+    import numpy as np
+
+    from jrlhf.cli import train
+    from jrlhf.placement.estimator import fused_rollout_seconds
+    from jrlhf.placement.profile import DeviceProfile
+    from jrlhf.placement.workload import Workload
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        t0 = time.perf_counter()
+        sft_args = ["--config", str(CONFIG), "--run-dir", str(run_dir), "--quiet"]
+        if train.main([*sft_args, *_bindings(args), "RunConfig.stages=('sft',)"]) != 0:
+            return 1
+        sft_s = time.perf_counter() - t0
+        trainer, cfg, plan, data = _trainer(args, run_dir)
+        rollout = trainer.rollout
+        fusion_rows = rollout.fusion_rows
+        prompts = data.train_prompts[: args.prompts]
+        meta = data.train_meta[: args.prompts]
+        sampling = rollout.sampling(0)
+
+        def run(fused: bool):
+            rollout.fusion_rows = fusion_rows if fused else 0
+            t = time.perf_counter()
+            batch = rollout(trainer.gen_params, prompts, sampling, meta=meta)
+            return time.perf_counter() - t, batch
+
+        times = {True: [], False: []}
+        batches = {}
+        for fused in (False, True):  # warm-up: compiles every program of both paths
+            _, batches[fused] = run(fused)
+        stats = dict(rollout.fusion_stats)
+        for r in range(args.repeats):
+            for fused in (r % 2 == 0, r % 2 == 1):  # alternate which goes first
+                seconds, _ = run(fused)
+                times[fused].append(seconds)
+        plain, fused_batch = batches[False], batches[True]
+        same_samples = plain.responses == fused_batch.responses
+        max_diff = max(
+            float(np.max(np.abs(plain.arrays[k] - fused_batch.arrays[k])))
+            for k in ("ref_logprobs", "old_values", "scores")
+        )
+        lengths = plain.result.lengths
+        models = {role: setup.model.config for role, setup in trainer.roles.items()}
+        workload = Workload.from_config(cfg, models)
+        profile = DeviceProfile.load(args.profile)
+        predicted = fused_rollout_seconds(plan, workload, profile, lengths, fusion_rows)
+
+    unfused_s, fused_s = statistics.median(times[False]), statistics.median(times[True])
+    out = {
+        "benchmark": "fusion",
+        "task": "longtail",
+        "placement": plan.name,
+        "devices": args.devices,
+        "rows": len(lengths),
+        "score_rows": fusion_rows,
+        "chunk_steps": args.chunk_steps,
+        "sft_steps": args.sft_steps,
+        "sft_seconds": round(sft_s, 2),
+        "lengths": {
+            "median": float(np.median(lengths)),
+            "p90": float(np.percentile(lengths, 90)),
+            "max": int(lengths.max()),
+            "mean": float(lengths.mean()),
+        },
+        "same_samples": bool(same_samples),
+        "max_score_difference": max_diff,
+        "fusion_chunks": stats,
+        "measured": {
+            "unfused_s": round(unfused_s, 4),
+            "fused_s": round(fused_s, 4),
+            "fused_over_unfused": round(fused_s / unfused_s, 3),
+            "unfused_all_s": [round(t, 4) for t in times[False]],
+            "fused_all_s": [round(t, 4) for t in times[True]],
+        },
+        "predicted": {
+            "profile": profile.name,
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in predicted.items()},
+            "fused_over_unfused": round(predicted["fused_s"] / predicted["unfused_s"], 3),
+        },
+    }
+    print(json.dumps(out, indent=2))
+    return 0

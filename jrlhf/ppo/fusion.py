@@ -1,0 +1,120 @@
+"""Inter-stage fusion (RLHFuse): score finished samples while the long tail still generates.
+
+Without fusion a rollout generates every sample, then scores them all (reference log-probs,
+reward, critic values). With ``RLConfig.fusion`` the decode engine hands over the rows that
+finished in each decode chunk (``DecodeEngine.generate(on_finished=...)``, called right after the
+next chunk is dispatched); once ``score_rows`` finished rows have accumulated they are packed and
+their scoring calls dispatched, and the rest are scored when generation ends. Every scoring call
+has ``score_rows`` rows (the last one padded by repeating rows), so one compiled program per role
+serves them all.
+
+What overlaps: the host work of a chunk (packing, a Python reward function) runs while the
+devices decode the next chunk. The device scoring calls overlap the tail's decode only where they
+run on other devices than generation *and* those devices execute concurrently (GPUs, or devices
+of another process; neither measured here). On one CPU process XLA runs computations one at a
+time, so there the fused rollout costs the unfused one's device time plus the overheads of its
+extra, smaller scoring calls
+(``python -m jrlhf.bench fusion`` measures both; jrlhf.placement.estimator.fused_rollout_seconds
+prices them).
+
+Samples are identical with and without fusion (the engine's programs do not change). Scores are
+the same up to float rounding: a row scored in a batch of ``score_rows`` rows can differ from the
+same row scored among all rows in the last bits, because XLA may tile a matmul over the batch
+differently (tests/test_fusion.py bounds it).
+
+Not implemented: RLHFuse's migration of the last few sequences onto fewer devices (it needs the
+engine to hand over KV pages between meshes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jrlhf.decode.engine import FinishedRow, GenerationResult
+from jrlhf.meshes.batch import batch_sharding
+from jrlhf.meshes.rules import Rules, axis_size
+from jrlhf.ppo.scoring import PendingScores, Scorer
+
+
+def fusion_score_rows(requested: int, rows: int, meshes: Sequence[tuple[Mesh, Rules]]) -> int:
+    """Rows per fused scoring call: ``requested`` (0: a quarter of the iteration's ``rows``),
+    at most ``rows``, rounded up to a multiple of every scoring mesh's batch shards."""
+    n = requested or max(1, rows // 4)
+    n = max(1, min(n, rows))
+    shards = 1
+    for mesh, rules in meshes:
+        spec = batch_sharding(mesh, rules, 2).spec
+        shards = np.lcm(shards, axis_size(mesh, spec[0] if spec else None))
+    return int(-(-n // shards) * shards)
+
+
+class FusedScoring:
+    """The ``on_finished`` callback of one fused rollout: accumulates finished rows, scores
+    them ``score_rows`` at a time, and assembles the scored batch in request order.
+
+    ``prompts``/``meta`` are per prompt (a row's prompt is ``prompts[row.prompt_index]``).
+    ``stats`` (after :meth:`finish`): scoring calls, and those (and their rows) dispatched while
+    rows were still decoding.
+    """
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        score_rows: int,
+        prompts: Sequence[Sequence[int]],
+        meta: Sequence[Mapping[str, Any]] | None = None,
+    ):
+        self.scorer, self.score_rows = scorer, score_rows
+        self.prompts, self.meta = prompts, meta
+        self.pending: list[FinishedRow] = []
+        self.chunks: list[tuple[np.ndarray, PendingScores]] = []
+        self.calls = 0  # on_finished calls so far
+        self.dispatched_at: list[int] = []  # the call each chunk was dispatched in
+        self.stats: dict[str, int] = {}
+
+    def __call__(self, rows: list[FinishedRow]) -> None:
+        self.calls += 1
+        self.pending.extend(rows)
+        while len(self.pending) >= self.score_rows:
+            self._dispatch(self.pending[: self.score_rows])
+            del self.pending[: self.score_rows]
+
+    def _dispatch(self, rows: list[FinishedRow]) -> None:
+        prompts = [self.prompts[r.prompt_index] for r in rows]
+        meta = None if self.meta is None else [self.meta[r.prompt_index] for r in rows]
+        pending = self.scorer.dispatch(
+            prompts,
+            [r.completion_ids for r in rows],
+            [r.raw_logprobs for r in rows],
+            meta=meta,
+            pad_to=self.score_rows,
+        )
+        self.chunks.append((np.array([r.index for r in rows]), pending))
+        self.dispatched_at.append(self.calls)
+
+    def finish(self, result: GenerationResult) -> dict[str, np.ndarray]:
+        """Score what is left and return the packed, scored arrays of every row in request
+        order (what :meth:`Scorer.__call__` returns for the whole batch)."""
+        # Chunks dispatched before the engine's last call came while rows were still decoding.
+        early = [i for (i, _), c in zip(self.chunks, self.dispatched_at) if c < self.calls]
+        if self.pending:
+            self._dispatch(self.pending)
+            self.pending = []
+        total = len(result.completion_ids)
+        out: dict[str, np.ndarray] = {}
+        for index, pending in self.chunks:
+            arrays = self.scorer.collect(pending)
+            for k, v in arrays.items():
+                if k not in out:
+                    out[k] = np.zeros((total, *v.shape[1:]), v.dtype)
+                out[k][index] = v
+        self.stats = {
+            "fusion/chunks": len(self.chunks),
+            "fusion/early_chunks": len(early),
+            "fusion/early_rows": sum(len(i) for i in early),
+        }
+        return out
