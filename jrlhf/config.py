@@ -460,6 +460,13 @@ class RLConfig:
     # Metrics offpolicy/*: mismatch (mean |log-prob difference|, k3 KL), IS clip fraction.
     off_policy_correction: str = "none"
     is_cap: float = 2.0
+    # Train on packed rows (jrlhf.data.batch.pack_segments): each minibatch's samples laid end to
+    # end in rows of max_prompt_len + max_response_len columns with segment ids, positions
+    # restarting per sample, instead of one left/right-padded row each; the same loss and
+    # gradients (to float rounding), fewer computed tokens when responses are short. Off by
+    # default: with responses near max_response_len there is little padding to remove, and the
+    # row count (bucketed, <= 8 shapes) can differ between iterations, each new one compiling.
+    pack_samples: bool = False
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True

@@ -10,16 +10,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jrlhf.data.batch import pack
+from jrlhf.data.batch import pack, pack_segments
 from jrlhf.models.logprobs import entropy_from_logits, token_logprobs
 from jrlhf.models.transformer import Transformer
 
-__all__ = ["pack", "response_hidden", "response_logprobs", "response_values", "sequence_scores"]
+__all__ = [
+    "pack",
+    "pack_segments",
+    "response_hidden",
+    "response_logprobs",
+    "response_values",
+    "sequence_scores",
+]
 
 
 def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:
-    """Hidden states (B, R, E) at the columns that predict each response token."""
+    """Hidden states (B, R, E) at the columns that predict each response token.
+
+    A packed batch (``pack_index``, jrlhf.data.batch.pack_segments: several samples per row, no
+    padding between them) is read at the packed positions, gathered back into the (B, R)
+    response-aligned order, so everything downstream is the same as for the padded layout.
+    """
     hidden = module.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    if "pack_index" in batch:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return jnp.take(flat, batch["pack_index"], axis=0)
     return hidden[:, max_prompt_len - 1 : -1]
 
 
