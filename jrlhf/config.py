@@ -467,6 +467,12 @@ class RLConfig:
     # default: with responses near max_response_len there is little padding to remove, and the
     # row count (bucketed, <= 8 shapes) can differ between iterations, each new one compiling.
     pack_samples: bool = False
+    # > 0: the actor's train step computes log-probs and entropies this many response positions
+    # at a time (jrlhf.models.logprobs.chunked_logprobs), holding at most (chunk, vocab) logits
+    # in the forward and backward passes instead of (rows x max_response_len, vocab): for large
+    # vocabularies, at the price of recomputing each chunk's head matmul in the backward pass.
+    # 0 (default): all positions at once.
+    logprob_chunk: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -521,6 +527,7 @@ class RLConfig:
             f"{', '.join(OFF_POLICY_CORRECTIONS)}",
         )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.logprob_chunk >= 0, "RLConfig.logprob_chunk", "must be >= 0 (0: off)")
         if self.dynamic_sampling:
             _check(
                 self.samples_per_prompt >= 2,

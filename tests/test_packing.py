@@ -1,4 +1,5 @@
-"""Packed training (RLConfig.pack_samples): samples laid end to end in rows with segment ids give
+"""Packed training (RLConfig.pack_samples) and chunked log-probs (RLConfig.logprob_chunk): samples
+laid end to end in rows with segment ids, log-probs computed a chunk of positions at a time, give
 the padded layout's log-probs, loss and update (to 1e-5), on one device and sharded with
 micro-batches; the packing itself is checked against the samples it came from."""
 
@@ -124,4 +125,38 @@ def test_packed_step_equals_padded_step(mesh_spec, microbatches, head):
     assert m_pad.keys() == m_pk.keys()
     for k in m_pad:
         np.testing.assert_allclose(m_pk[k], m_pad[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    chex.assert_trees_all_close(p_pk, p_pad, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_logprobs_equal_whole(lm_model):
+    """RLConfig.logprob_chunk: log-probs and entropies computed 7 positions at a time (a chunk
+    that does not divide the positions) are the all-at-once values."""
+    import jax
+
+    batch, _, _ = padded_batch()
+    module = lm_model.bind(lm_model.init(jax.random.key(1)))
+    keys = ("tokens", "positions", "segment_ids", "response_tokens")
+    whole = rl_batch.response_logprobs(module, {k: batch[k] for k in keys}, P, True)
+    chunked = rl_batch.response_logprobs(module, {k: batch[k] for k in keys}, P, True, chunk=7)
+    for a, b in zip(chunked, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-5)
+
+
+def test_packed_chunked_step_equals_padded_step():
+    """Packing and chunked log-probs together: the padded, all-at-once update within 1e-5."""
+    base = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
+    chunked = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1, logprob_chunk=7)
+    model = ModelDef(tiny_config())
+    mesh = make_mesh("fsdp=1")
+    batch, _, _ = padded_batch()
+    packed = rl_batch.pack_segments(batch, P, P + R)
+    results = []
+    for rl, b in ((base, batch), (chunked, packed)):
+        opt = optax.sgd(0.5)
+        state = init_train_state(model, opt, mesh, "fsdp_tp", seed=0)
+        step = make_train_step(model, opt, actor_loss(P, rl, kl_in_loss=True), mesh, "fsdp_tp")
+        state, metrics = step(state, b)
+        results.append((float(metrics["loss"]), state.params))
+    (l_pad, p_pad), (l_pk, p_pk) = results
+    np.testing.assert_allclose(l_pk, l_pad, rtol=1e-5)
     chex.assert_trees_all_close(p_pk, p_pad, rtol=1e-5, atol=1e-5)

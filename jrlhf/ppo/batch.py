@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jrlhf.data.batch import pack, pack_segments
-from jrlhf.models.logprobs import entropy_from_logits, token_logprobs
+from jrlhf.models.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
 from jrlhf.models.transformer import Transformer
 
 __all__ = [
@@ -39,10 +39,23 @@ def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> ja
 
 
 def response_logprobs(
-    module: Transformer, batch: dict, max_prompt_len: int, with_entropy: bool = False
+    module: Transformer,
+    batch: dict,
+    max_prompt_len: int,
+    with_entropy: bool = False,
+    chunk: int = 0,
 ):
-    """float32 log-probs (B, R) of the response tokens (and their entropies if asked)."""
-    logits = module.logits(response_hidden(module, batch, max_prompt_len))
+    """float32 log-probs (B, R) of the response tokens (and their entropies if asked).
+
+    ``chunk`` > 0 computes them ``chunk`` positions at a time (jrlhf.models.logprobs.
+    chunked_logprobs): never more than (chunk, vocab) logits at once, forward or backward.
+    """
+    hidden = response_hidden(module, batch, max_prompt_len)
+    if chunk:
+        return chunked_logprobs(
+            module.logits, hidden, batch["response_tokens"], chunk, with_entropy
+        )
+    logits = module.logits(hidden)
     logp = token_logprobs(logits, batch["response_tokens"])
     if with_entropy:
         return logp, entropy_from_logits(logits)

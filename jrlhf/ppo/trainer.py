@@ -74,7 +74,9 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     kl_estimator = kl_estimator or rl.kl_estimator or "k3"
 
     def loss_fn(module, batch):
-        logp, entropy = rl_batch.response_logprobs(module, batch, P, with_entropy=True)
+        logp, entropy = rl_batch.response_logprobs(
+            module, batch, P, with_entropy=True, chunk=rl.logprob_chunk
+        )
         mask = batch["mask"]
         loss, metrics = policy_loss(
             logp,
