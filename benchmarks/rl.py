@@ -122,7 +122,8 @@ def _bindings(args, algorithm: str) -> list[str]:
     overrides = (
         f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.mlp}), "
         f"('num_layers', {args.layers}), ('num_heads', {args.heads}), "
-        f"('num_kv_heads', {args.kv_heads}), ('vocab_size', {args.vocab}))"
+        f"('num_kv_heads', {args.kv_heads}), ('vocab_size', {args.vocab}), "
+        f"('layer_loop', '{args.layer_loop}'))"
     )
     rows = args.prompts * args.samples
     out = [
@@ -140,6 +141,7 @@ def _bindings(args, algorithm: str) -> list[str]:
         "RLConfig.epochs=1",
         f"RLConfig.kl_coef={args.kl_coef}",
         f"RLConfig.pack_samples={args.pack}",
+        f"RLConfig.logprob_chunk={args.logprob_chunk}",
         "RLConfig.checkpoint_every=0",
         "RLConfig.async_checkpoint=False",
     ]
@@ -340,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument(
+        "--layer-loop", choices=("scan", "unroll"), default="scan", help="ModelConfig.layer_loop"
+    )
+    p.add_argument("--logprob-chunk", type=int, default=0, help="RLConfig.logprob_chunk")
+    p.add_argument(
         "--pack", action="store_true", help="RLConfig.pack_samples: train on packed rows"
     )
     p.add_argument("--matmul-size", type=int, default=0, help="0: 4096 on GPU, 2048 otherwise")
@@ -376,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_heads": args.kv_heads,
             "mlp": args.mlp,
             "vocab": args.vocab,
+            "layer_loop": args.layer_loop,
         },
         "workload": {
             "prompts": args.prompts,
@@ -386,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             "lr": args.lr,
             "kl_coef": args.kl_coef,
             "pack_samples": args.pack,
+            "logprob_chunk": args.logprob_chunk,
             "timed_iterations": args.iterations,
         },
         "matmul_peak": {"size": n, "dtype": "float32", "flops_per_s": round(peak, 1)},
