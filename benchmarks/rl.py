@@ -52,6 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 def _peer_python(args) -> str:
     """The Python that runs the TRL peer: ``--peer-python``, else this one if trl imports here."""
     if args.peer_python:
+        if not Path(args.peer_python).exists():
+            raise SystemExit(f"bench rl: --peer-python {args.peer_python} does not exist")
         return args.peer_python
     probe = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True)
     if probe.returncode:
@@ -363,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
 
+    if args.peers:  # fail before any expensive work
+        args.peer_python = _peer_python(args)
     from jrlhf.runtime.devices import ensure_host_devices
 
     ensure_host_devices(args.devices)
