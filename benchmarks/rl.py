@@ -15,13 +15,21 @@ Per algorithm, one JSON object on stdout reports:
 * generated tokens/s (response tokens / generate time);
 * the train steps' FLOPs, analytic per trained role (actor; PPO's critic too):
   ``(6 x params + 12 x layers x hidden x sequence) x trained tokens`` (params without the
-  input embedding, a gather; every prompt + response position of every row is trained on), and
+  input embedding, a gather; every column of every row the step computes, padding included:
+  fewer with ``--pack``, ``RLConfig.pack_samples``; ``real_tokens`` counts the non-padding), and
   XLA's cost analysis of the actor's compiled step for comparison (it counts the scanned layer
   loop's body once, so it undercounts);
 * the machine's matmul peak (the best of a few large fp32 ``jnp.dot`` in this process, default
   precision like the model) and the train phase's achieved FLOP/s (all trained roles' FLOPs /
   its median time, which includes the host sync for the metrics) as a fraction of it;
 * the XLA compilations during the timed iterations (0 when warm-up compiled everything).
+
+``--peers`` adds TRL's ``GRPOTrainer`` on the GRPO setting (benchmarks/rl_trl.py), in a child
+process run with ``--peer-python`` (a scratch environment with trl; it is no jrlhf dependency),
+starting from the same actor weights, on the same prompts, with the same verifiable reward. The
+two alternate: one jrlhf iteration, then one TRL step, so both see the same machine load; the
+GRPO object gains ``trl`` (its per-step medians) and ``jrlhf_speedup_over_trl`` (TRL's median
+step over jrlhf's median iteration, both wall time of the whole iteration).
 """
 
 from __future__ import annotations
@@ -29,20 +37,95 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 PHASES = ("generate", "score", "train", "reshard")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _peer_python(args) -> str:
+    """The Python that runs the TRL peer: ``--peer-python``, else this one if trl imports here."""
+    if args.peer_python:
+        if not Path(args.peer_python).exists():
+            raise SystemExit(f"bench rl: --peer-python {args.peer_python} does not exist")
+        return args.peer_python
+    probe = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True)
+    if probe.returncode:
+        raise SystemExit(
+            "bench rl --peers: trl does not import in this Python; install it in a scratch "
+            "environment and pass --peer-python (see BUILD.md)"
+        )
+    return sys.executable
+
+
+def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
+    """TRL's GRPOTrainer in a child process (benchmarks/rl_trl.py) on the actor's initial
+    weights and the prompts the jrlhf run will draw, in order; returns a function that runs one
+    TRL step and gives its timing line."""
+    from benchmarks import rl_trl
+    from jrlhf.data import PromptLoader
+    from jrlhf.models.hf import save_hf
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    save_hf(trainer.roles["actor"].model, trainer.states["actor"].params, tmp, overwrite=True)
+    loader = PromptLoader(trainer.data.train_records(), args.prompts, seed=cfg.run.seed)
+    batches = [[list(map(int, r.prompt_ids)) for r in loader.next_batch()]
+               for _ in range(1 + args.iterations)]  # fmt: skip
+    spec = {
+        "prompt_batches": batches,
+        "samples": args.samples,
+        "new_tokens": args.new_tokens,
+        "lr": args.lr,
+        "vocab": args.vocab,
+        "eos_id": int(trainer.data.eos_id),
+        "pad_id": int(trainer.data.pad_id),
+        "seed": cfg.run.seed,
+        "threads": args.peer_threads,
+    }
+    Path(tmp, "peer.json").write_text(json.dumps(spec))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    env.pop("XLA_FLAGS", None)
+    cmd = [_peer_python(args), "-m", "benchmarks.rl_trl", tmp]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
+    stack.callback(proc.wait)
+    stack.callback(proc.stdin.close)
+
+    def read() -> dict:
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the TRL peer process exited (see its stderr)")
+            if line.startswith(rl_trl.MARK):
+                return json.loads(line[len(rl_trl.MARK) :])
+
+    info = read()  # {"ready": ...} once the trainer is built
+
+    def step() -> dict:
+        proc.stdin.write("run\n")
+        proc.stdin.flush()
+        return read()
+
+    step.versions = {k: info[k] for k in ("trl", "transformers", "torch")}
+    return step
 
 
 def _bindings(args, algorithm: str) -> list[str]:
     overrides = (
         f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.mlp}), "
         f"('num_layers', {args.layers}), ('num_heads', {args.heads}), "
-        f"('num_kv_heads', {args.kv_heads}), ('vocab_size', {args.vocab}))"
+        f"('num_kv_heads', {args.kv_heads}), ('vocab_size', {args.vocab}), "
+        f"('layer_loop', '{args.layer_loop}'))"
     )
     rows = args.prompts * args.samples
     out = [
@@ -59,6 +142,8 @@ def _bindings(args, algorithm: str) -> list[str]:
         f"RLConfig.minibatch_size={rows}",
         "RLConfig.epochs=1",
         f"RLConfig.kl_coef={args.kl_coef}",
+        f"RLConfig.pack_samples={args.pack}",
+        f"RLConfig.logprob_chunk={args.logprob_chunk}",
         "RLConfig.checkpoint_every=0",
         "RLConfig.async_checkpoint=False",
     ]
@@ -142,8 +227,9 @@ def _matmul_peak(n: int, repeats: int) -> float:
 def measure(args, algorithm: str, peak_flops: float) -> dict:
     from jrlhf.reshard import backend_compile_count
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         trainer, loader, cfg = _trainer(args, algorithm, Path(tmp))
+        peer = _trl_peer(args, trainer, cfg, stack) if args.peers and algorithm == "grpo" else None
         batches = []
         step = trainer.steps["actor"]
 
@@ -160,16 +246,29 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         t0 = time.perf_counter()
         iteration()  # warm-up: compiles every program of the iteration
         warmup_s = time.perf_counter() - t0
-        compiles_before = backend_compile_count()
-        rows = [iteration() for _ in range(args.iterations)]
-        compiles = backend_compile_count() - compiles_before
+        peer_rows = []
+        if peer is not None:
+            peer()  # TRL's warm-up step
+        rows, walls, compiles = [], [], 0
+        for _ in range(args.iterations):
+            compiles_before = backend_compile_count()
+            t0 = time.perf_counter()
+            rows.append(iteration())
+            walls.append(time.perf_counter() - t0)
+            compiles += backend_compile_count() - compiles_before
+            if peer is not None:  # alternating, so both see the same machine load
+                peer_rows.append(peer())
         trainer.steps["actor"] = step
         flops_xla = _step_flops(trainer, batches[-1])
         trainer.wait_for_checkpoints()
 
     phases = {k: statistics.median(r[f"time/{k}"] for r in rows) for k in PHASES}
     seq = cfg.task.max_prompt_len + cfg.task.max_response_len
-    trained_tokens = args.prompts * args.samples * seq * cfg.rl.epochs
+    # The columns the actor's step computes (fewer when packed) and the real tokens among them;
+    # the last timed iteration's minibatches (the same count every iteration).
+    last = batches[-len(batches) // (1 + args.iterations) :]
+    trained_tokens = sum(int(b["tokens"].size) for b in last)
+    real_tokens = sum(int((b["segment_ids"] > 0).sum()) for b in last)
     analytic = {role: _analytic_flops(trainer.roles[role].model, seq, trained_tokens)
                 for role in trainer.trained}  # fmt: skip
     train_flops = sum(analytic.values())  # the train phase runs every trained role's step
@@ -183,12 +282,15 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         "iteration_median_s": round(
             statistics.median(sum(r[f"time/{k}"] for k in PHASES) for r in rows), 4
         ),
+        # run_iteration's whole wall time: the phases plus the host work between them
+        "iteration_wall_median_s": round(statistics.median(walls), 4),
         "phase_runs_s": {k: [round(r[f"time/{k}"], 4) for r in rows] for k in PHASES},
         "generated_tokens_per_s": round(statistics.median(r["tokens_per_sec"] for r in rows), 1),
         "response_len_mean": round(statistics.mean(r["response_len"] for r in rows), 2),
         "train_step": {
             "params": {role: trainer.roles[role].model.num_params() for role in trainer.trained},
             "trained_tokens": trained_tokens,
+            "real_tokens": real_tokens,  # not padding
             "flops_analytic": {role: float(f) for role, f in analytic.items()},
             # XLA counts a loop body once: the layers are a lax.scan, so this is about one
             # layer's share plus embedding and head, an undercount by about the layer count.
@@ -197,7 +299,28 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
             "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
         },
         "compilations_during_timed_iterations": compiles,
+        **(_peer_summary(peer, peer_rows, statistics.median(walls)) if peer else {}),
     }
+
+
+def _peer_summary(peer, rows: list[dict], jrlhf_wall_s: float) -> dict:
+    """TRL's per-step medians and the ratio of the whole iterations' wall times."""
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    step_s = med("seconds")
+    trl = {
+        **peer.versions,
+        "step_median_s": round(step_s, 4),
+        "step_runs_s": [round(r["seconds"], 4) for r in rows],
+        # _generate_and_score_completions: generation, reward and TRL's log-prob bookkeeping
+        "generate_and_score_median_s": round(med("generate_and_score_s"), 4),
+        "generate_median_s": round(med("generate_s"), 4),
+        "train_median_s": round(
+            statistics.median(r["seconds"] - r["generate_and_score_s"] for r in rows), 4
+        ),
+        "completion_len_mean": round(statistics.mean(r["completion_len_mean"] for r in rows), 2),
+        "torch_threads": rows[0]["threads"],
+    }
+    return {"trl": trl, "jrlhf_speedup_over_trl": round(step_s / jrlhf_wall_s, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,10 +343,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument(
+        "--layer-loop", choices=("scan", "unroll"), default="scan", help="ModelConfig.layer_loop"
+    )
+    p.add_argument("--logprob-chunk", type=int, default=0, help="RLConfig.logprob_chunk")
+    p.add_argument(
+        "--pack", action="store_true", help="RLConfig.pack_samples: train on packed rows"
+    )
     p.add_argument("--matmul-size", type=int, default=0, help="0: 4096 on GPU, 2048 otherwise")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="run TRL's GRPOTrainer on the GRPO setting in a child process, alternating",
+    )
+    p.add_argument(
+        "--peer-python",
+        default="",
+        help="the Python with trl for --peers (default: this one, if trl imports here)",
+    )
+    p.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: its default)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
 
+    if args.peers:  # fail before any expensive work
+        args.peer_python = _peer_python(args)
     from jrlhf.runtime.devices import ensure_host_devices
 
     ensure_host_devices(args.devices)
@@ -243,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_heads": args.kv_heads,
             "mlp": args.mlp,
             "vocab": args.vocab,
+            "layer_loop": args.layer_loop,
         },
         "workload": {
             "prompts": args.prompts,
@@ -252,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             "minibatches": 1,
             "lr": args.lr,
             "kl_coef": args.kl_coef,
+            "pack_samples": args.pack,
+            "logprob_chunk": args.logprob_chunk,
             "timed_iterations": args.iterations,
         },
         "matmul_peak": {"size": n, "dtype": "float32", "flops_per_s": round(peak, 1)},

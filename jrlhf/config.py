@@ -498,6 +498,19 @@ class RLConfig:
     # (to float rounding); time/generate then includes the scoring done during generation.
     fusion: bool = False
     fusion_score_rows: int = 0
+    # Train on packed rows (jrlhf.data.batch.pack_segments): each minibatch's samples laid end to
+    # end in rows of max_prompt_len + max_response_len columns with segment ids, positions
+    # restarting per sample, instead of one left/right-padded row each; the same loss and
+    # gradients (to float rounding), fewer computed tokens when responses are short. Off by
+    # default: with responses near max_response_len there is little padding to remove, and the
+    # row count (bucketed, <= 8 shapes) can differ between iterations, each new one compiling.
+    pack_samples: bool = False
+    # > 0: the actor's train step computes log-probs and entropies this many response positions
+    # at a time (jrlhf.models.logprobs.chunked_logprobs), holding at most (chunk, vocab) logits
+    # in the forward and backward passes instead of (rows x max_response_len, vocab): for large
+    # vocabularies, at the price of recomputing each chunk's head matmul in the backward pass.
+    # 0 (default): all positions at once.
+    logprob_chunk: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
@@ -599,6 +612,7 @@ class RLConfig:
                 f"scores while generating, when RLConfig.offload keeps {', '.join(parked)} in host "
                 "memory: offload only optimizer state with fusion",
             )
+        _check(self.logprob_chunk >= 0, "RLConfig.logprob_chunk", "must be >= 0 (0: off)")
         if self.dynamic_sampling:
             _check(
                 self.samples_per_prompt >= 2,

@@ -3,7 +3,10 @@ and compile keys."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+
+import pytest
 
 from benchmarks import rl as bench
 from jrlhf.cli import bench as bench_cli
@@ -27,3 +30,13 @@ def test_bench_rl_prints_json(capsys):
     assert step["flops_analytic"]["actor"] > 0 and step["fraction_of_matmul_peak"] > 0
     assert {"actor_flops_xla_cost_analysis", "achieved_flops_per_s"} <= set(step)
     assert grpo["compilations_during_timed_iterations"] == 0
+
+
+def test_bench_rl_peers_fail_fast_without_trl(tmp_path):
+    """--peers names what is missing in one line, before building anything."""
+    missing = str(tmp_path / "no-python")
+    with pytest.raises(SystemExit, match="--peer-python .*no-python does not exist"):
+        bench.main(["--peers", "--peer-python", missing])
+    if importlib.util.find_spec("trl") is None:
+        with pytest.raises(SystemExit, match="trl does not import"):
+            bench.main(["--peers"])

@@ -187,3 +187,23 @@ def test_pair_losses_do_not_depend_on_the_microbatch_split():
         np.testing.assert_allclose(loss2, loss1, rtol=1e-5, atol=1e-6, err_msg=head)
         assert acc1 == acc2
         chex.assert_trees_all_close(params2, params1, rtol=1e-5, atol=1e-6)
+
+
+def test_unrolled_layer_loop_equals_scan():
+    """ModelConfig.layer_loop="unroll" (static per-layer slices instead of lax.scan) gives the
+    scanned model's loss, gradient norm and update; remat needs the scan."""
+    results = []
+    for loop in ("scan", "unroll"):
+        model = ModelDef(tiny_config(num_kv_heads=4, layer_loop=loop))
+        mesh = make_mesh("fsdp=2,tensor=2")
+        state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
+        step = make_train_step(model, optax.sgd(0.5), sft_loss_fn, mesh, "fsdp_tp")
+        state, metrics = step(state, make_batch(0))
+        results.append((float(metrics["loss"]), float(metrics["grad_norm"]), state.params))
+    (l0, g0, p0), (l1, g1, p1) = results
+    np.testing.assert_allclose([l1, g1], [l0, g0], rtol=1e-5)
+    chex.assert_trees_all_close(p1, p0, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="layer_loop"):
+        tiny_config(layer_loop="unroll", remat_policy="full")
+    with pytest.raises(ValueError, match="layer_loop"):
+        tiny_config(layer_loop="while")

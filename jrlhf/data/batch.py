@@ -73,3 +73,77 @@ def pack(
         "mask": mask,
         "last_index": last,
     }
+
+
+def pack_segments(
+    batch: dict[str, np.ndarray],
+    max_prompt_len: int,
+    row_len: int,
+    groups: int = 1,
+    row_multiple: int = 1,
+) -> dict[str, np.ndarray]:
+    """Repack the real tokens of the padded layout above into rows of ``row_len`` columns, several
+    samples per row (host side), for training without computing on padding.
+
+    Each sample's prompt+response tokens stay contiguous; a row holds samples one after another
+    with segment ids 1, 2, ... and positions restarting at 0 for each (the attention mask is by
+    segment and position, jrlhf.models.attention, so a sample sees exactly what it saw padded);
+    unused columns are padding (segment 0). Samples are placed first-fit in decreasing length.
+
+    Returns a copy of ``batch`` whose ``tokens``, ``positions`` and ``segment_ids`` are the
+    packed rows, plus ``pack_index`` (B, R) int32: for response token j of sample b, the flat
+    index (row * row_len + column) of the packed position whose hidden state predicts it (P-1+j
+    in the padded layout); 0 where ``mask`` is 0. Response-aligned fields are unchanged.
+
+    ``groups`` > 1 packs each run of B/groups consecutive samples into its own block of rows, and
+    ``pack_index`` counts within the block, so splitting every field's leading axis into
+    ``groups`` micro-batches keeps each sample with its rows. The rows per block are the most any
+    block needs, rounded up to a multiple of ``row_multiple`` and of ceil(samples per block / 8),
+    so a run sees at most 8 shapes (one compilation each).
+    """
+    tokens, segments, mask = batch["tokens"], batch["segment_ids"], batch["mask"]
+    b = tokens.shape[0]
+    P = max_prompt_len
+    if b % groups:
+        raise ValueError(f"{b} samples do not split into {groups} groups")
+    real = segments > 0
+    starts = np.argmax(real, axis=1)
+    lengths = real.sum(axis=1)
+    if int(lengths.max(initial=0)) > row_len:
+        raise ValueError(f"a sample has {int(lengths.max())} tokens, more than row_len {row_len}")
+    per = b // groups
+    placements = []  # per group: list of (sample, row, column)
+    rows_needed = 1
+    for g in range(groups):
+        free: list[int] = []  # columns left in each open row
+        placed = []
+        for i in sorted(range(g * per, (g + 1) * per), key=lambda i: (-lengths[i], i)):
+            n = int(lengths[i])
+            row = next((r for r, left in enumerate(free) if left >= n), len(free))
+            if row == len(free):
+                free.append(row_len)
+            placed.append((i, row, row_len - free[row]))
+            free[row] -= n
+        placements.append(placed)
+        rows_needed = max(rows_needed, len(free))
+    step = int(np.lcm(max(row_multiple, 1), -(-per // 8)))
+    rows = -(-rows_needed // step) * step
+    out = dict(batch)
+    out["tokens"] = np.zeros((groups * rows, row_len), tokens.dtype)
+    out["positions"] = np.zeros((groups * rows, row_len), batch["positions"].dtype)
+    out["segment_ids"] = np.zeros((groups * rows, row_len), segments.dtype)
+    pack_index = np.zeros(mask.shape, np.int32)
+    seg_count = np.zeros((groups * rows,), np.int32)
+    for g, placed in enumerate(placements):
+        for i, row, col in placed:
+            n, s = int(lengths[i]), int(starts[i])
+            r = g * rows + row
+            seg_count[r] += 1
+            out["tokens"][r, col : col + n] = tokens[i, s : s + n]
+            out["positions"][r, col : col + n] = batch["positions"][i, s : s + n]
+            out["segment_ids"][r, col : col + n] = seg_count[r]
+            # Response token j is predicted at padded column P-1+j, i.e. at offset P-1+j-s.
+            j = np.nonzero(mask[i] > 0)[0]
+            pack_index[i, j] = row * row_len + col + (P - 1 + j - s)
+    out["pack_index"] = pack_index
+    return out

@@ -34,6 +34,12 @@ def batch_shardings(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> di
     return {k: batch_sharding(mesh, rules, jnp.ndim(v)) for k, v in batch.items()}
 
 
+def batch_shards(mesh: Mesh, rules: Rules | str) -> int:
+    """How many ways a batch's rows are split on ``mesh``."""
+    spec = batch_sharding(mesh, rules, 1).spec
+    return axis_size(mesh, spec[0] if spec else None)
+
+
 def check_batch_divides(
     batch: dict[str, Any], mesh: Mesh, rules: Rules | str, microbatches: int = 1
 ) -> None:

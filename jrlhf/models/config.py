@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+LAYER_LOOPS = ("scan", "unroll")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,6 +58,12 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat_policy: str = "none"
+    # How full-sequence passes (training, scoring) loop over the layers: "scan" (lax.scan over
+    # the stacked weights; compile time independent of depth) or "unroll" (one copy of the layer
+    # program per layer, static weight slices: on CPU the scan zero-fills, writes and re-slices
+    # its per-layer residual and gradient stacks, which the unrolled program does not do; for
+    # shallow models). The decode engine chooses its own (EngineConfig.unroll_layers).
+    layer_loop: str = "scan"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -82,6 +89,13 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"remat_policy {self.remat_policy!r} unknown (use one of {REMAT_POLICIES})"
+            )
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop {self.layer_loop!r} unknown (use one of {LAYER_LOOPS})")
+        if self.layer_loop == "unroll" and self.remat_policy != "none":
+            raise ValueError(
+                f"layer_loop 'unroll' runs without remat; remat_policy {self.remat_policy!r} "
+                "needs layer_loop 'scan'"
             )
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in DTYPES:

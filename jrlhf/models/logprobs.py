@@ -6,6 +6,8 @@ from here, so the two engines cannot compute them differently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import Array
@@ -36,3 +38,34 @@ def entropy_from_logits(logits_btv: Array) -> Array:
     logits_btv = _f32(logits_btv)
     logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
     return -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+
+
+def chunked_logprobs(
+    logits_fn: Callable[[Array], Array],
+    hidden_bte: Array,
+    targets_bt: Array,
+    chunk: int,
+    with_entropy: bool = False,
+):
+    """:func:`token_logprobs` (and :func:`entropy_from_logits`) of ``logits_fn(hidden_bte)``
+    computed ``chunk`` positions at a time, so at most (chunk, vocab) logits exist at once, in
+    the forward pass and in the backward pass alike (each chunk's logits are recomputed there
+    instead of stored: one more head matmul). Each position's values are those of the unchunked
+    functions; a trailing partial chunk is padded and cut off.
+    """
+    b, t, e = hidden_bte.shape
+    n = b * t
+    pad = -n % chunk
+    h = jnp.pad(hidden_bte.reshape(n, e), ((0, pad), (0, 0))).reshape(-1, chunk, e)
+    y = jnp.pad(jnp.asarray(targets_bt).reshape(n), (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one(args):
+        h_ce, y_c = args
+        logits = logits_fn(h_ce)
+        logp = token_logprobs(logits, y_c)
+        return (logp, entropy_from_logits(logits)) if with_entropy else (logp,)
+
+    out = jax.lax.map(one, (h, y))
+    out = tuple(o.reshape(-1)[:n].reshape(b, t) for o in out)
+    return out if with_entropy else out[0]

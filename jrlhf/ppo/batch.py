@@ -10,24 +10,52 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jrlhf.data.batch import pack
-from jrlhf.models.logprobs import entropy_from_logits, token_logprobs
+from jrlhf.data.batch import pack, pack_segments
+from jrlhf.models.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
 from jrlhf.models.transformer import Transformer
 
-__all__ = ["pack", "response_hidden", "response_logprobs", "response_values", "sequence_scores"]
+__all__ = [
+    "pack",
+    "pack_segments",
+    "response_hidden",
+    "response_logprobs",
+    "response_values",
+    "sequence_scores",
+]
 
 
 def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:
-    """Hidden states (B, R, E) at the columns that predict each response token."""
+    """Hidden states (B, R, E) at the columns that predict each response token.
+
+    A packed batch (``pack_index``, jrlhf.data.batch.pack_segments: several samples per row, no
+    padding between them) is read at the packed positions, gathered back into the (B, R)
+    response-aligned order, so everything downstream is the same as for the padded layout.
+    """
     hidden = module.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    if "pack_index" in batch:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return jnp.take(flat, batch["pack_index"], axis=0)
     return hidden[:, max_prompt_len - 1 : -1]
 
 
 def response_logprobs(
-    module: Transformer, batch: dict, max_prompt_len: int, with_entropy: bool = False
+    module: Transformer,
+    batch: dict,
+    max_prompt_len: int,
+    with_entropy: bool = False,
+    chunk: int = 0,
 ):
-    """float32 log-probs (B, R) of the response tokens (and their entropies if asked)."""
-    logits = module.logits(response_hidden(module, batch, max_prompt_len))
+    """float32 log-probs (B, R) of the response tokens (and their entropies if asked).
+
+    ``chunk`` > 0 computes them ``chunk`` positions at a time (jrlhf.models.logprobs.
+    chunked_logprobs): never more than (chunk, vocab) logits at once, forward or backward.
+    """
+    hidden = response_hidden(module, batch, max_prompt_len)
+    if chunk:
+        return chunked_logprobs(
+            module.logits, hidden, batch["response_tokens"], chunk, with_entropy
+        )
+    logits = module.logits(hidden)
     logp = token_logprobs(logits, batch["response_tokens"])
     if with_entropy:
         return logp, entropy_from_logits(logits)

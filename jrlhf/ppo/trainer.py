@@ -37,7 +37,7 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
-from jrlhf.meshes.batch import process_local, to_host
+from jrlhf.meshes.batch import batch_shards, process_local, to_host
 from jrlhf.meshes.processes import fetch, post
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
@@ -95,7 +95,9 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     kl_estimator = kl_estimator or rl.kl_estimator or "k3"
 
     def loss_fn(module, batch):
-        logp, entropy = rl_batch.response_logprobs(module, batch, P, with_entropy=True)
+        logp, entropy = rl_batch.response_logprobs(
+            module, batch, P, with_entropy=True, chunk=rl.logprob_chunk
+        )
         mask = batch["mask"]
         loss, metrics = policy_loss(
             logp,
@@ -704,6 +706,20 @@ class RLTrainer:
         }
         return {k: v[rows] for k, v in arrays.items()}, metrics
 
+    def _pack(self, batch: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
+        """With ``RLConfig.pack_samples``, the minibatch's samples packed into rows without
+        padding (jrlhf.ppo.batch.pack_segments), one block per micro-batch of the role."""
+        if not self.rl.pack_samples:
+            return batch
+        setup = self.roles[role]
+        return rl_batch.pack_segments(
+            batch,
+            self.P,
+            self.P + self.R,
+            groups=setup.config.microbatches,
+            row_multiple=batch_shards(setup.meshes["train"], setup.rules["train"]),
+        )
+
     def update(self, arrays: dict[str, np.ndarray], kl_coef) -> dict[str, float]:
         rows = arrays["mask"].shape[0]
         mb = self.rl.minibatch_size
@@ -726,11 +742,11 @@ class RLTrainer:
             order = rng.permutation(rows)
             for start in range(0, rows, mb):
                 idx = order[start : start + mb]
-                batch = {k: arrays[k][idx] for k in fields}
+                batch = self._pack({k: arrays[k][idx] for k in fields}, "actor")
                 batch["kl_coef"] = np.full((len(idx),), kl_coef, np.float32)
                 self.states["actor"], m = self.steps["actor"](self.states["actor"], batch)
                 if self.use_critic:
-                    cbatch = {k: arrays[k][idx] for k in critic_fields}
+                    cbatch = self._pack({k: arrays[k][idx] for k in critic_fields}, "critic")
                     self.states["critic"], cm = self.steps["critic"](self.states["critic"], cbatch)
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
                 collected.append(m)
