@@ -1,9 +1,11 @@
 """Test setup: 8 fake CPU devices and a persistent compilation cache, set before JAX is imported
 anywhere."""
 
+import fcntl
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from importlib.metadata import version
 
 os.environ["XLA_FLAGS"] = (
@@ -48,6 +50,29 @@ def _eight_devices():
     assert jax.device_count() == 8, f"tests need 8 fake devices, got {jax.device_count()}"
 
 
+@contextmanager
+def _built_once(tmp_path_factory, name: str):
+    """A run directory built once per test session, however many pytest-xdist workers ask for
+    it: the first builds it under a lock (yielding the path to build at), the others wait and
+    get it built (yielding None). Every test treats these runs as read-only."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, shared by its workers
+    run_dir, done = root / f"shared-{name}" / "run", root / f"shared-{name}.done"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if done.exists():
+                yield None, run_dir
+                return
+            shutil.rmtree(run_dir.parent, ignore_errors=True)  # a worker's failed attempt
+            run_dir.parent.mkdir(parents=True)
+            yield run_dir, run_dir
+            done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def base_run(tmp_path_factory):
     """A short SFT + reward-model run whose outputs the RL tests start from."""
@@ -55,13 +80,14 @@ def base_run(tmp_path_factory):
 
     from jrlhf.cli import train
 
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    rc = train.main([
-        "--run-dir", str(run_dir), "--quiet",
-        "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60", "RewardModelConfig.steps=60",
-        *SMALL,
-    ])  # fmt: skip
-    assert rc == 0
+    with _built_once(tmp_path_factory, "base") as (build, run_dir):
+        if build:
+            rc = train.main([
+                "--run-dir", str(build), "--quiet",
+                "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60",
+                "RewardModelConfig.steps=60", *SMALL,
+            ])  # fmt: skip
+            assert rc == 0
     return run_dir
 
 
@@ -72,8 +98,10 @@ def colocated_run(base_run, tmp_path_factory):
 
     from jrlhf.cli import train
 
-    run_dir = tmp_path_factory.mktemp("colocated") / "run"
-    assert train.main(["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]) == 0
+    with _built_once(tmp_path_factory, "colocated") as (build, run_dir):
+        if build:
+            args = ["--run-dir", str(build), "--quiet", *ppo_bindings(base_run)]
+            assert train.main(args) == 0
     return run_dir
 
 

@@ -25,6 +25,8 @@ class TaskData:
     reward function reads, e.g. a reference answer); ``{}`` for every prompt when not given.
     ``heldout_preference_records`` are pairs no stage trains on (what the dpo stage evaluates
     on): built only for a run with a dpo stage, or read from TaskConfig.heldout_preference_data.
+    A built-in task draws ``sft_records`` only for a run with an sft stage and
+    ``preference_records`` only for one with an rm or dpo stage (empty otherwise).
     """
 
     train_prompts: list[list[int]]
@@ -89,14 +91,20 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout_prompts = task.prompts(t.num_heldout, "heldout")
         # Tasks with reference answers give each prompt its answer (what answer_match reads).
         meta_of = getattr(task, "prompt_meta", lambda prompts: [])
+        # Demonstrations and pairs are drawn only for the stages that read them: drawing them
+        # costs a second or two at every start of an RL-only run. Each has its own random
+        # stream, so what is drawn does not depend on what else is.
+        stages = set(cfg.run.stages)
+        sft = task.sft_examples(t.num_sft_examples) if "sft" in stages else []
+        pairs = task.preference_pairs(t.num_preference_pairs) if stages & {"rm", "dpo"} else []
         heldout_pairs = []
-        if "dpo" in cfg.run.stages:
+        if "dpo" in stages:
             heldout_pairs = task.preference_pairs(t.num_heldout_pairs, "heldout")
         builtin = TaskData(
             train_prompts=train_prompts,
             heldout_prompts=heldout_prompts,
-            sft_records=task.sft_examples(t.num_sft_examples),
-            preference_records=task.preference_pairs(t.num_preference_pairs),
+            sft_records=sft,
+            preference_records=pairs,
             pad_id=task.pad_id,
             eos_id=task.eos_id,
             model_overrides=task.model_overrides(),

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jrlhf.models.attention import MASK_VALUE
 
@@ -53,7 +54,7 @@ def _kernel(
         page = jnp.minimum(pages_ref[i], k_ref.shape[1] - 1)
         k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
         v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
-        s = pl.dot(q, k.astype(jnp.float32), trans_b=True)  # (rows, page_size)
+        s = plgpu.dot(q, k.astype(jnp.float32), trans_b=True)  # (rows, page_size)
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
         valid = pos < length
         if sliding_window:
@@ -63,7 +64,7 @@ def _kernel(
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = l * correction + p.sum(axis=-1)
-        o_new = o * correction[:, None] + pl.dot(p, v.astype(jnp.float32))
+        o_new = o * correction[:, None] + plgpu.dot(p, v.astype(jnp.float32))
         return o_new, m_new, l_new
 
     num_pages = (length + page_size - 1) // page_size
