@@ -32,7 +32,7 @@ GRPO = dict(prompts=64, samples_per_prompt=8)
 # The 405B-class case: a GRPO actor (and its reference) on 1,024 devices, searched with a
 # shorter anneal (each estimate walks 1,024 devices).
 LARGE = ("grpo", "405B", 1024)
-LARGE_SEARCH = dict(steps=50, restarts=1)
+LARGE_SEARCH = dict(steps=6000, restarts=2)
 # A typical PPO iteration (the scale of ReaL's and HybridFlow's experiments).
 WORKLOAD = dict(
     prompts=512,

@@ -134,6 +134,19 @@ def test_identical_on_one_device_and_data_tensor_mesh():
     # The pool really is split: pages over data, kv heads over tensor.
     spec = two.state.k_pages.sharding.spec
     assert spec[1] == "data" and spec[3] == "tensor"
+    # Query heads over a tensor size larger than the KV heads (8 heads, 4 KV heads, tensor 8):
+    # the KV heads are replicated over tensor and each shard attends with its own one.
+    mesh = make_mesh("data=1,tensor=8")
+    model_def, p8 = load_hf(hf_checkpoint("llama3"), mesh, "dp_tp_kv_replicated")
+    wide = DecodeEngine(model_def, mesh, "dp_tp_kv_replicated", ENGINE)
+    c = wide.generate(p8, prompts, sp)
+    assert a.completion_ids == c.completion_ids
+    for x, y in zip(a.raw_logprobs + a.sampling_logprobs, c.raw_logprobs + c.sampling_logprobs):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+    assert p8["layers"]["attn"]["q_kernel"].sharding.spec[2] == "tensor"
+    assert wide.state.k_pages.sharding.spec[3] is None
+    with pytest.raises(ValueError, match="cannot be split over tensor size 8"):
+        DecodeEngine(model_def, mesh, "dp_tp", ENGINE)
 
 
 @functools.cache

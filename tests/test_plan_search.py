@@ -23,10 +23,12 @@ from jrlhf.placement.candidates import (
     build_plan,
     call_candidates,
     slices,
+    slot_of,
     slot_problem,
     slots_of,
     tensor_problem,
 )
+from jrlhf.placement.plan import CALLS
 from jrlhf.placement.search import SearchSpace, search
 
 
@@ -125,6 +127,18 @@ def test_candidate_validation_rejects_indivisible_sizes():
     assert max(s.tensor for s in call_candidates("actor_train", llama, 128)) == 8
     # tensor never leaves a node, even when the model could be split further
     assert "exceeds" in slot_problem("actor_train", llama, Slot(0, 16, 16), 16)
+    # except in generation, over two nodes at most, with the 8 KV heads replicated above 8
+    gen = {s.tensor: s for s in call_candidates("actor_generate", llama, 32) if s.size == 32}
+    assert sorted(gen) == [1, 2, 4, 8, 16]
+    assert gen[16].rules == "dp_tp_kv_replicated" and gen[8].rules is None
+    assert "exceeds" in slot_problem("actor_generate", llama, Slot(0, 32, 32), 32)
+    assert "num_kv_heads" in slot_problem("actor_generate", llama, Slot(0, 16, 16), 16)
+    kvrep = Slot(0, 16, 16, "dp_tp_kv_replicated")
+    assert slot_problem("actor_generate", llama, kvrep, 16) is None
+    assert "not a candidate" in slot_problem("actor_train", llama, Slot(0, 8, 8, kvrep.rules), 8)
+    placed = build_plan("w", {c: kvrep if c == "actor_generate" else Slot(0, 16, 8) for c in CALLS})
+    assert placed["actor_generate"].rules == kvrep.rules
+    assert slot_of(placed["actor_generate"]) == kvrep
     # FSDP must divide the hidden size (embed is sharded over fsdp): 48 % 32 != 0
     odd = tiny_config(hidden_size=48, num_heads=4, num_kv_heads=2)
     assert "hidden_size=48" in slot_problem("actor_train", odd, Slot(0, 32, 1), 32)

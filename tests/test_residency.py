@@ -228,3 +228,22 @@ def test_the_70b_plan_runs_scaled_down_and_matches_a_plain_run(plain_rows, tmp_p
             if k == "reshard/bytes":  # a property of the layouts, not of the numbers
                 continue
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_generation_with_replicated_kv_heads_runs_in_the_trainer(plain_rows, tmp_path):
+    """The 405B plans' generation layout (jrlhf.placement.candidates: query heads over a tensor
+    size above the KV heads' split, KV heads replicated) in the trainer, on 8 CPU devices: it
+    reshards into it and generates, and its first iteration is the plain run's.
+    tests/test_decode.py checks the engine with fewer KV heads than tensor shards."""
+    bindings = [
+        "actor/RoleConfig.generate_mesh='data=1,tensor=8'",
+        "actor/RoleConfig.generate_rules='dp_tp_kv_replicated'",
+    ]
+    trainer, loader = build_trainer(tmp_path, *bindings, placement="custom")
+    attn = trainer.gen_params["layers"]["attn"]
+    assert all(axis is None for axis in attn["k_kernel"].sharding.spec)  # replicated
+    assert "tensor" in attn["q_kernel"].sharding.spec
+    (row,) = run_iterations(trainer, loader, n=1)
+    for k, v in plain_rows[0].items():
+        if k != "reshard/bytes":  # a property of the layouts
+            np.testing.assert_allclose(row[k], v, rtol=1e-4, atol=1e-5, err_msg=k)

@@ -210,6 +210,19 @@ def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
     return -(-max(wanted, 1) // shards) * shards
 
 
+def _own_kv_heads(q_local, k_pool, v_pool, cfg, q_axis):
+    """Inside a tensor shard whose pools hold every KV head (replicated over ``tensor``) but
+    whose query heads are a slice: the pools' KV heads that slice reads (contiguous, since a
+    shard's heads and a KV head's group nest), selected by the shard's index on ``q_axis``, the
+    mesh axis the query heads are split over."""
+    local_heads = q_local.shape[2]
+    group = cfg.num_heads // cfg.num_kv_heads
+    count = max(1, local_heads // group)
+    first = jax.lax.axis_index(q_axis) * local_heads // group
+    take = lambda pool: jax.lax.dynamic_slice_in_dim(pool, first, count, axis=3)  # noqa: E731
+    return take(k_pool), take(v_pool)
+
+
 class DecodeEngine:
     """Continuous-batching generator for one model on one generation mesh.
 
@@ -252,6 +265,20 @@ class DecodeEngine:
             raise ValueError(
                 f"{self.cfg.num_kv_heads} kv heads cannot be split over tensor size {tensor}"
             )
+        # Query heads split over more tensor shards than the KV heads are (rules that replicate
+        # the KV heads, e.g. dp_tp_kv_replicated): each shard's query heads must read whole KV
+        # heads, i.e. its heads and a KV head's group nest one in the other.
+        self._q_axes = logical_to_spec(("act_heads",), mesh, self.rules)[0]
+        q_tensor = axis_size(mesh, self._q_axes)
+        self._kv_select = q_tensor > tensor
+        if self._kv_select:
+            local_heads = self.cfg.num_heads // q_tensor
+            group = self.cfg.num_heads // self.cfg.num_kv_heads
+            if self.cfg.num_heads % q_tensor or (local_heads % group and group % local_heads):
+                raise ValueError(
+                    f"{self.cfg.num_heads} query heads over tensor size {q_tensor} do not nest "
+                    f"with KV groups of {group} heads"
+                )
         self.pages_per_shard = ec.total_pages // self.num_shards
         self.slots_per_shard = ec.num_slots // self.num_shards
         self.state_shardings = jax.tree.map(
@@ -400,6 +427,7 @@ class DecodeEngine:
         """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
         mesh, rules = self.mesh, self.rules
         ps, window, kernel = self.config.page_size, self.cfg.sliding_window, self._kernel
+        select, q_axis = self._kv_select, self._q_axes
         spec = lambda *axes: logical_to_spec(axes, mesh, rules)  # noqa: E731
         q_spec = spec("slots", None, "act_heads", "head_dim")
         kv_spec = spec("slots", None, "act_kv_heads", "head_dim")
@@ -417,7 +445,11 @@ class DecodeEngine:
             # Idle slots attend over nothing: their table rows hold out-of-range page ids and
             # their lengths are stale, which a kernel without bounds checks would read through.
             kv_len = jnp.where(active, lengths + 1, 0)
-            out = kernel(q[:, 0], kp, vp, layer, table, kv_len, window)
+            if select:  # this shard's query heads read only their own KV heads
+                kp_q, vp_q = _own_kv_heads(q, kp, vp, self.cfg, q_axis)
+            else:
+                kp_q, vp_q = kp, vp
+            out = kernel(q[:, 0], kp_q, vp_q, layer, table, kv_len, window)
             return out[:, None], kp, vp
 
         mapped = jax.shard_map(

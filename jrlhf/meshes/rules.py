@@ -46,11 +46,20 @@ FSDP_TP: Rules = (
 # step reads its weights locally instead of all-gathering them.
 DP_TP: Rules = tuple((name, None if name == "embed" else axes) for name, axes in FSDP_TP)
 
+# Generation with a tensor size above the KV heads (a 405B model's 8 KV heads on 16 devices):
+# query heads, MLP and vocabulary split over tensor as in dp_tp, while the K/V projections and
+# the KV cache are replicated over it (every tensor shard computes and stores all KV heads; its
+# query heads read the ones their group uses). The extra memory is the KV weights and cache.
+DP_TP_KV_REPLICATED: Rules = tuple(
+    (name, None if name in ("kv_heads", "act_kv_heads") else axes) for name, axes in DP_TP
+)
+
 REPLICATED: Rules = tuple((name, None) for name, _ in FSDP_TP)
 
 RULE_SETS: dict[str, Rules] = {
     "fsdp_tp": FSDP_TP,
     "dp_tp": DP_TP,
+    "dp_tp_kv_replicated": DP_TP_KV_REPLICATED,
     "replicated": REPLICATED,
 }
 

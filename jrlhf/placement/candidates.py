@@ -11,6 +11,11 @@ Everything is checked from the model's dimensions alone, with no devices, so a p
 can be searched on a laptop: a tensor size must divide the attention heads, the KV heads, the MLP
 width and the vocabulary (the rules shard all four over ``tensor``), the FSDP size must divide the
 hidden size (``embed`` is sharded over ``fsdp``), and the batch must split over the batch axes.
+
+Tensor parallelism stays inside a node, with one exception: generation may span two nodes
+(``GENERATION_NODES``), as 405B-class models are served (a 405B model's bf16 weights are 94.5 GiB
+per device at tensor 8). A generation tensor size above the KV heads replicates them
+(``dp_tp_kv_replicated``: every shard holds all KV heads and attends with its own).
 """
 
 from __future__ import annotations
@@ -27,22 +32,31 @@ from jrlhf.reshard.layout import choose_generation_mesh
 # Which model each call runs (the role), and the call a model-less call follows (see below).
 GENERATE_CALL = "actor_generate"
 DEVICES_PER_NODE = 8  # H100/H200 HGX nodes: tensor parallelism stays inside NVLink
+GENERATION_NODES = 2  # the nodes a generation tensor group may span
+KV_REPLICATED_RULES = "dp_tp_kv_replicated"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Slot:
-    """A call's devices ``[start, start + size)`` and tensor size (the rest is fsdp or data)."""
+    """A call's devices ``[start, start + size)`` and tensor size (the rest is fsdp or data);
+    ``rules``: a rule set other than the phase's (generation with replicated KV heads)."""
 
     start: int
     size: int
     tensor: int = 1
+    rules: str | None = None
 
     @property
     def devices(self) -> range:
         return range(self.start, self.start + self.size)
 
     def __str__(self) -> str:
-        return f"{self.size}x(t{self.tensor})@{self.start}"
+        kv = "kvrep" if self.rules == KV_REPLICATED_RULES else ""
+        return f"{self.size}x(t{self.tensor}{kv})@{self.start}"
+
+    @property
+    def shape_key(self) -> tuple[int, int, int]:
+        return (self.start, self.size, self.tensor)
 
 
 def is_pow2(n: int) -> bool:
@@ -58,17 +72,32 @@ def slices(num_devices: int) -> list[tuple[int, int]]:
     return sorted(out, key=lambda s: (-s[1], s[0]))
 
 
-def tensor_problem(model: ModelConfig, tensor: int) -> str | None:
-    """Why ``tensor`` cannot split ``model`` (None when it can)."""
+def tensor_problem(model: ModelConfig, tensor: int, kv_replicated: bool = False) -> str | None:
+    """Why ``tensor`` cannot split ``model`` (None when it can); with ``kv_replicated`` the KV
+    heads are not split, but each shard's query heads must nest with a KV head's group."""
     dims = {
         "num_heads": model.num_heads,
         "num_kv_heads": model.num_kv_heads,
         "intermediate_size": model.intermediate_size,
         "vocab_size": model.vocab_size,
     }
+    if kv_replicated:
+        del dims["num_kv_heads"]
     for name, value in dims.items():
         if value % tensor:
             return f"tensor={tensor} does not divide {name}={value}"
+    if kv_replicated:
+        local, group = model.num_heads // tensor, model.num_heads // model.num_kv_heads
+        if local % group and group % local:
+            return f"tensor={tensor}: {local} query heads per shard do not nest with KV groups"
+    return None
+
+
+def generation_rules(model: ModelConfig | None, tensor: int) -> str | None:
+    """The rule set of a generation slot: None (the phase's dp_tp) unless ``tensor`` does not
+    divide the KV heads, which are then replicated."""
+    if model is not None and model.num_kv_heads % tensor:
+        return KV_REPLICATED_RULES
     return None
 
 
@@ -91,12 +120,16 @@ def slot_problem(
         return f"slice {start}..{start + size - 1} is outside the {num_devices} devices"
     if not is_pow2(tensor):
         return f"tensor={tensor} is not a power of two"
-    if tensor > devices_per_node:
-        return f"tensor={tensor} exceeds the {devices_per_node} devices of a node"
+    generating = call == GENERATE_CALL
+    if tensor > devices_per_node * (GENERATION_NODES if generating else 1):
+        span = f"{GENERATION_NODES} nodes" if generating else "a node"
+        return f"tensor={tensor} exceeds the devices of {span} ({devices_per_node} per node)"
     if size % tensor:
         return f"tensor={tensor} does not divide the slice of {size} devices"
+    if slot.rules not in (None, KV_REPLICATED_RULES) or (slot.rules and not generating):
+        return f"rule set {slot.rules!r} is not a candidate for {call}"
     if model is not None:
-        problem = tensor_problem(model, tensor)
+        problem = tensor_problem(model, tensor, kv_replicated=slot.rules == KV_REPLICATED_RULES)
         if problem:
             return problem
         shards = size // tensor
@@ -118,12 +151,14 @@ def call_candidates(
     max_tensor: int | None = None,
 ) -> list[Slot]:
     """Every valid slot of ``call`` on ``num_devices`` devices (aligned power-of-two slices)."""
-    limit = min(devices_per_node, max_tensor or devices_per_node)
+    node_span = devices_per_node * (GENERATION_NODES if call == GENERATE_CALL else 1)
+    limit = min(node_span, max_tensor or node_span)
     out = []
     for start, size in slices(num_devices):
         tensor = 1
         while tensor <= min(size, limit):
-            slot = Slot(start, size, tensor)
+            rules = generation_rules(model, tensor) if call == GENERATE_CALL else None
+            slot = Slot(start, size, tensor, rules)
             problem = slot_problem(
                 call, model, slot, num_devices, batch=batch, devices_per_node=devices_per_node
             )
@@ -138,11 +173,12 @@ def placement(call: str, slot: Slot, actor_train: CallPlacement | None = None) -
     is ordered for zero-redundancy resharding (jrlhf.reshard.choose_generation_mesh), as
     ``plan.flatten`` does."""
     if call == GENERATE_CALL:
+        rules = slot.rules or PHASE_RULES["generate"]
         if actor_train is not None and set(actor_train.mesh.device_ids()) == set(slot.devices):
             mesh = choose_generation_mesh(actor_train.mesh, slot.tensor)
-            return CallPlacement(mesh, PHASE_RULES["generate"])
+            return CallPlacement(mesh, rules)
         axes = (("data", slot.size // slot.tensor), ("tensor", slot.tensor))
-        return CallPlacement(MeshSpec(axes, tuple(slot.devices)), PHASE_RULES["generate"])
+        return CallPlacement(MeshSpec(axes, tuple(slot.devices)), rules)
     axes = (("fsdp", slot.size // slot.tensor), ("tensor", slot.tensor))
     return CallPlacement(MeshSpec(axes, tuple(slot.devices)), PHASE_RULES[CALLS[call][1]])
 
@@ -163,7 +199,8 @@ def slot_of(placement_: CallPlacement) -> Slot | None:
     names = mesh.names
     if len(names) > 2 or (len(names) == 2 and names[1] != "tensor"):
         return None
-    return Slot(ids[0], len(ids), mesh.shape.get("tensor", 1))
+    rules = placement_.rules if placement_.rules == KV_REPLICATED_RULES else None
+    return Slot(ids[0], len(ids), mesh.shape.get("tensor", 1), rules)
 
 
 def slots_of(plan: ExecutionPlan) -> dict[str, Slot] | None:

@@ -38,6 +38,7 @@ from jrlhf.models.config import ModelConfig
 from jrlhf.placement import plan as plans
 from jrlhf.placement.candidates import (
     DEVICES_PER_NODE,
+    KV_REPLICATED_RULES,
     Slot,
     build_plan,
     call_batches,
@@ -256,8 +257,10 @@ class SearchSpace:
                 Slot(s, n // 2, max(1, t // 2)),
                 Slot(s - s % (2 * n), 2 * n, t * 2),
             ]
-            members = self._members.get(call, set())
-            self._neighbours[key] = sorted({x for x in near if x in members and x != slot})
+            # a member is found by its shape: its rule set follows from it (generation_rules)
+            members = {m.shape_key: m for m in self._members.get(call, set())}
+            found = {members[x.shape_key] for x in near if x.shape_key in members}
+            self._neighbours[key] = sorted(found - {slot}, key=lambda x: x.shape_key)
         return self._neighbours[key]
 
     def propose(self, slots: Mapping[str, Slot], rng: random.Random) -> dict[str, Slot]:
@@ -330,7 +333,8 @@ def _plan_valid(space: SearchSpace, plan: ExecutionPlan) -> bool:
     for call in CALLS:
         mesh = plan[call].mesh
         ids = sorted(mesh.device_ids())
-        slot = Slot(ids[0], len(ids), mesh.shape.get("tensor", 1))
+        rules = plan[call].rules if plan[call].rules == KV_REPLICATED_RULES else None
+        slot = Slot(ids[0], len(ids), mesh.shape.get("tensor", 1), rules)
         model = space.models[call]
         # Strategy slices need not be power-of-two aligned (separate on 3/4 of the devices), so
         # check the dimensions, not membership in the candidate list.
