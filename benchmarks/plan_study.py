@@ -260,7 +260,79 @@ def tables(cases: list[Case], profile) -> str:
                 )
                 + f" | {peak_memory_bytes(r.estimate) / 2**30:.0f} |"
             )
+    lines += overlap_tables(cases, profile)
     return "\n".join(lines) + "\n"
+
+
+# The long-tailed response lengths the fusion estimate uses: jrlhf.tasks.longtail's law (a
+# discretized Pareto law, tail index 1) on a grid from 48 tokens up to the workload's 1024.
+TAIL = dict(response_len=48, tail_index=1.0)
+
+
+def tail_lengths(rows: int, max_len: int, seed: int = 0) -> list[int]:
+    """``rows`` response lengths drawn from the long-tailed task's length law, capped at
+    ``max_len`` (median about twice ``TAIL['response_len']``)."""
+    import numpy as np
+
+    from jrlhf.tasks.longtail import LongTailTask
+
+    task = LongTailTask(max_response_len=max_len + 1, **TAIL)
+    rng = np.random.default_rng(seed)
+    return [int(k) for k in rng.choice(task.lengths, size=rows, p=task.length_probs)]
+
+
+def overlap_tables(cases: list[Case], profile) -> list[str]:
+    """Estimated gains of the two overlap mechanisms (issue: asynchronous RL and inter-stage
+    fusion) for PPO on separated plans (generation on devices of its own): every `separate`
+    variant is priced with RLConfig.max_staleness=1 (the iteration is the slower of generation
+    and the rest, so the best split is not the synchronous one) and the fastest kept; on it,
+    scoring finished samples while long-tailed ones still decode."""
+    from jrlhf.placement.estimator import estimate_tuned, fused_rollout_seconds
+    from jrlhf.placement.search import SearchSpace, strategy_variants
+
+    lines = [
+        "",
+        "Overlap mechanisms for PPO, estimated. Asynchronous: every `separate` variant priced "
+        "with max_staleness=1 (its iteration is the slower of generation and the rest, each "
+        "plan's knobs tuned for it), the fastest against the synchronous best plan. Fusion, on "
+        f"that plan: scoring in calls of {INFER_BATCH_SIZE} rows as samples finish, on "
+        "long-tailed response lengths (the longtail task's law from "
+        f"{TAIL['response_len']} tokens, capped at {WORKLOAD['gen_len']}), time to a scored batch:",
+        "",
+        "| model | devices | best sync plan (s) | async plan: generation devices, generate / rest "
+        "(s) | async (s) | async vs best sync | rollout unfused / fused (s) | fusion gain on "
+        "the rollout |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        if c.algorithm != "ppo" or c.result is None or not c.result.best.estimate.fits:
+            continue
+        w = dataclasses.replace(workload_for(c.size, c.devices, "ppo"), max_staleness=1)
+        space = SearchSpace(w, c.devices, devices_per_node=min(profile.devices_per_node, c.devices))
+        best_async = None
+        for plan in strategy_variants(space).get("separate", []):
+            e = estimate_tuned(plan, w, profile)
+            if e.fits and (
+                best_async is None or e.iteration_seconds < best_async[1].iteration_seconds
+            ):
+                best_async = (plan, e)
+        if best_async is None:
+            continue
+        plan, e = best_async
+        ph = e.phase_seconds
+        gen = ph.get("generate", 0.0)
+        rest = sum(v for k, v in ph.items() if k != "generate")
+        tuned = e.workload
+        lengths = tail_lengths(tuned.prompts * tuned.samples_per_prompt, tuned.gen_len)
+        fused = fused_rollout_seconds(plan, tuned, profile, lengths, INFER_BATCH_SIZE)
+        gen_devices = len(plan["actor_generate"].devices)
+        lines.append(
+            f"| {c.size} | {c.devices} | {c.result.best.cost:.1f} | {gen_devices}, "
+            f"{gen:.1f} / {rest:.1f} | {e.iteration_seconds:.1f} | "
+            f"{c.result.best.cost / e.iteration_seconds:.2f}x | {fused['unfused_s']:.1f} / "
+            f"{fused['fused_s']:.1f} | {fused['unfused_s'] / fused['fused_s']:.2f}x |"
+        )
+    return lines
 
 
 def update(path: Path, text: str) -> None:

@@ -492,6 +492,15 @@ class RLConfig:
     # plan puts generation and training on different processes); no token is ever more than k
     # versions older than the policy being updated (checked). Pair with off_policy_correction.
     max_staleness: int = 0
+    # Partial rollouts (jrlhf.ppo.partial; needs max_staleness = k >= 1): a batch is generated
+    # partial_rollout_tokens (T) tokens at a time, one pass per iteration over the k iterations
+    # before it is trained, so an update lands between a long sample's passes: the sample keeps
+    # its tokens and behaviour log-probs and continues under the newer weights (its prompt and
+    # tokens so far re-prefilled: the KV cache is recomputed, never kept from an older policy).
+    # Each pass decodes every unfinished sample of every batch in flight together. T must divide
+    # TaskConfig.max_response_len and T x k must reach it (every sample ends before it trains).
+    # 0 (default): each batch in one pass.
+    partial_rollout_tokens: int = 0
     # Inter-stage fusion (jrlhf.ppo.fusion): finished samples are scored (reference, reward,
     # critic) in calls of fusion_score_rows rows while generation goes on (0: a quarter of the
     # iteration's rows; rounded up to the scoring meshes' batch shards). Same samples and scores
@@ -604,6 +613,12 @@ class RLConfig:
                 "is not supported with RLConfig.max_staleness >= 1 yet (asynchronous batches are "
                 "scored after generation)",
             )
+        _check(self.partial_rollout_tokens >= 0, "RLConfig.partial_rollout_tokens", "must be >= 0")
+        _check(
+            not self.partial_rollout_tokens or self.max_staleness >= 1,
+            "RLConfig.partial_rollout_tokens",
+            "continues samples across updates and needs RLConfig.max_staleness >= 1",
+        )
         if self.fusion:
             parked = sorted(set(self.offload) & {"reference", "reward"})
             _check(
@@ -728,6 +743,13 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)
+    t, k, r = cfg.rl.partial_rollout_tokens, cfg.rl.max_staleness, cfg.task.max_response_len
+    _check(
+        not t or (r % t == 0 and t * k >= r),
+        "RLConfig.partial_rollout_tokens",
+        f"{t} must divide TaskConfig.max_response_len {r} and, times RLConfig.max_staleness {k}, "
+        "reach it (each batch's samples end in the k passes before it trains)",
+    )
     _check(
         cfg.rl.overlong_buffer <= cfg.task.max_response_len,
         "RLConfig.overlong_buffer",

@@ -141,6 +141,16 @@ def effective_batches(workload: Any) -> dict[str, int]:
     return out
 
 
+def _whole_batches(workload: Any) -> Any:
+    """``workload`` with one micro-batch per training call and scoring in one call: the batch
+    sizes that admit the most slices (each axis split must divide the rows it carries)."""
+    if not dataclasses.is_dataclass(workload):
+        return workload
+    fields = {f.name for f in dataclasses.fields(workload)}
+    knobs = {"actor_microbatches": 1, "critic_microbatches": 1, "infer_batch_size": 0}
+    return dataclasses.replace(workload, **{k: v for k, v in knobs.items() if k in fields})
+
+
 class SearchSpace:
     """Per-call candidate slots for a workload on ``num_devices`` devices.
 
@@ -397,16 +407,21 @@ def search(
     ``tune_batches``: also choose, per plan, the scoring chunk, the actor's and critic's
     micro-batches and remat policies, and the memory knobs (generation copy, offload;
     ``estimator.tune_batches``; each estimate's ``workload`` says which). The
-    candidate slots are still those the config's batch sizes admit.
+    candidate slots are then those some micro-batch count and scoring chunk admit (whole
+    minibatches and batches: a slice whose data axes the config's micro-batches do not split
+    may still train with fewer, larger micro-batches, and the tuner prices only settings that
+    split); without tuning, those the config's batch sizes admit.
     """
     if cost_fn is None:
         if profile is None:
             raise ValueError("search needs a device profile or a cost_fn")
         cost_fn = default_cost_fn(workload, profile, tune_batches)
     capacity = getattr(profile, "usable_bytes", getattr(profile, "memory_bytes", None))
-    space = space or SearchSpace(
-        workload, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
-    )
+    if space is None:
+        admitted = _whole_batches(workload) if tune_batches else workload
+        space = SearchSpace(
+            admitted, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
+        )
     # Keyed by placements (not names): the same plan reached twice is evaluated once.
     evaluated: dict[tuple, tuple[float, ExecutionPlan, Any]] = {}
 

@@ -56,6 +56,15 @@ class GeneratedBatch:
     completions: list[list[int]]
     raw_logprobs: list[np.ndarray]
     token_versions: list[np.ndarray]
+    # Partial rollouts (jrlhf.ppo.partial): which samples have ended, and how many passes each
+    # took; None for a batch generated in one go (every sample ended, one pass).
+    finished: list[bool] | None = None
+    passes: list[int] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every sample has ended (what training needs)."""
+        return self.finished is None or all(self.finished)
 
     @property
     def sample_prompts(self) -> list[list[int]]:
@@ -77,6 +86,8 @@ class GeneratedBatch:
             "completions": [list(map(int, c)) for c in self.completions],
             "raw_logprobs": [np.asarray(x, np.float32).tolist() for x in self.raw_logprobs],
             "token_versions": [np.asarray(v).tolist() for v in self.token_versions],
+            **({} if self.finished is None else {"finished": list(map(bool, self.finished))}),
+            **({} if self.passes is None else {"passes": list(map(int, self.passes))}),
         }
 
     @classmethod
@@ -89,6 +100,8 @@ class GeneratedBatch:
             completions=[list(c) for c in d["completions"]],
             raw_logprobs=[np.asarray(x, np.float32) for x in d["raw_logprobs"]],
             token_versions=[np.asarray(v, np.int64) for v in d["token_versions"]],
+            finished=None if "finished" not in d else [bool(x) for x in d["finished"]],
+            passes=None if "passes" not in d else [int(x) for x in d["passes"]],
         )
 
 

@@ -43,6 +43,7 @@ from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo import partial
 from jrlhf.ppo.fusion import fusion_score_rows
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
@@ -307,6 +308,7 @@ class RLTrainer:
         # Asynchronous schedule: batches generated and not yet trained on, oldest first, and
         # the index of the next batch to generate.
         self.pending: collections.deque[GeneratedBatch] = collections.deque()
+        self.partial_stats: dict[str, int] = {}
         self.next_batch = 0
         self.side = self._async_side()
         self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
@@ -343,6 +345,11 @@ class RLTrainer:
                 self.rl.max_staleness, sorted(gen), sorted(rest),
             )  # fmt: skip
             return None
+        if self.rl.partial_rollout_tokens:
+            raise ValueError(
+                "RLConfig.partial_rollout_tokens with generation and training on separate "
+                "processes is not supported yet (samples in flight live on the generating side)"
+            )
         if self.rl.offload or self.rl.generation_copy != "kept":
             # Each side holds only its own process's state; the memory knobs move state of
             # both sides at phase boundaries the two processes no longer share.
@@ -463,6 +470,8 @@ class RLTrainer:
         """Generate, with the current weights, every batch the schedule wants ready before this
         iteration trains (jrlhf.ppo.staleness.batches_ahead), drawing prompts from ``draw``;
         returns the new batches (also queued in ``self.pending``)."""
+        if self.rl.partial_rollout_tokens:
+            return self._fill_partial(draw)
         new = []
         for j in batches_ahead(self.iteration, self.rl.max_staleness, self.rl.iterations):
             if j < self.next_batch:
@@ -472,6 +481,41 @@ class RLTrainer:
             self.pending.append(new[-1])
             self.next_batch = j + 1
         return new
+
+    def _fill_partial(self, draw: Draw) -> list[GeneratedBatch]:
+        """Partial rollouts (jrlhf.ppo.partial): start the batches the schedule wants, run one
+        pass over every unfinished sample in flight with the current weights, then more passes
+        over the batch this iteration trains until it has ended (only while the pipeline fills:
+        later batches have had k passes). Returns the batches that ended in this call."""
+        for j in batches_ahead(self.iteration, self.rl.max_staleness, self.rl.iterations):
+            if j >= self.next_batch:
+                prompts, meta = draw()
+                self.pending.append(
+                    partial.start_batch(j, prompts, meta, self.rl.samples_per_prompt)
+                )
+                self.next_batch = j + 1
+        before = {g.index: g.complete for g in self.pending}
+        sampling = self.rollout.sampling(self.iteration, salt=0)
+
+        def one_pass(batches):
+            counts = partial.run_pass(
+                batches,
+                lambda contexts, sp: self.rollout.engine.generate(self.gen_params, contexts, sp),
+                sampling,
+                version=self.iteration,
+                tokens=self.rl.partial_rollout_tokens,
+                max_len=self.R,
+                run_seed=self.cfg.run.seed,
+            )
+            self.partial_stats["partial/recomputed_tokens"] += counts["recomputed_tokens"]
+
+        self.partial_stats = {"partial/recomputed_tokens": 0}
+        one_pass(list(self.pending))
+        while self.pending and self.pending[0].index == self.iteration:
+            if self.pending[0].complete:
+                break
+            one_pass([self.pending[0]])
+        return [g for g in self.pending if g.complete and not before[g.index]]
 
     def run_async_iteration(self, draw: Draw) -> dict[str, float]:
         """One iteration of the bounded-staleness schedule (``RLConfig.max_staleness``, see
@@ -489,8 +533,8 @@ class RLTrainer:
             self.residency.enter("generate")
             self.fill_pipeline(draw)
         gen = self.pending.popleft()
-        if gen.index != it:
-            raise StalenessError(f"iteration {it} would train on batch {gen.index}")
+        if gen.index != it or not gen.complete:
+            raise StalenessError(f"iteration {it} would train on batch {gen.index} (unfinished)")
         with timer.phase("score"):
             self.residency.enter("score")
             arrays = self.score_batch(gen)
@@ -501,6 +545,9 @@ class RLTrainer:
         metrics = self._train_on_rounds(rounds, len(gen.prompts), timer)
         if k:
             metrics.update(staleness_metrics(versions, arrays["mask"], it))
+        if self.rl.partial_rollout_tokens:
+            metrics.update(partial.continuation_metrics(gen))
+            metrics.update({name: float(v) for name, v in self.partial_stats.items()})
         return metrics
 
     # Process 0 (generation) and process 1 (everything else) of a separated plan: each runs its
