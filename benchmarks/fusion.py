@@ -1,13 +1,14 @@
 """``python -m jrlhf.bench fusion``: time to a scored batch with and without inter-stage fusion.
 
-On the long-tailed task (configs/longtail_ppo.gin; jrlhf/tasks/longtail.py) a tiny actor is
-first fine-tuned (``--sft-steps`` of the SFT stage) so that its response lengths follow the
-prompts' long-tailed targets. Then one PPO trainer is built as ``python -m jrlhf.train`` builds
-it (reference from the SFT checkpoint, random reward model and critic) and its rollout is timed
-on one batch of prompts, fused (RLConfig.fusion: finished rows scored ``--score-rows`` at a time
-while the tail decodes) and unfused (generate, then score everything), alternating, after one
-warm-up of each (compiles). The two runs give the same samples (checked) and the same scores to
-float rounding (the largest difference is reported).
+On the long-tailed task (configs/longtail_ppo.gin; jrlhf/tasks/longtail.py) a tiny actor is first
+fine-tuned (``--sft-steps`` of the SFT stage) so that its response lengths follow the prompts' long-
+tailed targets. Then one PPO trainer is built as ``python -m jrlhf.train`` builds it (reference from
+the SFT checkpoint, random reward model and critic) and its rollout is timed on one batch of
+prompts, fused (RLConfig.fusion: finished rows scored ``--score-rows`` at a time while the tail
+decodes) and unfused (generate, then score everything), and with ``--migrate-rows N`` also fused
+with migration (RLConfig.migrate_rows: the last N decoding rows move to one replica of the
+generation mesh), alternating, after one warm-up of each (compiles). The runs give the same
+samples (checked) and the same scores to float rounding (the largest difference is reported).
 
 One JSON object on stdout: the measured medians and ratio, the batch's length distribution, the
 fused rollout's chunk counts, and jrlhf.placement.estimator.fused_rollout_seconds' prediction for
@@ -39,6 +40,12 @@ def _parse(argv):
     p.add_argument("--sft-steps", type=int, default=150, help="SFT steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts of each kind")
     p.add_argument("--profile", default="cpu", help="device profile of the prediction")
+    p.add_argument(
+        "--migrate-rows",
+        type=int,
+        default=8,
+        help="RLConfig.migrate_rows of a third variant (0: none)",
+    )
     return p.parse_args(argv)
 
 
@@ -56,6 +63,7 @@ def _bindings(args) -> list[str]:
         "RLConfig.fusion=True",
         f"RLConfig.fusion_score_rows={args.score_rows}",
         f"DecodeConfig.chunk_steps={args.chunk_steps}",
+        f"RLConfig.migrate_rows={args.migrate_rows}",
     ]
 
 
@@ -110,38 +118,51 @@ def main(argv=None) -> int:
         trainer, cfg, plan, data = _trainer(args, run_dir)
         rollout = trainer.rollout
         fusion_rows = rollout.fusion_rows
+        migration = rollout.migration
         prompts = data.train_prompts[: args.prompts]
         meta = data.train_meta[: args.prompts]
         sampling = rollout.sampling(0)
+        kinds = ["unfused", "fused"] + (["migrated"] if migration else [])
 
-        def run(fused: bool):
-            rollout.fusion_rows = fusion_rows if fused else 0
+        def run(kind: str):
+            rollout.fusion_rows = 0 if kind == "unfused" else fusion_rows
+            rollout.migration = migration if kind == "migrated" else None
             t = time.perf_counter()
             batch = rollout(trainer.gen_params, prompts, sampling, meta=meta)
             return time.perf_counter() - t, batch
 
-        times = {True: [], False: []}
-        batches = {}
-        for fused in (False, True):  # warm-up: compiles every program of both paths
-            _, batches[fused] = run(fused)
-        stats = dict(rollout.fusion_stats)
+        times = {k: [] for k in kinds}
+        batches, stats = {}, {}
+        for kind in kinds:  # warm-up: compiles every program of each path
+            _, batches[kind] = run(kind)
+            stats[kind] = dict(rollout.fusion_stats) if kind != "unfused" else {}
         for r in range(args.repeats):
-            for fused in (r % 2 == 0, r % 2 == 1):  # alternate which goes first
-                seconds, _ = run(fused)
-                times[fused].append(seconds)
-        plain, fused_batch = batches[False], batches[True]
-        same_samples = plain.responses == fused_batch.responses
+            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotate the order
+                seconds, _ = run(kind)
+                times[kind].append(seconds)
+        plain = batches["unfused"]
+        same_samples = all(plain.responses == batches[k].responses for k in kinds)
         max_diff = max(
-            float(np.max(np.abs(plain.arrays[k] - fused_batch.arrays[k])))
+            float(np.max(np.abs(plain.arrays[k] - batches[kind].arrays[k])))
             for k in ("ref_logprobs", "old_values", "scores")
+            for kind in kinds
         )
         lengths = plain.result.lengths
         models = {role: setup.model.config for role, setup in trainer.roles.items()}
         workload = Workload.from_config(cfg, models)
         profile = DeviceProfile.load(args.profile)
         predicted = fused_rollout_seconds(plan, workload, profile, lengths, fusion_rows)
+        if migration:
+            with_tail = fused_rollout_seconds(
+                plan, workload, profile, lengths, fusion_rows, cfg.rl.migrate_rows,
+                cfg.rl.migrate_replicas,
+            )  # fmt: skip
+            predicted["migrated_s"] = with_tail["fused_s"]
+            predicted["migrate_s"] = with_tail["migrate_s"]
+            predicted["overlap_tail"] = with_tail["overlap_tail"]
 
-    unfused_s, fused_s = statistics.median(times[False]), statistics.median(times[True])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    unfused_s, fused_s = med["unfused"], med["fused"]
     out = {
         "benchmark": "fusion",
         "task": "longtail",
@@ -162,16 +183,28 @@ def main(argv=None) -> int:
         "max_score_difference": max_diff,
         "fusion_chunks": stats,
         "measured": {
-            "unfused_s": round(unfused_s, 4),
-            "fused_s": round(fused_s, 4),
+            **{f"{k}_s": round(v, 4) for k, v in med.items()},
             "fused_over_unfused": round(fused_s / unfused_s, 3),
-            "unfused_all_s": [round(t, 4) for t in times[False]],
-            "fused_all_s": [round(t, 4) for t in times[True]],
+            **(
+                {"migrated_over_unfused": round(med["migrated"] / unfused_s, 3)}
+                if "migrated" in med
+                else {}
+            ),
+            **{f"{k}_all_s": [round(t, 4) for t in v] for k, v in times.items()},
         },
         "predicted": {
             "profile": profile.name,
             **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in predicted.items()},
             "fused_over_unfused": round(predicted["fused_s"] / predicted["unfused_s"], 3),
+            **(
+                {
+                    "migrated_over_unfused": round(
+                        predicted["migrated_s"] / predicted["unfused_s"], 3
+                    )
+                }
+                if migration
+                else {}
+            ),
         },
     }
     print(json.dumps(out, indent=2))

@@ -507,6 +507,13 @@ class RLConfig:
     # (to float rounding); time/generate then includes the scoring done during generation.
     fusion: bool = False
     fusion_score_rows: int = 0
+    # RLHFuse's migration (needs fusion; 0: off): once no prompt waits for a decode slot and at
+    # most migrate_rows samples are still decoding, their KV pages and decode state move onto
+    # migrate_replicas of the generation mesh's data-parallel replicas (those the scoring meshes
+    # use least) and finish there, so the scoring calls on the other devices need not wait for
+    # the long tail. The same samples (the KV moves, nothing is recomputed).
+    migrate_rows: int = 0
+    migrate_replicas: int = 1
     # Train on packed rows (jrlhf.data.batch.pack_segments): each minibatch's samples laid end to
     # end in rows of max_prompt_len + max_response_len columns with segment ids, positions
     # restarting per sample, instead of one left/right-padded row each; the same loss and
@@ -597,6 +604,14 @@ class RLConfig:
         )
         _check(
             self.fusion_score_rows >= 0, "RLConfig.fusion_score_rows", "must be >= 0 (0: derived)"
+        )
+        _check(self.migrate_rows >= 0, "RLConfig.migrate_rows", "must be >= 0 (0: off)")
+        _check(self.migrate_replicas >= 1, "RLConfig.migrate_replicas", "must be >= 1")
+        _check(
+            not self.migrate_rows or self.fusion,
+            "RLConfig.migrate_rows",
+            "moves the long tail off the devices that score finished samples and needs "
+            "RLConfig.fusion = True",
         )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
         _check(self.max_staleness >= 0, "RLConfig.max_staleness", "must be >= 0 (0: synchronous)")

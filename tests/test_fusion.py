@@ -4,17 +4,19 @@ same samples and the same scores as generating first and scoring after."""
 import numpy as np
 import pytest
 
+from jrlhf.config import ConfigError, load_config
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.meshes import make_mesh
+from jrlhf.meshes.mesh import replica_submesh
 from jrlhf.meshes.rules import get_rules
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
 from jrlhf.placement import estimator
-from jrlhf.placement.plan import strategy
+from jrlhf.placement.plan import CallPlacement, ExecutionPlan, strategy
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
 from jrlhf.ppo import batch as rl_batch
-from jrlhf.ppo.fusion import fusion_score_rows
+from jrlhf.ppo.fusion import fusion_score_rows, tail_migration
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.runtime.roles import make_infer
@@ -63,11 +65,15 @@ def rollouts():
         temperature=1.0, num_samples=2, seed=5, stop_ids=(task.eos_id,), max_new_tokens=R
     )
     prompts = task.prompts(16)
-    return plain(params, prompts, sampling), fused(params, prompts, sampling), fused, rows
+    # Migration: the last 12 decoding rows move to one replica (tensor=2) of the generation mesh.
+    migrating = Rollout(engine, scorer, eos_id=task.eos_id, fusion_rows=rows)
+    migrating.migration = tail_migration(engine, 12, 1, avoid=infer_mesh.devices.flat)
+    out = plain(params, prompts, sampling), fused(params, prompts, sampling), fused, rows
+    return (*out, migrating(params, prompts, sampling), migrating)
 
 
 def test_fused_rollout_gives_the_same_samples_and_scores(rollouts):
-    plain, fused, rollout, rows = rollouts
+    plain, fused, rollout, rows, _, _ = rollouts
     assert rows == 8  # 6 rounded up to the 4 batch shards of the scoring mesh
     lengths = plain.result.lengths
     assert lengths.min() < 16 and lengths.max() > 32  # rows finish in many different chunks
@@ -89,6 +95,35 @@ def test_fused_rollout_gives_the_same_samples_and_scores(rollouts):
         np.testing.assert_allclose(
             fused.arrays[k], plain.arrays[k], rtol=1e-6, atol=2e-6, err_msg=k
         )
+
+
+def test_migrated_tail_gives_the_same_samples_and_scores(rollouts):
+    """The last rows' KV pages and decode state move to a tail engine on 2 of the 8 devices and
+    finish there: the same tokens, log-probs and scores as without migration."""
+    plain, _, _, _, migrated, rollout = rollouts
+    stats = rollout.fusion_stats
+    assert 1 <= stats["fusion/migrated_rows"] <= 12
+    assert stats["fusion/tail_decode_chunks"] >= 2  # the tail decoded several chunks there
+    assert len(rollout.migration.engine.mesh.devices.flat) == 2
+    assert migrated.responses == plain.responses
+    for a, b in zip(migrated.result.raw_logprobs, plain.result.raw_logprobs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for k in ("tokens", "mask", "old_logprobs", "ref_logprobs", "old_values", "scores"):
+        np.testing.assert_allclose(
+            migrated.arrays[k], plain.arrays[k], rtol=1e-6, atol=2e-6, err_msg=k
+        )
+
+
+def test_replica_submesh_takes_the_replicas_least_in_use():
+    mesh = make_mesh("data=4,tensor=2")
+    devs = list(mesh.devices.flat)
+    tail = replica_submesh(mesh, ("data",), 1, avoid=frozenset(devs[:6]))
+    assert dict(tail.shape) == {"data": 1, "tensor": 2}
+    assert list(tail.devices.flat) == devs[6:]  # the one replica no scoring mesh uses
+    two = replica_submesh(mesh, ("data",), 2, avoid=frozenset(devs[2:4]))
+    assert list(two.devices.flat) == devs[4:8]  # replicas 2 and 3: ties go to the later ones
+    with pytest.raises(ValueError, match="cannot take 5 replicas"):
+        replica_submesh(mesh, ("data",), 5)
 
 
 def test_fusion_score_rows_default_and_rounding():
@@ -134,3 +169,76 @@ def test_fusion_pricing_overlaps_only_on_disjoint_concurrent_devices():
     # Uniform lengths: nothing finishes early, so nothing can overlap.
     uniform = _pricing("separate", "h100", [512] * 32)[0]
     assert uniform["fused_s"] == pytest.approx(uniform["generate_s"] + 4 * uniform["score_call_s"])
+
+
+def test_migration_pricing_frees_the_scoring_devices():
+    """Generation on all 8 devices (4 replicas of tensor 2), scoring on devices 0-3: fused calls
+    queue behind the decode until the tail moves to replica 3 (devices 6, 7), then run beside
+    it; re-derived here from the estimator's own parts."""
+    lengths = [8] * 28 + [64, 128, 256, 512]
+    _, w, _, prof = _pricing("flatten", "h100", lengths)
+    score = CallPlacement("fsdp=2,tensor=2@0:4", "fsdp_tp")
+    plan = ExecutionPlan.of(
+        "half-scoring",
+        actor_generate=CallPlacement("data=4,tensor=2@0:8", "dp_tp"),
+        reference_infer=score, reward_infer=score, critic_infer=score,
+        actor_train=CallPlacement("fsdp=4,tensor=2@0:8", "fsdp_tp"),
+        critic_train=CallPlacement("fsdp=4,tensor=2@0:8", "fsdp_tp"),
+    )  # fmt: skip
+    gen = plan["actor_generate"]
+    assert estimator.tail_devices(gen, 1, frozenset(range(4))) == {6, 7}
+    assert estimator.tail_devices(gen, 2, frozenset(range(4))) == {4, 5, 6, 7}
+    plain = estimator.fused_rollout_seconds(plan, w, prof, lengths, 8)
+    moved = estimator.fused_rollout_seconds(plan, w, prof, lengths, 8, migrate_rows=4)
+    assert not plain["overlap"] and not plain["migrated"]
+    assert plain["fused_s"] == pytest.approx(plain["generate_s"] + 4 * plain["score_call_s"])
+    assert moved["migrated"] and moved["overlap_tail"] and moved["migrate_s"] > 0
+    # The 4 tail rows move after the chunk where the 28th row ends (step 8); the 3 calls of
+    # early rows are all dispatched by then, so they run beside the tail, and only the last
+    # call (4 early + 4 tail rows) follows generation.
+    call = moved["score_call_s"]
+    assert moved["fused_s"] == pytest.approx(moved["generate_migrated_s"] + call)
+    assert moved["fused_s"] < plain["fused_s"]
+    # The tail: moved at the end of step 8, then 503 steps of 4 rows on devices 6 and 7.
+    tail = CallPlacement("data=1,tensor=2@6,7", "dp_tp")
+
+    def gen_s(workload, placement, n):
+        return estimator.generate_seconds(
+            Workload(**{**workload.__dict__, "gen_len": n}), placement, prof
+        )
+
+    g1, gn = gen_s(w, gen, 1), gen_s(w, gen, 512)
+    w4 = Workload(**{**w.__dict__, "prompts": 4})
+    t1, tn = gen_s(w4, tail, 1), gen_s(w4, tail, 512)
+    end = g1 + (gn - g1) / 511 * 8 + moved["migrate_s"] + (tn - t1) / 511 * 503
+    assert moved["generate_migrated_s"] == pytest.approx(end)
+    # Scoring on every device (flatten): the tail cannot leave it; every call queues.
+    fplan = _pricing("flatten", "h100", lengths)[2]
+    fmoved = estimator.fused_rollout_seconds(fplan, w, prof, lengths, 8, migrate_rows=4)
+    assert fmoved["migrated"] and not fmoved["overlap_tail"]
+    fcall = fmoved["score_call_s"]
+    assert fmoved["fused_s"] == pytest.approx(fmoved["generate_migrated_s"] + 4 * fcall)
+
+
+@pytest.mark.parametrize(
+    "bindings, message",
+    [
+        (["RLConfig.migrate_rows=4"], "RLConfig.migrate_rows.*needs RLConfig.fusion"),
+        (["RLConfig.fusion=True", "RLConfig.migrate_rows=-1"], "RLConfig.migrate_rows"),
+        (["RLConfig.fusion=True", "RLConfig.migrate_replicas=0"], "RLConfig.migrate_replicas"),
+    ],
+)
+def test_migration_settings_refused_in_one_line(bindings, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config([], bindings)
+    assert "\n" not in str(err.value)
+
+
+def test_migration_needs_fewer_replicas_than_the_generation_mesh():
+    engine = DecodeEngine(
+        ModelDef(tiny_config(), "lm"), make_mesh("data=2,tensor=2"), "dp_tp",
+        EngineConfig(num_slots=4, max_prompt_len=8, max_new_tokens=8),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="migrate_replicas 2 must be fewer than .* 2 data"):
+        tail_migration(engine, 2, 2)
+    assert dict(tail_migration(engine, 3, 1).engine.mesh.shape) == {"data": 1, "tensor": 2}

@@ -32,12 +32,16 @@ def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, t
     """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
     numbers. The searched plan's run also scores in chunks of 8 rows
     (RLConfig.infer_batch_size), and the separated one fuses scoring into generation in calls of
-    4 rows (RLConfig.fusion), which must not change a number either."""
+    4 rows (RLConfig.fusion) and migrates its last 4 decoding rows onto one of the generation
+    mesh's replicas (RLConfig.migrate_rows), which must not change a number either."""
     run_dir = tmp_path / placement
     extra = {
         "search": ["RLConfig.infer_batch_size=8"],
-        "separate": ["RLConfig.fusion=True", "RLConfig.fusion_score_rows=4"],
-    }.get(placement, [])
+        "separate": [
+            "RLConfig.fusion=True", "RLConfig.fusion_score_rows=4", "RLConfig.migrate_rows=4",
+            "DecodeConfig.chunk_steps=2",  # rows finish in several chunks: a tail to migrate
+        ],
+    }.get(placement, [])  # fmt: skip
     bindings = ppo_bindings(base_run, f"RunConfig.placement='{placement}'", *extra)
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     plan_text = (run_dir / "plan.gin").read_text()
@@ -45,7 +49,11 @@ def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, t
         assert "execution plan '" in plan_text and "(search)" in plan_text
     else:
         assert f"execution plan '{placement}'" in plan_text
-    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
+    rows = metric_rows(run_dir)
+    assert_rows_close(rows, metric_rows(colocated_run))
+    if placement == "separate":  # the fused rollouts did migrate their tails
+        migrated = [r["fusion/migrated_rows"] for r in rows if "reward" in r]
+        assert len(migrated) == 4 and 0 < max(migrated) <= 4, migrated
 
 
 def test_killed_run_resumes_exactly(base_run, colocated_run, tmp_path):

@@ -5,6 +5,7 @@ from jrlhf.decode.engine import (
     DecodeState,
     EngineConfig,
     GenerationResult,
+    Migration,
     data_shards,
     round_slots,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "DecodeState",
     "EngineConfig",
     "GenerationResult",
+    "Migration",
     "PageAllocator",
     "SamplingParams",
     "data_shards",

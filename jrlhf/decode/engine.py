@@ -143,6 +143,16 @@ _STATE_AXES = DecodeState(
     raw_lp=("slots", None),
 )
 
+# The decode state of migrated sequences in transit (jrlhf.decode.engine.Migration): one row per
+# tail slot, the KV of each row's pages in table order; KV heads stay split over tensor.
+_MOVED_AXES = {
+    "kv": ("layers", None, None, None, "act_kv_heads", "head_dim"),
+    "rows": (None,),
+    "rows2": (None, None),
+}
+_MOVED_ROWS = ("lengths", "last_token", "num_generated", "max_new", "active")
+_MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp")
+
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -177,6 +187,33 @@ class FinishedRow(NamedTuple):
 
 # Called with the rows that finished in a decode chunk (jrlhf.ppo.fusion scores them early).
 FinishedCallback = Callable[[list[FinishedRow]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """Where the last few sequences of a ``generate`` call finish (RLHFuse's migration).
+
+    Once no prompt waits for a slot and at most ``max_rows`` sequences are still decoding, their
+    decode state (KV pages, lengths, last tokens, PRNG keys, tokens and log-probs so far) moves
+    to ``engine``, a tail engine on fewer devices (``DecodeEngine.tail``), together with the
+    parameters, and they finish there; the devices only the full engine used are free for other
+    work meanwhile (jrlhf.ppo.fusion scores the finished samples). The KV is moved, not
+    recomputed: every per-sequence input of the decode step arrives unchanged, so the samples
+    are those of an unmigrated call (log-probs to float rounding: the tail steps fewer rows).
+    ``transfer(tree, shardings)`` moves arrays between the two meshes (the trainer passes its
+    Resharder; the default is ``jax.device_put``).
+    """
+
+    engine: DecodeEngine
+    max_rows: int
+    transfer: Callable[[Any, Any], Any] = jax.device_put
+
+    def __post_init__(self):
+        if not 1 <= self.max_rows <= self.engine.config.num_slots:
+            raise ValueError(
+                f"migration of at most {self.max_rows} rows needs 1 <= rows <= the tail engine's "
+                f"{self.engine.config.num_slots} slots"
+            )
 
 
 @dataclasses.dataclass
@@ -305,6 +342,22 @@ class DecodeEngine:
             donate_argnums=(2,),
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
+        )
+        # Migration (see Migration): sequences leave through _extract, arrive through _adopt.
+        named = lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules))  # noqa: E731
+        self.moved_shardings = {
+            "k": named(_MOVED_AXES["kv"]),
+            "v": named(_MOVED_AXES["kv"]),
+            **{k: named(_MOVED_AXES["rows"]) for k in _MOVED_ROWS},
+            **{k: named(_MOVED_AXES["rows2"]) for k in _MOVED_ROWS2},
+        }
+        self._extract = jax.jit(
+            self._extract_fn,
+            donate_argnums=(0,),
+            out_shardings=(self.state_shardings, self.moved_shardings),
+        )
+        self._adopt = jax.jit(
+            self._adopt_fn, donate_argnums=(0,), out_shardings=self.state_shardings
         )
         self.state: DecodeState | None = None
 
@@ -552,6 +605,37 @@ class DecodeEngine:
         _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
         return state
 
+    def _extract_fn(self, state: DecodeState, slots_m, pages_mp):
+        """The decode state of slots ``slots_m`` (out of range: padding rows, inactive) with the
+        KV of pages ``pages_mp`` (global ids, out of range: none), and ``state`` with those slots
+        idle (their pages are released on the host)."""
+        take = lambda a: jnp.take(a, slots_m, axis=0, mode="fill", fill_value=0)  # noqa: E731
+        pages = lambda pool: jnp.take(pool, pages_mp, axis=1, mode="fill", fill_value=0)  # noqa: E731
+        moved = {"k": pages(state.k_pages), "v": pages(state.v_pages)}
+        moved.update({k: take(getattr(state, k)) for k in _MOVED_ROWS + _MOVED_ROWS2})
+        return state.replace(active=state.active.at[slots_m].set(False, mode="drop")), moved
+
+    def _adopt_fn(self, state: DecodeState, moved, slots_m, pages_mp):
+        """``state`` with the moved rows in slots ``slots_m`` (out of range: dropped) and their
+        KV written into pages ``pages_mp`` (global ids of this engine's pool)."""
+        pages = lambda pool, x: pool.at[:, pages_mp].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
+        return state.replace(
+            k_pages=pages(state.k_pages, moved["k"]),
+            v_pages=pages(state.v_pages, moved["v"]),
+            **{k: put(getattr(state, k), moved[k]) for k in _MOVED_ROWS + _MOVED_ROWS2},
+        )
+
+    def tail(self, mesh: Mesh, rows: int) -> DecodeEngine:
+        """A tail engine for migration (see Migration): this engine's model, rules and shapes
+        on ``mesh`` (fewer devices), with slots for ``rows`` sequences (rounded up to the mesh's
+        data shards) and a pool that holds each of them at full length."""
+        slots = round_slots(rows, mesh, self.rules)
+        config = dataclasses.replace(
+            self.config, num_slots=slots, num_pages=0, max_prefill_rows=min(slots, 64)
+        )
+        return DecodeEngine(self.model_def, mesh, self.rules, config)
+
     # -------------------------------------------------------------------------------- host code
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (for tests and logs)."""
@@ -602,13 +686,15 @@ class DecodeEngine:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams | None = None,
         on_finished: FinishedCallback | None = None,
+        migration: Migration | None = None,
     ) -> GenerationResult:
         """Generate ``sampling.num_samples`` completions for every prompt (token-id lists).
 
         ``on_finished``, when given, receives the rows that finished in each decode chunk, once
         the next chunk has been dispatched (so the host work it does overlaps that chunk's
-        decode), and the last ones after the loop; it must not touch the engine. The samples are
-        the same with or without it.
+        decode), and the last ones after the loop; it must not touch the engine. ``migration``
+        moves the last few sequences onto a tail engine on fewer devices (see Migration). The
+        samples are the same with or without either.
         """
         sp = sampling or SamplingParams()
         ec = self.config
@@ -620,6 +706,8 @@ class DecodeEngine:
         stops = self.cfg.eos_ids if sp.stop_ids is None else tuple(sp.stop_ids)
         if len(stops) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported (got {len(stops)})")
+        if migration is not None:
+            self._check_tail(migration.engine)
         requests = self._requests(prompts, sp, max_new)
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[: len(stops)] = stops
@@ -635,25 +723,20 @@ class DecodeEngine:
         layer_params = self._unstack(params["layers"]) if self.unroll_layers else None
         state = self.state
         self.state = None  # donated below; restored at the end
-        alloc = PageAllocator(
-            self.num_shards,
-            self.pages_per_shard,
-            self.slots_per_shard,
-            ec.page_size,
-            ec.max_pages_per_seq,
-        )
+        alloc = self._allocator()
         queue = collections.deque(requests)
         slot_req: list[_Request | None] = [None] * ec.num_slots
         outputs: list[tuple | None] = [None] * len(requests)
-        table_sharding = self.state_shardings.page_table
         stats = collections.Counter()
         done_rows: list[FinishedRow] = []  # finished, not yet handed to on_finished
         active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
         num_gen = np.zeros((ec.num_slots,), np.int32)
+        eng = self  # the engine decoding now: self, or the migration's tail engine
+        own_state = own_alloc = None  # self's state and pages while the tail engine decodes
         t0 = time.perf_counter()
         try:
             while queue or any(r is not None for r in slot_req):
-                admitted = self._admit(queue, slot_req, alloc, stats)
+                admitted = self._admit(queue, slot_req, alloc, stats) if eng is self else []
                 if admitted:
                     state = self._insert_batch(
                         params, state, admitted, alloc, scalars, flags, stats
@@ -670,11 +753,12 @@ class DecodeEngine:
                         cached = len(req.prompt) + int(num_gen[slot]) - 1
                         alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
                 if alloc.dirty:
-                    table = jax.device_put(alloc.table, table_sharding)
+                    table = jax.device_put(alloc.table, eng.state_shardings.page_table)
                     state = state.replace(page_table=table)
                     alloc.dirty = False
-                state = self._decode_chunk(params, layer_params, state, *scalars, **flags)
+                state = eng._decode_chunk(params, layer_params, state, *scalars, **flags)
                 stats["decode_chunks"] += 1
+                stats["tail_decode_chunks"] += eng is not self
                 if on_finished is not None and done_rows:
                     on_finished(done_rows)
                     done_rows = []
@@ -698,11 +782,32 @@ class DecodeEngine:
                         if on_finished is not None:
                             row = FinishedRow(req.index, req.prompt_index, *outputs[req.index])
                             done_rows.append(row)
+                running = sum(r is not None for r in slot_req)
+                if migration and eng is self and not queue and 0 < running <= migration.max_rows:
+                    t_mig = time.perf_counter()
+                    own_state, moved = self._hand_over(
+                        state, alloc, slot_req, num_gen, migration.engine
+                    )
+                    eng = migration.engine
+                    state = eng._take_over(moved, migration.transfer)
+                    params = migration.transfer(params, eng._param_shardings(params))
+                    layer_params = eng._unstack(params["layers"]) if eng.unroll_layers else None
+                    own_alloc, alloc, slot_req = alloc, moved["alloc"], moved["slot_req"]
+                    active_host, num_gen = moved["active"], moved["num_generated"]
+                    stats["migrated_rows"] = running
+                    stats["migrated_pages"] = moved["pages"]
+                    stats["migrate_seconds"] = time.perf_counter() - t_mig
             if on_finished is not None and done_rows:
                 on_finished(done_rows)
         finally:
-            self.state = state
+            if eng is self:
+                self.state = state
+            else:
+                self.state, eng.state = own_state, state
         stats["seconds"] = time.perf_counter() - t0
+        if eng is not self:
+            stats["tail_peak_pages_used"] = alloc.peak_used
+            alloc = own_alloc
         stats["peak_pages_used"] = alloc.peak_used
         stats["pages_taken"] = alloc.taken
         stats["pool_pages"] = ec.total_pages
@@ -714,6 +819,87 @@ class DecodeEngine:
             prompt_index=np.array([r.prompt_index for r in requests], np.int32),
             stats=dict(stats),
         )
+
+    def _allocator(self) -> PageAllocator:
+        ec = self.config
+        return PageAllocator(
+            self.num_shards, self.pages_per_shard, self.slots_per_shard, ec.page_size,
+            ec.max_pages_per_seq,
+        )  # fmt: skip
+
+    def _check_tail(self, tail: DecodeEngine) -> None:
+        """A migration's tail engine must run this engine's model with the same per-sequence
+        shapes (its slots and pool may be smaller)."""
+        a, b = self.config, tail.config
+        same = ("page_size", "max_prompt_len", "max_new_tokens", "chunk_steps")
+        diff = [f for f in same if getattr(a, f) != getattr(b, f)]
+        if diff or tail.model_def.config != self.model_def.config:
+            what = ", ".join(diff) or "model config"
+            raise ValueError(f"migration tail engine differs from the engine in {what}")
+
+    def _hand_over(self, state, alloc: PageAllocator, slot_req, num_gen, tail: DecodeEngine):
+        """Take every running sequence out of ``state`` (their slots go idle and their pages
+        return to ``alloc``): returns this engine's state and the moved rows, with the tail's
+        allocator and slot table already holding them (tail slot ``i`` of shard ``i %
+        shards``, so the rows spread over the tail's data shards)."""
+        ec, tc = self.config, tail.config
+        width = ec.max_pages_per_seq
+        t_alloc = tail._allocator()
+        m = tc.num_slots
+        src_slots = np.full((m,), ec.num_slots, np.int32)
+        src_pages = np.full((m, width), ec.total_pages, np.int32)
+        dst_slots = np.full((m,), m, np.int32)
+        dst_pages = np.full((m, width), tc.total_pages, np.int32)
+        t_req: list[_Request | None] = [None] * m
+        running = [s for s, r in enumerate(slot_req) if r is not None]
+        pages = 0
+        for i, slot in enumerate(running):
+            req = slot_req[slot]
+            t = (i % tail.num_shards) * tail.slots_per_shard + i // tail.num_shards
+            owned = int(np.sum(alloc.table[slot] < alloc.pages_per_shard))
+            t_alloc.admit(t, req.max_cached)
+            t_alloc.grow(t, owned * ec.page_size)
+            src_slots[i], dst_slots[i] = slot, t
+            src_pages[i, :owned] = alloc.global_rows(slot)[:owned]
+            dst_pages[i, :owned] = t_alloc.global_rows(t)[:owned]
+            pages += owned
+            t_req[t] = req
+        state, moved = self._extract(state, src_slots, src_pages)
+        for slot in running:
+            alloc.release(slot)
+            slot_req[slot] = None
+        # Host view of the tail slots as of the last sync (every moved row is running).
+        active = np.zeros((m,), bool)
+        num_gen_t = np.zeros((m,), np.int32)
+        for i, slot in enumerate(running):
+            active[dst_slots[i]], num_gen_t[dst_slots[i]] = True, num_gen[slot]
+        moved_host = {
+            "tree": moved,
+            "slots": dst_slots,
+            "pages_table": dst_pages,
+            "alloc": t_alloc,
+            "slot_req": t_req,
+            "active": active,
+            "num_generated": num_gen_t,
+            "pages": pages,
+        }
+        return state, moved_host
+
+    def _take_over(self, moved, transfer) -> DecodeState:
+        """Write the moved rows (from ``_hand_over``) into this (tail) engine's state."""
+        tree = transfer(moved["tree"], self.moved_shardings)
+        state = self.state if self.state is not None else self._init()
+        self.state = None
+        return self._adopt(state, tree, moved["slots"], moved["pages_table"])
+
+    def _param_shardings(self, params: Params):
+        """``params``' partitioning on this engine's mesh (the axis names are the same)."""
+
+        def one(x):
+            spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree.map(one, params)
 
     def _admit(self, queue, slot_req, alloc: PageAllocator, stats) -> list[tuple[int, Any, int]]:
         """Move queued requests into free slots (taking their prompt pages): a list of (slot,

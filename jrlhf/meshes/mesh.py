@@ -113,3 +113,49 @@ def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None)
 
 def mesh_devices(mesh: Mesh) -> frozenset:
     return frozenset(mesh.devices.flat)
+
+
+def replica_groups(devices: np.ndarray, names: Sequence[str], data_axes: Sequence[str]):
+    """The data-parallel replicas of a mesh's ``devices`` array (axes ``names``): one row per
+    index on the ``data_axes`` (row-major over them), holding that replica's devices in the
+    order of the other axes."""
+    names = list(names)
+    data = [a for a in names if a in data_axes]
+    rest = [a for a in names if a not in data_axes]
+    order = [names.index(a) for a in data + rest]
+    total = int(np.prod([devices.shape[names.index(a)] for a in data])) if data else 1
+    return devices.transpose(order).reshape(total, -1)
+
+
+def pick_replicas(groups: np.ndarray, replicas: int, avoid: frozenset = frozenset()) -> list[int]:
+    """Which ``replicas`` of ``groups`` (rows of ``replica_groups``) a tail of work takes: those
+    holding the fewest ``avoid`` devices, ties to the later replicas; in replica order."""
+    busy = [sum(d in avoid for d in g) for g in groups]
+    return sorted(sorted(range(len(groups)), key=lambda r: (busy[r], -r))[:replicas])
+
+
+def replica_submesh(
+    mesh: Mesh, data_axes: Sequence[str], replicas: int, avoid: frozenset = frozenset()
+) -> Mesh:
+    """A mesh of ``replicas`` of ``mesh``'s data-parallel replicas (``replica_groups``), with
+    the same axis names: the data axes shrink (the first to ``replicas``, the others to 1) and
+    every other axis keeps its size, so a PartitionSpec valid on ``mesh`` stays valid on it when
+    the data axes divide. The replicas are chosen by ``pick_replicas`` (fewest ``avoid``
+    devices), so a tail of work can go to devices that other calls do not use.
+    """
+    names = list(mesh.axis_names)
+    data = [a for a in names if a in data_axes]
+    rest = [a for a in names if a not in data_axes]
+    groups = replica_groups(mesh.devices, names, data)
+    if not 1 <= replicas <= len(groups):
+        raise ValueError(
+            f"cannot take {replicas} replicas of mesh {dict(mesh.shape)}: it has {len(groups)} "
+            f"over data axes {tuple(data)}"
+        )
+    sizes = {a: 1 for a in data}
+    if data:
+        sizes[data[0]] = replicas
+    picked = groups[pick_replicas(groups, replicas, avoid)]
+    picked = picked.reshape([sizes[a] for a in data] + [mesh.shape[a] for a in rest])
+    back = [(data + rest).index(a) for a in names]
+    return Mesh(picked.transpose(back), tuple(names))

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from jrlhf.config import DROPPED_COPY_PHASES, OFFLOAD_PHASES
-from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.meshes.mesh import MeshSpec, pick_replicas, replica_groups
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef
@@ -791,12 +791,36 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
 
 
 # ------------------------------------------------------------------------------ fusion
+def tail_placement(gen: CallPlacement, replicas: int, avoid: frozenset[int]) -> CallPlacement:
+    """Where a migrated tail decodes (jrlhf.ppo.fusion.tail_migration): ``replicas`` of the
+    generation call's data-parallel replicas, those holding the fewest ``avoid`` devices (the
+    scoring calls'), chosen by the rule the trainer uses; same axes, the data axes shrunk."""
+    spec = gen.mesh
+    data = _dim_axes(("slots",), spec, gen.rules)[0]
+    ids = np.array(spec.device_ids()).reshape([size for _, size in spec.axes])
+    groups = replica_groups(ids, spec.names, data)
+    replicas = min(replicas, len(groups))
+    picked = groups[pick_replicas(groups, replicas, avoid)]
+    first = next((a for a in spec.names if a in data), None)
+    axes = tuple(
+        (a, (replicas if a == first else 1) if a in data else size) for a, size in spec.axes
+    )
+    return CallPlacement(MeshSpec(axes, tuple(int(d) for d in picked.flat)), gen.rules)
+
+
+def tail_devices(gen: CallPlacement, replicas: int, avoid: frozenset[int]) -> frozenset[int]:
+    """The devices of ``tail_placement``."""
+    return tail_placement(gen, replicas, avoid).devices
+
+
 def fused_rollout_seconds(
     plan: ExecutionPlan,
     workload: Workload,
     profile: DeviceProfile,
     lengths: Sequence[int],
     score_rows: int,
+    migrate_rows: int = 0,
+    migrate_replicas: int = 1,
 ) -> dict[str, float]:
     """Time to a scored batch without and with inter-stage fusion (jrlhf.ppo.fusion), for rows
     whose responses have ``lengths`` tokens (``workload.gen_len``: the packed response length
@@ -804,12 +828,18 @@ def fused_rollout_seconds(
 
     Generation runs until the longest row ends; every decode step costs the same (the engine
     steps all its slots), and a row is handed over at the end of the decode chunk it finished
-    in. Unfused, scoring (all rows) follows generation. Fused, a call of ``score_rows`` rows is
-    dispatched whenever that many rows have finished and the rest after generation; those calls
-    overlap the tail's decode only when the scoring calls run on devices generation does not use
-    and devices run concurrently (not ``shared_host``); otherwise they queue behind the decode and
-    the fused time is generation plus every call (one overhead per call more than unfused).
-    Returns unfused and fused seconds, the generation and scoring parts, and the overlap flag.
+    in. Unfused, scoring (all rows) follows generation. Fused, a call of ``score_rows``
+    rows is dispatched whenever that many rows have finished and the rest after generation;
+    those calls overlap the decode only when the scoring calls run on devices generation does
+    not use and devices run concurrently (not ``shared_host``); otherwise they queue behind the
+    decode, each delaying it by its own time.
+
+    With ``migrate_rows`` (RLConfig.migrate_rows), at the end of the chunk after which at most
+    that many rows still decode, their KV moves to ``migrate_replicas`` generation replicas
+    (``tail_placement``; priced at the link bandwidth, plus a call overhead), decode there at
+    the tail placement's step time for that many rows, and from then on the scoring calls
+    overlap the tail when their devices are disjoint from the tail's.
+    Returns unfused and fused seconds, the generation and scoring parts, and the overlap flags.
     """
     w, rows = workload, len(lengths)
     gen_p = plan["actor_generate"]
@@ -835,22 +865,62 @@ def fused_rollout_seconds(
     full, rest = divmod(rows, score_rows)
     early = [ready[(j + 1) * score_rows - 1] for j in range(full)]
     scoring_devices = set().union(*(plan[c].devices for c in scoring)) if scoring else set()
-    overlap = not (scoring_devices & gen_p.devices) and not profile.shared_host
+    concurrent = not profile.shared_host
+    overlap = not (scoring_devices & gen_p.devices) and concurrent
+
+    # Migration: when, at what price, on which devices, and how fast the tail then steps.
+    migrate_at, migrate_s, overlap_tail, generate_end = math.inf, 0.0, False, generate
+    if migrate_rows and migrate_rows < rows:
+        migrate_step = handed[rows - migrate_rows - 1]
+        if migrate_step < longest - 1:  # some rows still decode after that chunk
+            migrate_at = prefill + step * migrate_step
+            g = _geometry(gen_p, profile)
+            kv = migrate_rows * (w.prompt_len + migrate_step) * kv_bytes_per_token(w.actor)
+            bw = _link_bandwidth(g.nodes, profile) * profile.reshard_efficiency
+            migrate_s = profile.call_overhead_s + kv / max(1, g.kv_tensor) / bw
+            tail_p = tail_placement(gen_p, migrate_replicas, frozenset(scoring_devices))
+            overlap_tail = not (scoring_devices & tail_p.devices) and concurrent
+            # The tail's decode step: its rows on its devices (the same weight reads per step
+            # on accelerators; fewer devices' fixed costs on a shared host).
+            wt = dataclasses.replace(w, prompts=migrate_rows, samples_per_prompt=1)
+            t1 = generate_seconds(dataclasses.replace(wt, gen_len=1), tail_p, profile)
+            tn = generate_seconds(dataclasses.replace(wt, gen_len=longest), tail_p, profile)
+            tail_step = (tn - t1) / max(1, longest - 1)
+            moved_at = migrate_at + migrate_s
+            ready = [t if s <= migrate_step else moved_at + tail_step * (s - migrate_step)
+                     for t, s in zip(ready, handed)]  # fmt: skip
+            early = [ready[(j + 1) * score_rows - 1] for j in range(full)]
+            generate_end = moved_at + tail_step * (longest - 1 - migrate_step)
+
     if overlap:
         busy = 0.0  # when the scoring devices are free again
         for t in early:
             busy = max(busy, t) + per_call
-        fused = max(busy, generate) + (per_call if rest else 0.0)
+        fused = max(busy, generate_end) + (per_call if rest else 0.0)
+    elif overlap_tail:
+        # Calls of rows finished before the migrating chunk queue behind the decode (delaying
+        # it); the rest are dispatched after the tail has moved (the engine hands a chunk's
+        # rows over after it dispatches the next chunk) and run beside it.
+        before = sum(t < migrate_at for t in early)
+        delay = before * per_call
+        busy = migrate_at + delay
+        for t in early[before:]:
+            busy = max(busy, t + delay) + per_call
+        fused = max(busy, generate_end + delay) + (per_call if rest else 0.0)
     else:
-        fused = generate + (full + (1 if rest else 0)) * per_call
+        fused = generate_end + (full + (1 if rest else 0)) * per_call
     return {
         "unfused_s": unfused,
         "fused_s": fused,
         "generate_s": generate,
+        "generate_migrated_s": generate_end,
         "score_all_s": score(rows),
         "score_call_s": per_call,
         "score_calls": full + (1 if rest else 0),
         "overlap": overlap,
+        "migrate_s": migrate_s,
+        "migrated": math.isfinite(migrate_at),
+        "overlap_tail": overlap_tail,
     }
 
 

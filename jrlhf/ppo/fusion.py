@@ -22,21 +22,26 @@ the same up to float rounding: a row scored in a batch of ``score_rows`` rows ca
 same row scored among all rows in the last bits, because XLA may tile a matmul over the batch
 differently (tests/test_fusion.py bounds it).
 
-Not implemented: RLHFuse's migration of the last few sequences onto fewer devices (it needs the
-engine to hand over KV pages between meshes).
+Migration (``RLConfig.migrate_rows``, RLHFuse's): once no prompt waits and at most that many
+rows are still decoding, the engine hands their KV pages and decode state over to a tail engine
+on ``RLConfig.migrate_replicas`` of the generation mesh's data-parallel replicas, chosen among
+those the scoring meshes use least (``tail_migration``), and they finish there. Scoring calls
+dispatched after that no longer queue behind the tail on the other devices (where devices run
+concurrently); the samples are the same, since the KV moves unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
-from jrlhf.decode.engine import FinishedRow, GenerationResult
+from jrlhf.decode.engine import DecodeEngine, FinishedRow, GenerationResult, Migration
 from jrlhf.meshes.batch import batch_sharding
-from jrlhf.meshes.rules import Rules, axis_size
+from jrlhf.meshes.mesh import replica_submesh
+from jrlhf.meshes.rules import Rules, axis_size, logical_to_spec
 from jrlhf.ppo.scoring import PendingScores, Scorer
 
 
@@ -50,6 +55,33 @@ def fusion_score_rows(requested: int, rows: int, meshes: Sequence[tuple[Mesh, Ru
         spec = batch_sharding(mesh, rules, 2).spec
         shards = np.lcm(shards, axis_size(mesh, spec[0] if spec else None))
     return int(-(-n // shards) * shards)
+
+
+def tail_migration(
+    engine: DecodeEngine,
+    rows: int,
+    replicas: int,
+    avoid: Iterable = (),
+    transfer: Callable[[Any, Any], Any] | None = None,
+) -> Migration:
+    """The migration of a fused rollout's last ``rows`` sequences onto ``replicas`` of
+    ``engine``'s data-parallel replicas: those holding the fewest ``avoid`` devices (the
+    scoring meshes'), so scoring there need not wait for the tail. One line of error when the
+    generation mesh has no more replicas than that."""
+    mesh = engine.mesh
+    data = logical_to_spec(("slots",), mesh, engine.rules)[0]
+    data = () if data is None else (data,) if isinstance(data, str) else tuple(data)
+    total = axis_size(mesh, data or None)
+    if replicas >= total:
+        raise ValueError(
+            f"RLConfig.migrate_replicas {replicas} must be fewer than the generation mesh's "
+            f"{total} data-parallel replicas ({dict(mesh.shape)}): nothing would be freed"
+        )
+    tail_mesh = replica_submesh(mesh, data, replicas, frozenset(avoid))
+    tail = engine.tail(tail_mesh, rows)
+    if transfer is None:
+        return Migration(tail, rows)
+    return Migration(tail, rows, transfer)
 
 
 class FusedScoring:

@@ -18,7 +18,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.config import Config
-from jrlhf.decode.engine import DecodeEngine, EngineConfig, GenerationResult, round_slots
+from jrlhf.decode.engine import (
+    DecodeEngine,
+    EngineConfig,
+    GenerationResult,
+    Migration,
+    round_slots,
+)
 from jrlhf.decode.sampling import SamplingParams
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.model_def import ModelDef, Params
@@ -73,9 +79,11 @@ class Rollout:
         cfg: Config | None = None,
         eos_id: int | None = None,
         fusion_rows: int = 0,
+        migration: Migration | None = None,
     ):
         self.engine, self.scorer, self.cfg, self.eos_id = engine, scorer, cfg, eos_id
         self.fusion_rows = fusion_rows
+        self.migration = migration  # of fused rollouts' long tails (jrlhf.ppo.fusion)
         self.fusion_stats: dict[str, int] = {}  # of the last fused rollout
 
     @classmethod
@@ -139,10 +147,14 @@ class Rollout:
             raise ValueError("this rollout has no scorer: use generate()")
         if self.fusion_rows and fuse:
             fused = FusedScoring(self.scorer, self.fusion_rows, prompts, meta)
-            result = self.engine.generate(params, prompts, sampling, on_finished=fused)
+            result = self.engine.generate(
+                params, prompts, sampling, on_finished=fused, migration=self.migration
+            )
             rep = [prompts[int(i)] for i in result.prompt_index]
             arrays = fused.finish(result)
             self.fusion_stats = fused.stats
+            for k in ("migrated_rows", "tail_decode_chunks"):
+                self.fusion_stats[f"fusion/{k}"] = int(result.stats.get(k, 0))
         else:
             rep, result = self.generate(params, prompts, sampling)
             rep_meta = sample_meta(meta, result.prompt_index)

@@ -38,13 +38,14 @@ import numpy as np
 from jrlhf import checkpoint
 from jrlhf.config import Config
 from jrlhf.meshes.batch import batch_shards, process_local, to_host
+from jrlhf.meshes.mesh import mesh_devices
 from jrlhf.meshes.processes import fetch, post
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo import partial
-from jrlhf.ppo.fusion import fusion_score_rows
+from jrlhf.ppo.fusion import fusion_score_rows, tail_migration
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
@@ -292,6 +293,14 @@ class RLTrainer:
         )  # fmt: skip
         self.edges = [e for e in plan.reshard_edges() if e.role in self.trained]
         self.resharder = Resharder()
+        if self.rl.migrate_rows:  # RLHFuse's migration: the tail leaves the scoring devices
+            self.rollout.migration = tail_migration(
+                self.rollout.engine,
+                self.rl.migrate_rows,
+                self.rl.migrate_replicas,
+                avoid=set().union(*(mesh_devices(r.meshes["infer"]) for r in scoring)),
+                transfer=self.resharder,
+            )
         self.moved: dict[str, Any] = {}
         self.sync_weights()
         # The memory knobs (RLConfig.offload, generation_copy): idle state off the devices.
@@ -700,6 +709,8 @@ class RLTrainer:
             metrics["overlong/penalty_mean"] = float(np.mean(penalty))
         metrics.update(sampling_metrics)
         metrics.update(offpolicy_metrics)
+        if self.rollout.fusion_rows:  # RLConfig.fusion: chunks scored early, rows migrated
+            metrics.update({k: float(v) for k, v in self.rollout.fusion_stats.items()})
         self.iteration += 1
         return metrics
 
