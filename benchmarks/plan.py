@@ -2,10 +2,12 @@
 
 For each plan (``--plans``, default all of ``PLANS``: the named strategies, variants with other
 mesh shapes and batch knobs, and ``searched``, the planner's best plan for the profile) this runs
-the real PPO trainer for a few iterations on the available devices (8 fake CPU devices without an
-accelerator), reads the phase times the trainer logs (``time/generate|score|train|reshard`` in
-logs/ppo/metrics.jsonl; the first iteration is dropped, it compiles), and compares their median
-with ``estimate()`` of the same plan and batch knobs under a calibrated device profile.
+the real PPO trainer (built as ``python -m jrlhf.train`` builds it) on the available devices (8
+fake CPU devices without an accelerator), all plans' trainers in this process taking turns one
+iteration at a time (so a change of the machine's load between rounds reaches every plan alike),
+reads the phase times the trainer reports (``time/generate|score|train|reshard``; each plan's
+first iteration is dropped, it compiles), and compares their median with ``estimate()`` of the
+same plan and batch knobs under a calibrated device profile.
 
 Prints one JSON object. ``summary`` comes first and says it all: the median and max absolute
 relative error over every (plan, phase) pair and over the plans' iteration times, and the
@@ -22,7 +24,6 @@ different size (``--hidden``/``--layers``), so the error is not fitted to the te
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -126,19 +127,60 @@ def _knobs(w: Workload) -> dict[str, int]:
     }
 
 
-def _measure(bindings: list[str], run_dir: Path) -> dict[str, list[float]]:
-    from jrlhf.cli import train
+class _PlanRun:
+    """One plan's PPO trainer, built as ``python -m jrlhf.train`` builds it (the task data, the
+    effective plan, the roles the loss needs, ``RLTrainer``, the prompt loader) and stepped one
+    iteration at a time, so the plans' iterations can take turns (``_measure_interleaved``)."""
 
-    # The trainer prints its result line on stdout; keep stdout for this benchmark's JSON.
-    with contextlib.redirect_stdout(sys.stderr):
-        rc = train.main(["--run-dir", str(run_dir), "--quiet", *bindings])
-    if rc != 0:
-        raise RuntimeError(f"trainer exited with {rc}")
-    rows = [
-        json.loads(line) for line in (run_dir / "logs/ppo/metrics.jsonl").read_text().splitlines()
-    ]
-    rows = [r for r in rows if "time/train" in r]
-    return {k: [r[f"time/{k}"] for r in rows[1:]] for k in PHASE_KEYS}  # drop the compile one
+    def __init__(self, bindings: list[str], run_dir: Path):
+        import jax
+
+        from jrlhf.data.loader import PromptLoader
+        from jrlhf.pipeline.task_data import build_task_data
+        from jrlhf.placement import effective_plan
+        from jrlhf.ppo.trainer import RLTrainer
+        from jrlhf.runtime.roles import setup_role
+
+        cfg = load_config([str(DEFAULT_CONFIG)], bindings)
+        data = build_task_data(cfg)
+        plan = effective_plan(cfg, jax.device_count(), None)
+        overrides = task_model_overrides(cfg)
+        roles = {
+            role: setup_role(cfg, role, plan, resolve_model(cfg, role, overrides, run_dir))
+            for role in ("actor", "reference", "critic", "reward")
+        }
+        self.trainer = RLTrainer(cfg, "ppo", roles, plan, data, run_dir / "ppo")
+        self.loader = PromptLoader(
+            data.train_records(), cfg.rl.prompts_per_iteration, seed=cfg.run.seed
+        )
+
+    def step(self) -> dict[str, float]:
+        """One iteration; its phase times (the trainer's ``time/*`` metrics)."""
+        batch = self.loader.next_batch()
+        metrics = self.trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
+        return {k: metrics[f"time/{k}"] for k in PHASE_KEYS}
+
+
+def _measure_interleaved(
+    runs: dict[str, _PlanRun], rounds: int, probe: Callable[[], float] | None = None
+) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
+    """Every plan's phase times over ``rounds`` iterations, the plans taking turns (one
+    iteration each per round, the order rotating), so a change of the machine's load between
+    rounds reaches every plan alike instead of whichever ran then. Each plan's first iteration
+    (it compiles) is run first and dropped. Returns plan -> phase -> seconds per round, and the
+    probe's time at each round's start."""
+    for run in runs.values():
+        run.step()
+    names = list(runs)
+    out = {n: {k: [] for k in PHASE_KEYS} for n in names}
+    probes = []
+    for r in range(rounds):
+        if probe is not None:
+            probes.append(probe())
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            for k, v in runs[name].step().items():
+                out[name][k].append(v)
+    return out, probes
 
 
 def _searched(args, n: int, profile) -> tuple[ExecutionPlan, dict[str, int], dict]:
@@ -221,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minibatch", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=12)
     p.add_argument(
-        "--iterations", type=int, default=4, help="trainer iterations per plan (first dropped)"
+        "--iterations",
+        type=int,
+        default=6,
+        help="trainer iterations per plan, taken in turns (first dropped)",
     )
     p.add_argument("--search-steps", type=int, default=300, help="MCMC steps per chain")
     p.add_argument("--search-restarts", type=int, default=2, help="MCMC chains")
@@ -261,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     results, errors = [], []
     search_info, search_s = None, 0.0
     with tempfile.TemporaryDirectory() as tmp:
+        setups = {}
         for name in names:
             if name == "searched":
                 t0 = time.perf_counter()
@@ -270,43 +316,44 @@ def main(argv: list[str] | None = None) -> int:
                 build, knobs = PLANS[name]
                 plan = build(n)
             bindings = _bindings(args, plan, knobs)
-            workload = _workload(bindings)
-            slowdown = probe() / probe_calibrated
-            t0 = time.perf_counter()
-            measured = _measure(bindings, Path(tmp) / name)
-            run_s = time.perf_counter() - t0
-            est = estimate(plan, workload, profile)
-            phases = {}
-            for k in PHASE_KEYS:
-                m = statistics.median(measured[k])
-                e = est.phase_seconds[k]
-                phases[k] = {
-                    "measured_s": m,
-                    "estimated_s": e,
-                    "rel_error": _rel(e, m),
-                    "runs": measured[k],
-                }
-                errors.append(abs(phases[k]["rel_error"]))
-            m_iter = sum(v["measured_s"] for v in phases.values())
-            iteration = {
-                "measured_s": m_iter,
-                "estimated_s": est.iteration_seconds,
-                "rel_error": _rel(est.iteration_seconds, m_iter),
+            setups[name] = (plan, _workload(bindings), bindings)
+        t0 = time.perf_counter()
+        runs = {name: _PlanRun(b, Path(tmp) / name) for name, (_, _, b) in setups.items()}
+        measured_all, probes = _measure_interleaved(runs, args.iterations - 1, probe)
+        run_s = time.perf_counter() - t0
+        del runs
+    for name, (plan, workload, _) in setups.items():
+        measured = measured_all[name]
+        est = estimate(plan, workload, profile)
+        phases = {}
+        for k in PHASE_KEYS:
+            m = statistics.median(measured[k])
+            e = est.phase_seconds[k]
+            phases[k] = {
+                "measured_s": m,
+                "estimated_s": e,
+                "rel_error": _rel(e, m),
+                "runs": measured[k],
             }
-            results.append(
-                {
-                    "plan": name,
-                    "placements": {c: str(pl) for c, pl in plan.placements},
-                    "knobs": _knobs(workload),
-                    "phases": phases,
-                    "iteration": iteration,
-                    "estimated_call_seconds": est.call_seconds,
-                    "estimated_memory_bytes": est.memory_bytes,
-                    "fits": est.fits,
-                    "trainer_run_s": run_s,
-                    "probe_slowdown": slowdown,
-                }
-            )
+            errors.append(abs(phases[k]["rel_error"]))
+        m_iter = statistics.median([sum(t) for t in zip(*measured.values())])
+        iteration = {
+            "measured_s": m_iter,
+            "estimated_s": est.iteration_seconds,
+            "rel_error": _rel(est.iteration_seconds, m_iter),
+        }
+        results.append(
+            {
+                "plan": name,
+                "placements": {c: str(pl) for c, pl in plan.placements},
+                "knobs": _knobs(workload),
+                "phases": phases,
+                "iteration": iteration,
+                "estimated_call_seconds": est.call_seconds,
+                "estimated_memory_bytes": est.memory_bytes,
+                "fits": est.fits,
+            }
+        )
     iteration_errors = [abs(r["iteration"]["rel_error"]) for r in results]
     by_name = {r["plan"]: r for r in results}
     summary = {
@@ -335,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             **(search_info or {}),
         }
     summary["probe_slowdown"] = {
-        "what": "time of a fixed matmul probe before each plan's run over its time right after "
-        "calibration: far from 1 means the machine's load changed between them",
-        **{r["plan"]: round(r["probe_slowdown"], 2) for r in results},
+        "what": "time of a fixed matmul probe at the start of each measuring round over its "
+        "time right after calibration: far from 1 means the machine's load changed between them",
+        "rounds": [round(t / probe_calibrated, 2) for t in probes],
     }
     out = {
         "benchmark": "plan_estimator",
@@ -369,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {
             "calibration": t_calibrated - t_start,
             "search": search_s,
+            "trainers_and_measuring": run_s,
             "total": time.perf_counter() - t_start,
         },
     }
