@@ -11,7 +11,7 @@ from jrlhf.meshes.mesh import replica_submesh
 from jrlhf.meshes.rules import get_rules
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
-from jrlhf.placement import estimator
+from jrlhf.placement import effective_plan, estimator
 from jrlhf.placement.plan import CallPlacement, ExecutionPlan, strategy
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
@@ -242,3 +242,14 @@ def test_migration_needs_fewer_replicas_than_the_generation_mesh():
     with pytest.raises(ValueError, match="migrate_replicas 2 must be fewer than .* 2 data"):
         tail_migration(engine, 2, 2)
     assert dict(tail_migration(engine, 3, 1).engine.mesh.shape) == {"data": 1, "tensor": 2}
+
+
+def test_migration_replicas_checked_against_the_plan_at_start_up():
+    """Before any model is built: flatten on 8 devices generates on 4 replicas (data=4 x
+    tensor=2), so the tail may take 1 to 3 of them."""
+    fused = ["RLConfig.fusion=True", "RLConfig.migrate_rows=4"]
+    plan = effective_plan(load_config([], [*fused, "RLConfig.migrate_replicas=3"]), 8)
+    assert len(estimator.tail_replicas(plan["actor_generate"])) == 4
+    with pytest.raises(ValueError, match="migrate_replicas 4 must be fewer than the 4") as err:
+        effective_plan(load_config([], [*fused, "RLConfig.migrate_replicas=4"]), 8)
+    assert "\n" not in str(err.value)

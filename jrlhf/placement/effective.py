@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from jrlhf.config import Config
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.models.config import ModelConfig
+from jrlhf.placement.estimator import tail_replicas
 from jrlhf.placement.plan import CALLS, STAGE_CALLS, CallPlacement, ExecutionPlan, strategy
 from jrlhf.placement.search import search_for_config
 
@@ -60,4 +61,12 @@ def effective_plan(
         base, name=name, placements=tuple(calls.items()), stage_placements=tuple(stages.items())
     )
     plan.validate(num_devices)
+    if cfg.rl.migrate_rows:  # the tail needs a generation replica to leave for
+        replicas = len(tail_replicas(plan["actor_generate"]))
+        if cfg.rl.migrate_replicas >= replicas:
+            raise ValueError(
+                f"RLConfig.migrate_replicas {cfg.rl.migrate_replicas} must be fewer than the "
+                f"{replicas} data-parallel replica(s) of plan '{plan.name}''s actor_generate mesh "
+                f"{plan['actor_generate'].mesh}: nothing would be freed"
+            )
     return plan

@@ -791,14 +791,22 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
 
 
 # ------------------------------------------------------------------------------ fusion
-def tail_placement(gen: CallPlacement, replicas: int, avoid: frozenset[int]) -> CallPlacement:
-    """Where a migrated tail decodes (jrlhf.ppo.fusion.tail_migration): ``replicas`` of the
-    generation call's data-parallel replicas, those holding the fewest ``avoid`` devices (the
-    scoring calls'), chosen by the rule the trainer uses; same axes, the data axes shrunk."""
+def tail_replicas(gen: CallPlacement) -> np.ndarray:
+    """The generation call's data-parallel replicas: one row of device ids each."""
     spec = gen.mesh
     data = _dim_axes(("slots",), spec, gen.rules)[0]
     ids = np.array(spec.device_ids()).reshape([size for _, size in spec.axes])
-    groups = replica_groups(ids, spec.names, data)
+    return replica_groups(ids, spec.names, data)
+
+
+def tail_placement(gen: CallPlacement, replicas: int, avoid: frozenset[int]) -> CallPlacement:
+    """Where a migrated tail decodes (jrlhf.ppo.fusion.tail_migration): ``replicas`` of the
+    generation call's data-parallel replicas (``tail_replicas``), those holding the fewest
+    ``avoid`` devices (the scoring calls'), chosen by the rule the trainer uses; same axes, the
+    data axes shrunk."""
+    spec = gen.mesh
+    data = _dim_axes(("slots",), spec, gen.rules)[0]
+    groups = tail_replicas(gen)
     replicas = min(replicas, len(groups))
     picked = groups[pick_replicas(groups, replicas, avoid)]
     first = next((a for a in spec.names if a in data), None)
