@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from run_helpers import metric_rows, ppo_bindings
+from run_helpers import assert_rows_close, metric_rows, ppo_bindings
 
 from jrlhf import checkpoint
 from jrlhf.cli import train
@@ -171,3 +171,44 @@ def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+PARTIAL = [
+    "RLConfig.max_staleness=2",
+    "RLConfig.partial_rollout_tokens=6",
+    "RLConfig.off_policy_correction='tis'",
+]
+
+
+def test_partial_rollouts_resume_exactly(base_run, tmp_path, monkeypatch):
+    """Partial rollouts (6 of 12 tokens per pass, 2 versions of staleness) stopped during
+    iteration 3: the step-2 checkpoint holds the batches in flight, some samples mid-generation
+    with their tokens, behaviour log-probs and versions so far; the resumed run continues them
+    and repeats the uninterrupted run's metrics."""
+
+    def args(run_dir):
+        return ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *PARTIAL)]
+
+    assert train.main(args(tmp_path / "full")) == 0
+
+    class Stop(Exception):
+        pass
+
+    original = RLTrainer.score_batch
+
+    def stop_at_3(self, gen):
+        if self.iteration == 2:
+            raise Stop
+        return original(self, gen)
+
+    stopped = tmp_path / "stopped"
+    monkeypatch.setattr(RLTrainer, "score_batch", stop_at_3)
+    with pytest.raises(Stop):
+        train.main([*args(stopped), "RLConfig.async_checkpoint=False"])
+    pending = checkpoint.read_trainer_meta(stopped / "checkpoints" / "2")["pending"]
+    unfinished = [g for g in pending if not all(g["finished"])]
+    assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
+    assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
+    monkeypatch.setattr(RLTrainer, "score_batch", original)
+    assert train.main([*args(stopped), "--resume"]) == 0
+    assert_rows_close(metric_rows(stopped), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)
