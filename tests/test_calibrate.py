@@ -105,14 +105,23 @@ def test_fit_profile_recovers_a_known_profile(shared):
         reshard_overhead_s=1.5e-3,
         reshard_efficiency=0.8,
     )
+    if shared:  # per-layer costs paid once per call, apart from those every device pays
+        truth = truth.replace(
+            forward_layer_overhead_once_s=1e-4,
+            train_layer_overhead_once_s=6e-4,
+            decode_layer_overhead_once_s=5e-5,
+        )
     fitted, fits = cal.fit_profile(base, _truth_measurements(truth, "float32"), "float32")
     for field in (
         "forward_efficiency",
         "forward_layer_overhead_s",
+        "forward_layer_overhead_once_s",
         "train_efficiency",
         "train_layer_overhead_s",
+        "train_layer_overhead_once_s",
         "decode_efficiency",
         "decode_layer_overhead_s",
+        "decode_layer_overhead_once_s",
         "reshard_overhead_s",
         "reshard_efficiency",
     ):

@@ -13,7 +13,9 @@ Two kinds of short measurements, a minute or two in all:
    training step (the PPO actor loss with AdamW), a generation (the paged-KV decode engine) and
    the train-to-generation reshard. Each measured time is fitted to the estimator's own cost
    model, which is linear in the unknowns: for every kind,
-   ``measured = fixed + compute_at_full_efficiency / efficiency + layers x layer_overhead``,
+   ``measured = fixed + compute_at_full_efficiency / efficiency + layers x layer_overhead``
+   (on a shared host the layer overhead in two parts: one every device program pays, one the
+   call pays once; the runs on all, half and one device tell them apart),
    solved by non-negative least squares over the runs (relative errors, so the small model
    counts as much as the large one).
 
@@ -317,19 +319,19 @@ def profile_models(
     return out
 
 
-def _nnls2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares for two non-negative unknowns (columns of ``a``)."""
-    best, best_err = np.zeros(2), float("inf")
-    candidates = [np.linalg.lstsq(a, b, rcond=None)[0]]
-    for j in range(2):  # one unknown pinned at zero
-        col = a[:, j]
-        x = np.zeros(2)
-        x[j] = max(0.0, float(col @ b) / float(col @ col)) if col @ col > 0 else 0.0
-        candidates.append(x)
-    for x in candidates:
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares for a few non-negative unknowns (columns of ``a``): the best unconstrained
+    solution over every subset of the unknowns left free (the rest pinned at zero) that comes out
+    non-negative. Exact for the handful of unknowns a calibration fits."""
+    k = a.shape[1]
+    best, best_err = np.zeros(k), float(np.sum(b**2))
+    for mask in range(1, 2**k):
+        free = [j for j in range(k) if mask >> j & 1]
+        x = np.zeros(k)
+        x[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
         if (x >= 0).all():
             err = float(np.sum((a @ x - b) ** 2))
-            if err < best_err:
+            if err < best_err - 1e-15 * max(1.0, best_err):
                 best, best_err = x, err
     return best
 
@@ -352,6 +354,7 @@ def fit_profile(
     profile = base
     fits = {}
     for kind, eff_field, layer_field in kinds:
+        once_field = layer_field.replace("_overhead_s", "_overhead_once_s")
 
         def model_time(prof, overrides, devices, kind=kind):
             _, plan, w = _calibration_setup(overrides, dtype, devices)
@@ -363,21 +366,34 @@ def fit_profile(
 
         rows, ys = [], []
         for overrides, devices, measured in measurements:
-            p0 = profile.replace(**{eff_field: 1.0, layer_field: 0.0})
+            p0 = profile.replace(**{eff_field: 1.0, layer_field: 0.0, once_field: 0.0})
             t0 = model_time(p0, overrides, devices)
             t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices)
             t_layer = model_time(p0.replace(**{layer_field: 1e-3}), overrides, devices)
+            t_once = model_time(p0.replace(**{once_field: 1e-3}), overrides, devices)
             work = 2 * (t0 - t_half)  # the term divided by efficiency, at efficiency 1
-            layers = (t_layer - t0) / 1e-3  # the coefficient of the layer overhead
+            layers = (t_layer - t0) / 1e-3  # the coefficient of the per-device layer overhead
+            once = (t_once - t0) / 1e-3  # ... and of the once-per-call one
             fixed = t0 - work
             scale = 1.0 / max(measured[kind], 1e-9)
-            rows.append([work * scale, layers * scale])
+            row = [work * scale, layers * scale]
+            if profile.shared_host:  # elsewhere both overheads are paid alike: one unknown
+                row.append(once * scale)
+            rows.append(row)
             ys.append((measured[kind] - fixed) * scale)
-        inv_eff, layer_overhead = _nnls2(np.array(rows), np.array(ys))
+        x = _nnls(np.array(rows), np.array(ys))
+        inv_eff, layer_overhead = x[0], x[1]
+        layer_once = x[2] if len(x) > 2 else 0.0
         eff = 1.0 / inv_eff if inv_eff > 0 else 10.0
         eff = float(min(10.0, eff))
-        profile = profile.replace(**{eff_field: eff, layer_field: float(layer_overhead)})
-        fits[kind] = {"efficiency": eff, "layer_overhead_s": float(layer_overhead)}
+        profile = profile.replace(
+            **{eff_field: eff, layer_field: float(layer_overhead), once_field: float(layer_once)}
+        )
+        fits[kind] = {
+            "efficiency": eff,
+            "layer_overhead_s": float(layer_overhead),
+            "layer_overhead_once_s": float(layer_once),
+        }
     # the resharder: a fixed cost plus its bytes at a fitted fraction of the link bandwidth
     rows, ys = [], []
     for overrides, devices, measured in measurements:
@@ -389,7 +405,7 @@ def fit_profile(
         scale = 1.0 / max(measured["reshard"], 1e-9)
         rows.append([scale, moved * scale])
         ys.append((measured["reshard"] - (t0 - moved)) * scale)  # less the collective latency
-    overhead, inv_eff = _nnls2(np.array(rows), np.array(ys))
+    overhead, inv_eff = _nnls(np.array(rows), np.array(ys))
     profile = profile.replace(
         reshard_overhead_s=float(overhead),
         reshard_efficiency=float(min(10.0, 1.0 / inv_eff)) if inv_eff > 0 else 10.0,

@@ -356,7 +356,9 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
     prefill_calls = -(-rows // min(slots, 64))
     flops = forward_flops(cfg, rows, plen, "lm", rows)
     prefill = prefill_calls * (
-        profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s
+        profile.call_overhead_s
+        + cfg.num_layers
+        * (profile.forward_layer_overhead_s + profile.forward_layer_overhead_once_s)
     )
     prefill += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
     steps = max(0, w.gen_len - 1)
@@ -379,6 +381,7 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
         )
         step = max(compute, memory) / profile.decode_efficiency
         step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
+        step += cfg.num_layers * profile.decode_layer_overhead_once_s
         total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
     return total
 
@@ -407,6 +410,7 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
             g,
             profile,
         )
+        t += cfg.num_layers * profile.forward_layer_overhead_once_s
         t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
         t += _comm_s(gathered, cfg.num_layers, g, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
@@ -428,6 +432,7 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     step = _fixed_s(
         profile.call_overhead_s + m * cfg.num_layers * profile.train_layer_overhead_s, g, profile
     )
+    step += m * cfg.num_layers * profile.train_layer_overhead_once_s
     step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)
     # per micro-batch: two all-gathers of the weights (forward, backward) and a reduce-scatter
     # of the gradients

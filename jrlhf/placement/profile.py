@@ -54,6 +54,14 @@ class DeviceProfile:
     forward_layer_overhead_s: float = 0.0  # per layer of a forward (kernel launches, small ops)
     train_layer_overhead_s: float = 0.0  # per layer of a training step (fwd + bwd)
     decode_layer_overhead_s: float = 0.0  # per layer of one decode step
+    # The same per-layer costs' part a call pays once whatever its device count. On a shared host
+    # the ``*_layer_overhead_s`` above are paid by every device program (n / min(n, host_cores)
+    # times over); these are not: the calibration fits both from runs on 1, half and all the
+    # devices (XLA's CPU runtime overlaps much of the per-device op launching). 0 on accelerators,
+    # where every device pays its own launches at the same time.
+    forward_layer_overhead_once_s: float = 0.0
+    train_layer_overhead_once_s: float = 0.0
+    decode_layer_overhead_once_s: float = 0.0
     collective_latency_s: float = 0.0  # per collective (all-gather, all-reduce, ...)
     reshard_overhead_s: float = 0.0  # one cached resharder transition: tree walk, dispatch, sync
     reshard_efficiency: float = 1.0  # fraction of the link bandwidth a transition achieves
