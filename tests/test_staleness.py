@@ -140,12 +140,9 @@ def test_async_run_trains_on_one_version_old_samples(async_run, colocated_run):
     assert rows[1]["reward"] != sync[1]["reward"]
 
 
-def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
-    """Stopped during iteration 3, after the step-2 checkpoint: the resumed run trains on the
-    batch generated before the stop (saved with the checkpoint) and repeats the uninterrupted
-    run's metrics exactly."""
-    run_dir = tmp_path / "stopped"
-    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
+def _stop_in_iteration_3(args: list[str], monkeypatch) -> None:
+    """Run ``python -m jrlhf.train args`` (checkpoints saved synchronously) until iteration 3
+    scores its batch, after the step-2 checkpoint, and stop it there."""
 
     class Stop(Exception):
         pass
@@ -157,13 +154,22 @@ def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
             raise Stop
         return original(self, gen)
 
-    monkeypatch.setattr(RLTrainer, "score_batch", stop_at_3)
-    with pytest.raises(Stop):
-        train.main([*args, "RLConfig.async_checkpoint=False"])
+    with monkeypatch.context() as m:
+        m.setattr(RLTrainer, "score_batch", stop_at_3)
+        with pytest.raises(Stop):
+            train.main([*args, "RLConfig.async_checkpoint=False"])
+
+
+def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
+    """Stopped during iteration 3, after the step-2 checkpoint: the resumed run trains on the
+    batch generated before the stop (saved with the checkpoint) and repeats the uninterrupted
+    run's metrics exactly."""
+    run_dir = tmp_path / "stopped"
+    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
+    _stop_in_iteration_3(args, monkeypatch)
     meta = checkpoint.read_trainer_meta(run_dir / "checkpoints" / "2")
     assert [g["index"] for g in meta["pending"]] == [2]  # batch 2, generated with version 1
     assert {v for g in meta["pending"] for t in g["token_versions"] for v in t} == {1}
-    monkeypatch.setattr(RLTrainer, "score_batch", original)
     assert train.main([*args, "--resume"]) == 0
     ours, theirs = metric_rows(run_dir), metric_rows(async_run[0])
     assert len(ours) == len(theirs)
@@ -190,25 +196,11 @@ def test_partial_rollouts_resume_exactly(base_run, tmp_path, monkeypatch):
         return ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *PARTIAL)]
 
     assert train.main(args(tmp_path / "full")) == 0
-
-    class Stop(Exception):
-        pass
-
-    original = RLTrainer.score_batch
-
-    def stop_at_3(self, gen):
-        if self.iteration == 2:
-            raise Stop
-        return original(self, gen)
-
     stopped = tmp_path / "stopped"
-    monkeypatch.setattr(RLTrainer, "score_batch", stop_at_3)
-    with pytest.raises(Stop):
-        train.main([*args(stopped), "RLConfig.async_checkpoint=False"])
+    _stop_in_iteration_3(args(stopped), monkeypatch)
     pending = checkpoint.read_trainer_meta(stopped / "checkpoints" / "2")["pending"]
     unfinished = [g for g in pending if not all(g["finished"])]
     assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
     assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
-    monkeypatch.setattr(RLTrainer, "score_batch", original)
     assert train.main([*args(stopped), "--resume"]) == 0
     assert_rows_close(metric_rows(stopped), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)
