@@ -107,6 +107,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
     )
     if shared:  # per-layer costs paid once per call, apart from those every device pays
         truth = truth.replace(
+            fixed_device_exponent=0.6,
             forward_layer_overhead_once_s=1e-4,
             train_layer_overhead_once_s=6e-4,
             decode_layer_overhead_once_s=5e-5,
@@ -124,9 +125,10 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "decode_layer_overhead_once_s",
         "reshard_overhead_s",
         "reshard_efficiency",
+        "fixed_device_exponent",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
-    assert set(fits) == {"forward", "train", "generate", "reshard"}
+    assert set(fits) - {"fixed_device_exponent"} == {"forward", "train", "generate", "reshard"}
 
 
 def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
@@ -140,6 +142,13 @@ def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
     assert [fixed(n, True, 2) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
     assert [fixed(n, True, 1) for n in (1, 2, 8)] == [1.0, 2.0, 8.0]  # the default: n times
     assert [fixed(n, False, 2) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
+    # a runtime that overlaps part of the programs' costs: 4 ** 0.5 times at 8 devices
+    half = DeviceProfile(
+        name="t", memory_bytes=1, matmul_flops=1.0, shared_host=True, host_cores=2,
+        fixed_device_exponent=0.5,
+    )  # fmt: skip
+    g8 = est._Geometry(8, 8, 1, 1, frozenset(range(8)), 1)
+    assert est._fixed_s(1.0, g8, half) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="host_cores"):
         DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)
 

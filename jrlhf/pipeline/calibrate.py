@@ -64,7 +64,7 @@ CALIBRATION_MODELS = (
 )
 # (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
 # costs (which a shared host pays once per device program) and collectives from compute
-CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.125))
+CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.25), (0, 0.125), (1, 0.125))
 MODEL_KINDS = ("forward", "train", "generate", "reshard")
 # A sample more than this many (scaled) median absolute deviations above the median is load from
 # elsewhere, not the measured program.
@@ -336,16 +336,38 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+# fixed_device_exponent values the shared-host fit tries
+DEVICE_EXPONENTS = tuple(i / 10 for i in range(11))
+
+
 def fit_profile(
     base: DeviceProfile, measurements: list[tuple[dict, int, dict[str, float]]], dtype: str
 ):
     """Fit efficiencies and per-layer overheads so the estimator reproduces ``measurements``.
 
-    The estimator is linear in ``1/efficiency`` and in the layer overhead of each kind, so each
+    The estimator is linear in ``1/efficiency`` and in the layer overheads of each kind, so each
     coefficient is read off by evaluating it at two settings. Each run's equation is divided by
     its measured time: the fit minimises relative errors, as the plan bench judges them, so the
-    largest run does not decide alone.
+    largest run does not decide alone. On a shared host the exponent with which per-device
+    costs grow past ``host_cores`` programs (``fixed_device_exponent``) is not linear: each of
+    ``DEVICE_EXPONENTS`` is fitted in turn and the one with the smallest relative error kept.
     """
+    if not base.shared_host:
+        return _fit_linear(base, measurements, dtype)[:2]
+    fitted = [
+        _fit_linear(base.replace(fixed_device_exponent=x), measurements, dtype)
+        for x in DEVICE_EXPONENTS
+    ]
+    profile, fits, _ = min(fitted, key=lambda f: f[2])
+    fits["fixed_device_exponent"] = profile.fixed_device_exponent
+    return profile, fits
+
+
+def _fit_linear(
+    base: DeviceProfile, measurements: list[tuple[dict, int, dict[str, float]]], dtype: str
+):
+    """``fit_profile`` with ``base``'s fixed_device_exponent: the profile, the fits, and the
+    sum of squared relative residuals of the forward, train and generate fits."""
     kinds = (
         ("forward", "forward_efficiency", "forward_layer_overhead_s"),
         ("train", "train_efficiency", "train_layer_overhead_s"),
@@ -353,6 +375,7 @@ def fit_profile(
     )
     profile = base
     fits = {}
+    residual = 0.0
     for kind, eff_field, layer_field in kinds:
         once_field = layer_field.replace("_overhead_s", "_overhead_once_s")
 
@@ -382,6 +405,7 @@ def fit_profile(
             rows.append(row)
             ys.append((measured[kind] - fixed) * scale)
         x = _nnls(np.array(rows), np.array(ys))
+        residual += float(np.sum((np.array(rows) @ x - np.array(ys)) ** 2))
         inv_eff, layer_overhead = x[0], x[1]
         layer_once = x[2] if len(x) > 2 else 0.0
         eff = 1.0 / inv_eff if inv_eff > 0 else 10.0
@@ -414,7 +438,7 @@ def fit_profile(
         "overhead_s": profile.reshard_overhead_s,
         "efficiency": profile.reshard_efficiency,
     }
-    return profile, fits
+    return profile, fits, residual
 
 
 def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProfile:

@@ -242,10 +242,11 @@ def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile
 def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
     """A fixed per-device cost (dispatch, per-op launch): on a shared host every device's
     program runs its ops on the same cores, so the cost is paid n times over, ``host_cores``
-    programs at a time (8 fake devices on 2 cores: 4 times a device's cost, 1 device: once)."""
+    programs at a time (8 fake devices on 2 cores: 4 times a device's cost, 1 device: once),
+    or less where the runtime overlaps them (``fixed_device_exponent`` below 1)."""
     if not profile.shared_host:
         return seconds
-    return seconds * g.n / min(g.n, profile.host_cores)
+    return seconds * (g.n / min(g.n, profile.host_cores)) ** profile.fixed_device_exponent
 
 
 def _link_bandwidth(nodes: int, profile: DeviceProfile) -> float:

@@ -71,6 +71,10 @@ class DeviceProfile:
     # host_cores of them at once: n / min(n, host_cores) times over. 1 = every device program
     # pays in turn (n times over).
     host_cores: int = 1
+    # shared_host: how those per-device costs grow past host_cores device programs: by
+    # (n / host_cores) ** fixed_device_exponent. 1 = in proportion (every program's ops queue
+    # for the cores); below 1 when the runtime overlaps some of them (fitted by the calibration).
+    fixed_device_exponent: float = 1.0
     optimizer_bytes_per_param: float = 28.0  # AdamW: read p,g,m,v + write p,m,v at 4 bytes
     notes: str = ""
     measured: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
@@ -88,6 +92,8 @@ class DeviceProfile:
             raise ValueError(
                 f"profile {self.name!r}: memory_reserve_bytes must be in [0, memory_bytes)"
             )
+        if not 0 <= self.fixed_device_exponent <= 1:
+            raise ValueError(f"profile {self.name!r}: fixed_device_exponent must be in [0, 1]")
         if self.host_cores < 1:
             raise ValueError(f"profile {self.name!r}: host_cores must be >= 1")
         if self.devices_per_node < 1:
