@@ -104,9 +104,13 @@ def async_run(base_run, tmp_path_factory, monkeypatch_module):
     original = RLTrainer.score_batch
 
     def recording(self, gen):
+        arrays = original(self, gen)
+        # KL to the reference of the policy that sampled (per-sequence sum of k1), as scored
+        kl = (arrays["old_logprobs"] - arrays["ref_logprobs"]) * arrays["mask"]
+        kl = float(np.mean(kl.sum(axis=1)))
         seen.append((self.iteration, gen.index, [v.copy() for v in gen.token_versions],
-                     [len(c) for c in gen.completions]))  # fmt: skip
-        return original(self, gen)
+                     [len(c) for c in gen.completions], kl))  # fmt: skip
+        return arrays
 
     monkeypatch_module.setattr(RLTrainer, "score_batch", recording)
     run_dir = tmp_path_factory.mktemp("async") / "run"
@@ -127,13 +131,18 @@ def test_async_run_trains_on_one_version_old_samples(async_run, colocated_run):
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
     # iteration i trains on batch i generated with version max(i - 1, 0): every token says so
-    assert [(it, idx) for it, idx, _, _ in seen] == [(i, i) for i in range(4)]
-    for it, _, versions, lengths in seen:
+    assert [(it, idx) for it, idx, *_ in seen] == [(i, i) for i in range(4)]
+    for it, _, versions, lengths, _ in seen:
         assert [len(v) for v in versions] == lengths and sum(lengths) > 0
         assert all(np.all(v == max(it - 1, 0)) for v in versions)
     assert [r["staleness/max"] for r in rows[:4]] == [0, 1, 1, 1]
     assert [r["staleness/mean"] for r in rows[:4]] == [0, 1, 1, 1]
     assert all("offpolicy/is_clipfrac" in r or "offpolicy/mismatch_abs" in r for r in rows[:4])
+    assert all(r["offpolicy/mismatch_abs"] > 1e-3 for r in rows[1:4])  # one update apart
+    # the KL metric is the sampling policy's, not the proximal log-probs the correction
+    # recomputed with the newer weights (nor is the adaptive KL controller fed those)
+    for (*_, kl), r in zip(seen, rows[:4]):
+        assert r["kl"] == pytest.approx(kl, rel=1e-5, abs=1e-6)
     # batch 0 is the synchronous run's batch 0; batch 1 comes from the older policy
     sync = metric_rows(colocated_run)
     assert rows[0]["reward"] == sync[0]["reward"]

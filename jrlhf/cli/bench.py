@@ -1,5 +1,6 @@
-"""``python -m jrlhf.bench {decode,reshard,interleave,plan,algorithms,rl,async,fusion}
-[options]``: one JSON object on stdout.
+"""``python -m jrlhf.bench
+{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness} [options]``: one JSON
+object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
 checkout (beside the ``jrlhf`` package) and run from there, e.g. after ``pip install -e .``.
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from jrlhf.runtime import distributed
 
-SUITES = ("decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion")
+SUITES = (
+    "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
+)  # fmt: skip
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 

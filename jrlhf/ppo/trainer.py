@@ -640,6 +640,10 @@ class RLTrainer:
             responses = [c for r in rounds for c in r[1]]
             arrays = {k: np.concatenate([r[2][k] for r in rounds]) for k in rounds[0][2]}
         batch, sampling_metrics = self._select_groups(arrays, n_groups, len(rounds))
+        # The update's own copy: the off-policy correction replaces its old_logprobs with the
+        # proximal ones, while the metrics and the KL controller below read the log-probs of
+        # the policy that sampled (arrays).
+        batch = dict(batch)
         if not self.use_reference:
             # The rollout's own log-probs stand in for the reference's: the KL is exactly 0 and
             # so is its coefficient, and advantages and the compiled step stay those of a run
