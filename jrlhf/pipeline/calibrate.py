@@ -10,9 +10,10 @@ Two kinds of short measurements, a minute or two in all:
    jitted call on all devices.
 2. Short real profiles of small jrlhf models (two sizes, each on all and on half the devices,
    different from anything the plan bench evaluates): a forward (the trainer's log-prob call), a
-   training step (the PPO actor loss with AdamW), a generation (the paged-KV decode engine) and
-   the train-to-generation reshard. Each measured time is fitted to the estimator's own cost
-   model, which is linear in the unknowns: for every kind,
+   training step (the PPO actor loss with AdamW; timed as the trainer runs its update, several
+   steps dispatched back to back before one host sync), a generation (the paged-KV decode
+   engine) and the train-to-generation reshard. Each measured time is fitted to the estimator's
+   own cost model, which is linear in the unknowns: for every kind,
    ``measured = fixed + compute_at_full_efficiency / efficiency + layers x layer_overhead``
    (on a shared host the layer overhead in two parts: one every device program pays, one the
    call pays once; the runs on all, half and one device tell them apart),
@@ -66,6 +67,8 @@ CALIBRATION_MODELS = (
 # costs (which a shared host pays once per device program) and collectives from compute
 CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.25), (0, 0.125), (1, 0.125))
 MODEL_KINDS = ("forward", "train", "generate", "reshard")
+# train steps per timed call (an RL update's epochs x minibatches run back to back)
+TRAIN_STEPS = 4
 # A sample more than this many (scaled) median absolute deviations above the median is load from
 # elsewhere, not the measured program.
 OUTLIER_MADS = 3.0
@@ -267,9 +270,15 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
     )
     holder = {"state": state}
 
-    def train_once():
-        holder["state"], m = step(holder["state"], tb)
-        jax.device_get(m)
+    # as the trainer's update runs them: TRAIN_STEPS steps dispatched back to back and one host
+    # sync for their metrics, so each step's dispatch overlaps the previous step's work (the
+    # estimator prices one step: the fit divides by TRAIN_STEPS)
+    def train_steps():
+        metrics = []
+        for _ in range(TRAIN_STEPS):
+            holder["state"], m = step(holder["state"], tb)
+            metrics.append(m)
+        jax.device_get(metrics)
 
     gen_p = plan["actor_generate"]
     gen_mesh = make_mesh(gen_p.mesh)
@@ -294,7 +303,7 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
     sp = SamplingParams(seed=1, stop_ids=(), max_new_tokens=R)
     return {
         "forward": three_forwards,
-        "train": train_once,
+        "train": train_steps,
         "generate": lambda: engine.generate(gen_params, prompts, sp),
         "reshard": lambda: jax.block_until_ready(resharder(holder["state"].params, gen_shardings)),
     }
@@ -314,6 +323,7 @@ def profile_models(
     for i, (overrides, devices) in enumerate(runs):
         seconds = {k: timed[(i, k)]["seconds"] for k in MODEL_KINDS}
         seconds["forward"] /= 3  # three forwards per call
+        seconds["train"] /= TRAIN_STEPS
         spread = {k: timed[(i, k)]["spread"] for k in MODEL_KINDS}
         out.append((overrides, devices, seconds, spread))
     return out
@@ -426,8 +436,11 @@ def _fit_linear(
         p0 = profile.replace(reshard_overhead_s=0.0, reshard_efficiency=1.0)
         t0 = est.reshard_seconds(w, edge, plan, p0)
         moved = 2 * (t0 - est.reshard_seconds(w, edge, plan, p0.replace(reshard_efficiency=2.0)))
+        fixed = (
+            est.reshard_seconds(w, edge, plan, p0.replace(reshard_overhead_s=1e-3)) - t0
+        ) / 1e-3
         scale = 1.0 / max(measured["reshard"], 1e-9)
-        rows.append([scale, moved * scale])
+        rows.append([fixed * scale, moved * scale])
         ys.append((measured["reshard"] - (t0 - moved)) * scale)  # less the collective latency
     overhead, inv_eff = _nnls(np.array(rows), np.array(ys))
     profile = profile.replace(

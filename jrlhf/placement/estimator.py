@@ -244,9 +244,14 @@ def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
     program runs its ops on the same cores, so the cost is paid n times over, ``host_cores``
     programs at a time (8 fake devices on 2 cores: 4 times a device's cost, 1 device: once),
     or less where the runtime overlaps them (``fixed_device_exponent`` below 1)."""
+    return _fixed_n_s(seconds, g.n, profile)
+
+
+def _fixed_n_s(seconds: float, n: int, profile: DeviceProfile) -> float:
+    """``_fixed_s`` for a call on ``n`` devices."""
     if not profile.shared_host:
         return seconds
-    return seconds * (g.n / min(g.n, profile.host_cores)) ** profile.fixed_device_exponent
+    return seconds * (n / min(n, profile.host_cores)) ** profile.fixed_device_exponent
 
 
 def _link_bandwidth(nodes: int, profile: DeviceProfile) -> float:
@@ -472,7 +477,10 @@ def reshard_seconds(
         moved = max(per_device.values(), default=0) / bw
         copy = 2 * target / profile.memory_bandwidth
     latency = profile.collective_latency_s if moved > 0 else 0.0
-    return profile.reshard_overhead_s + moved + latency + copy
+    # dispatch and per-leaf copies: every device of the move runs them (on a shared host, on
+    # the same cores)
+    overhead = _fixed_n_s(profile.reshard_overhead_s, len(devices), profile)
+    return overhead + moved + latency + copy
 
 
 # ------------------------------------------------------------------------------- memory model

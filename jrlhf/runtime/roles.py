@@ -33,13 +33,20 @@ class RoleSetup:
     source: ModelSource
     meshes: dict[str, Mesh]
     rules: dict[str, Rules]
+    _shardings: dict[str, Params] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def model(self) -> ModelDef:
         return self.source.model
 
     def shardings(self, phase: str) -> Params:
-        return self.model.shardings(self.meshes[phase], self.rules[phase])
+        """The parameters' shardings in ``phase`` (built once: the trainer asks every
+        iteration, before each weight transition)."""
+        if phase not in self._shardings:
+            self._shardings[phase] = self.model.shardings(self.meshes[phase], self.rules[phase])
+        return self._shardings[phase]
 
     def describe(self) -> str:
         return ", ".join(
