@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "preemption notifier catches SIGTERM in a joined process, so SIGKILL usually ends it)",
     )
     p.add_argument(
+        "--cores-per-process",
+        type=int,
+        default=0,
+        help="pin process i to host cores i*C .. i*C+C-1 (modulo the cores there are), as if "
+        "each process owned its own hardware (default 0: no pinning)",
+    )
+    p.add_argument(
         "--max-time",
         type=float,
         default=0.0,
@@ -180,8 +187,13 @@ def _watch(index: int, proc: subprocess.Popen, exits: queue.Queue) -> None:
     exits.put((index, proc.wait()))
 
 
-def _start(index: int, cmd: list[str], env: dict[str, str], exits: queue.Queue) -> _Child:
+def _start(
+    index: int, cmd: list[str], env: dict[str, str], exits: queue.Queue, cores: int = 0
+) -> _Child:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if cores:  # before the child's interpreter starts any thread, so every thread inherits it
+        total = os.cpu_count() or 1
+        os.sched_setaffinity(proc.pid, {(index * cores + c) % total for c in range(cores)})
     threading.Thread(
         target=_watch, args=(index, proc, exits), daemon=True, name=f"p{index}-wait"
     ).start()
@@ -285,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} must be at least 1, got {value}")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port}: not a TCP port")
+    if args.cores_per_process < 0:
+        parser.error(f"--cores-per-process must be >= 0, got {args.cores_per_process}")
     port = args.port or free_port()
     coordinator = f"127.0.0.1:{port}"
     cmd = child_command(command[0], command[1:])
@@ -302,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             env = child_env(
                 base, i, args.processes, coordinator, args.devices_per_process, args.timeout
             )
-            children.append(_start(i, cmd, env, exits))
+            children.append(_start(i, cmd, env, exits, args.cores_per_process))
         return supervise(children, exits, args.grace, args.max_time)
     except KeyboardInterrupt as e:
         end_children(children, args.grace)
