@@ -3,7 +3,8 @@
     python -m jrlhf.launch --processes 2 --devices-per-process 2 -- tests.launch_helper MODE
 
 MODE ``sum``: print the global device count and the sum, over every process's devices, of a
-sharded array (a cross-process collective); every process must print the same. MODE ``exit3``:
+sharded array (a cross-process collective); every process must print the same, then the host
+cores it may run on. MODE ``exit3``:
 process 1 exits with status 3 once the job is joined, the others wait for the launcher to end them.
 """
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         f"local {jax.local_device_count()} sum {float(total.addressable_data(0))} "
         f"processes {sorted(int(i) for i in np.ravel(ids))}"
     )
+    print(f"process {jax.process_index()} cores {sorted(os.sched_getaffinity(0))}")
     return distributed.end_process(0)
 
 

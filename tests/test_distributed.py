@@ -201,13 +201,20 @@ def _assert_prefixed(p: subprocess.CompletedProcess) -> None:
 
 
 def test_launcher_runs_one_job_over_every_process():
-    p, _ = _launch("--processes 2 --devices-per-process 2 --timeout 30 -- tests.launch_helper sum")
+    p, _ = _launch(
+        "--processes 2 --devices-per-process 2 --timeout 30 --cores-per-process 1 "
+        "-- tests.launch_helper sum"
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     _assert_prefixed(p)
     results = re.findall(r"^\[p(\d)\] process (\d) of 2: (.*)$", p.stdout, re.M)
     assert sorted((a, b) for a, b, _ in results) == [("0", "0"), ("1", "1")], p.stdout
     # 2 x 2 devices, device d holding d: both processes computed 0 + 1 + 2 + 3 together.
     assert {rest for _, _, rest in results} == {"devices 4 local 2 sum 6.0 processes [0, 1]"}
+    # --cores-per-process 1: process i runs on core i (modulo the cores there are)
+    cores = dict(re.findall(r"^\[p\d\] process (\d) cores (.*)$", p.stdout, re.M))
+    total = os.cpu_count()
+    assert cores == {"0": "[0]", "1": f"[{1 % total}]"}, p.stdout
 
 
 def test_launcher_ends_the_others_when_one_fails():
