@@ -29,7 +29,7 @@ def algorithms() -> list[str]:
     return sorted(p.stem for p in ALGORITHM_DIR.glob("*.gin"))
 
 
-def _train(run_dir: Path, configs: list[Path], bindings: list[str], log: Path) -> float:
+def run_train(run_dir: Path, configs: list[Path], bindings: list[str], log: Path) -> float:
     """One ``python -m jrlhf.train`` run; returns its wall time. A failed run raises with the
     tail of its log."""
     args = [sys.executable, "-m", "jrlhf.train", "--run-dir", str(run_dir), "--quiet"]
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         base.mkdir()
         seeded = [*common, f"RunConfig.seed={seed}"]
         sft_run = base / "sft"
-        sft_seconds[seed] = _train(
+        sft_seconds[seed] = run_train(
             sft_run, [CONFIG], [*seeded, "RunConfig.stages=('sft',)"], base / "sft.log"
         )
         start = f"'ckpt:{sft_run / 'sft'}'"
         for name in names:
             run_dir = base / name
-            seconds = _train(
+            seconds = run_train(
                 run_dir,
                 [CONFIG, ALGORITHM_DIR / f"{name}.gin"],
                 [

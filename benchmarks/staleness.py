@@ -21,10 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from benchmarks.algorithms import run_train
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 CONFIGS = CHECKOUT / "configs"
@@ -46,20 +46,6 @@ ALGORITHMS = {
     },
 }
 MODES = {"sync": 0, "async": 1}  # RLConfig.max_staleness
-
-
-def _train(run_dir: Path, config: Path, bindings: list[str], log: Path) -> float:
-    """One ``python -m jrlhf.train`` run; returns its wall time. A failed run raises with the
-    tail of its log."""
-    args = [sys.executable, "-m", "jrlhf.train", "--run-dir", str(run_dir), "--quiet"]
-    args += ["--config", str(config), *bindings]
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        rc = subprocess.run(args, cwd=CHECKOUT, stdout=out, stderr=subprocess.STDOUT)
-    if rc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-3:]
-        raise RuntimeError(f"{run_dir}: exit {rc.returncode}: {' | '.join(tail)}")
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             base_run = base / "base"
             stages = ", ".join(f"'{s}'" for s in spec["base_stages"])
             base_seconds[str(seed)] = round(
-                _train(
-                    base_run, config, [*seeded, f"RunConfig.stages=({stages},)"], base / "base.log"
+                run_train(
+                    base_run,
+                    [config],
+                    [*seeded, f"RunConfig.stages=({stages},)"],
+                    base / "base.log",
                 ),
                 1,
             )
@@ -138,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     *rl,
                     f"RLConfig.max_staleness={k}",
                 ]
-                seconds = _train(run_dir, config, bindings, base / f"{mode}.log")
+                seconds = run_train(run_dir, [config], bindings, base / f"{mode}.log")
                 summary = json.loads((run_dir / "summary.json").read_text())
                 runs[str(seed)][mode] = {
                     "before": summary["before"]["gt_score"],
