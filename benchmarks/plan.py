@@ -162,13 +162,18 @@ class _PlanRun:
 
 
 def _measure_interleaved(
-    runs: dict[str, _PlanRun], rounds: int, probe: Callable[[], float] | None = None
+    runs: dict[str, _PlanRun],
+    rounds: int,
+    probe: Callable[[], float] | None = None,
+    between: Callable[[], None] | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
     """Every plan's phase times over ``rounds`` iterations, the plans taking turns (one
     iteration each per round, the order rotating), so a change of the machine's load between
     rounds reaches every plan alike instead of whichever ran then. Each plan's first iteration
-    (it compiles) is run first and dropped. Returns plan -> phase -> seconds per round, and the
-    probe's time at each round's start."""
+    (it compiles) is run first and dropped. ``between`` (the calibration's next round) runs at
+    each round's start, so the profile fitted from its rounds saw the machine as the trainers'
+    iterations did. Returns plan -> phase -> seconds per round, and the probe's time at each
+    round's start."""
     for run in runs.values():
         run.step()
     names = list(runs)
@@ -177,6 +182,8 @@ def _measure_interleaved(
     for r in range(rounds):
         if probe is not None:
             probes.append(probe())
+        if between is not None:
+            between()
         for name in names[r % len(names) :] + names[: r % len(names)]:
             for k, v in runs[name].step().items():
                 out[name][k].append(v)
@@ -285,25 +292,24 @@ def main(argv: list[str] | None = None) -> int:
     ensure_host_devices(args.devices)
     import jax
 
-    from jrlhf.placement.estimator import estimate
     from jrlhf.placement.profile import DeviceProfile
 
     t_start = time.perf_counter()
+    timings = None
     if args.profile:
         profile = DeviceProfile.load(args.profile)
-        calibrated_here = False
     else:
-        from jrlhf.pipeline.calibrate import calibrate
+        from jrlhf.pipeline import calibrate as cal
 
-        profile = calibrate("cpu" if jax.devices()[0].platform == "cpu" else None, quick=True)
-        calibrated_here = True
-        if args.save_profile:
-            profile.save(args.save_profile)
+        base = cal.measure_base("cpu" if jax.devices()[0].platform == "cpu" else None, quick=True)
+        timings = cal.ModelTimings(cal.model_runs(), cal.compute_dtype())
+        for _ in range(3):
+            timings.round()
+        profile = cal.fit_measured(base, timings.results())
     t_calibrated = time.perf_counter()
     probe = _speed_probe()
     probe_calibrated = probe()
     n = jax.device_count()
-    results, errors = [], []
     search_info, search_s = None, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         setups = {}
@@ -319,9 +325,89 @@ def main(argv: list[str] | None = None) -> int:
             setups[name] = (plan, _workload(bindings), bindings)
         t0 = time.perf_counter()
         runs = {name: _PlanRun(b, Path(tmp) / name) for name, (_, _, b) in setups.items()}
-        measured_all, probes = _measure_interleaved(runs, args.iterations - 1, probe)
+        if timings is not None:
+            timings.reset()  # the calibration's rounds from now on share the plans' rounds
+        measured_all, probes = _measure_interleaved(
+            runs, args.iterations - 1, probe, between=timings.round if timings else None
+        )
         run_s = time.perf_counter() - t0
         del runs
+    first_profile = profile
+    if timings is not None:
+        profile = cal.fit_measured(base, timings.results())
+        if args.save_profile:
+            profile.save(args.save_profile)
+    results, summary = _compare(setups, measured_all, profile)
+    if timings is not None:
+        _, first = _compare(setups, measured_all, first_profile)
+        summary["calibrated_before_measuring"] = {
+            "what": "the same errors under the profile calibrated before the trainers ran (the "
+            "one the search used), whose rounds did not share the machine's state with theirs",
+            "phase_error": first["phase_error"],
+            "iteration_error": first["iteration_error"],
+        }
+    by_name = {r["plan"]: r for r in results}
+    if "searched" in by_name and "flatten" in by_name:
+        s, f = by_name["searched"]["iteration"], by_name["flatten"]["iteration"]
+        summary["searched_vs_flatten"] = {
+            "measured_speedup": f["measured_s"] / s["measured_s"],
+            "estimated_speedup": f["estimated_s"] / s["estimated_s"],
+            "searched_placements": by_name["searched"]["placements"],
+            "searched_knobs": by_name["searched"]["knobs"],
+            **(search_info or {}),
+        }
+    summary["probe_slowdown"] = {
+        "what": "time of a fixed matmul probe at the start of each measuring round over its "
+        "time right after calibration: far from 1 means the machine's load changed between them",
+        "rounds": [round(t / probe_calibrated, 2) for t in probes],
+    }
+    out = {
+        "benchmark": "plan_estimator",
+        "device": f"{n} x {jax.devices()[0].platform}",
+        "summary": summary,
+        "table_columns": "per phase and iteration: [measured_s, estimated_s, rel_error]; "
+        "measured = median over iterations 2..N of the trainer's logged phase time; "
+        "rel_error = (estimated - measured) / measured",
+        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
+        "profile": profile.name,
+        "calibrated_in_this_run": timings is not None,
+        "profile_rates": {
+            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
+        },
+        "profile_fits": profile.measured.get("fits"),
+        "model": {
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "layers": args.layers,
+            "heads": args.heads,
+        },
+        "workload": {
+            "prompts": args.prompts,
+            "minibatch": args.minibatch,
+            "gen_len": args.gen_len,
+            "iterations": args.iterations,
+        },
+        "results": results,
+        "seconds": {
+            "calibration": t_calibrated - t_start,
+            "search": search_s,
+            "trainers_and_measuring": run_s,
+            "total": time.perf_counter() - t_start,
+        },
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _compare(setups: dict, measured_all: dict, profile) -> tuple[list[dict], dict]:
+    """Per plan, the measured phase and iteration times against ``estimate()`` under
+    ``profile``: the per-plan results and the summary's error statistics."""
+    from jrlhf.placement.estimator import estimate
+
+    results, errors = [], []
     for name, (plan, workload, _) in setups.items():
         measured = measured_all[name]
         est = estimate(plan, workload, profile)
@@ -355,7 +441,6 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     iteration_errors = [abs(r["iteration"]["rel_error"]) for r in results]
-    by_name = {r["plan"]: r for r in results}
     summary = {
         "phase_error": {
             "median_abs_rel": statistics.median(errors),
@@ -372,59 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             "count": len(iteration_errors),
         },
     }
-    if "searched" in by_name and "flatten" in by_name:
-        s, f = by_name["searched"]["iteration"], by_name["flatten"]["iteration"]
-        summary["searched_vs_flatten"] = {
-            "measured_speedup": f["measured_s"] / s["measured_s"],
-            "estimated_speedup": f["estimated_s"] / s["estimated_s"],
-            "searched_placements": by_name["searched"]["placements"],
-            "searched_knobs": by_name["searched"]["knobs"],
-            **(search_info or {}),
-        }
-    summary["probe_slowdown"] = {
-        "what": "time of a fixed matmul probe at the start of each measuring round over its "
-        "time right after calibration: far from 1 means the machine's load changed between them",
-        "rounds": [round(t / probe_calibrated, 2) for t in probes],
-    }
-    out = {
-        "benchmark": "plan_estimator",
-        "device": f"{n} x {jax.devices()[0].platform}",
-        "summary": summary,
-        "table_columns": "per phase and iteration: [measured_s, estimated_s, rel_error]; "
-        "measured = median over iterations 2..N of the trainer's logged phase time; "
-        "rel_error = (estimated - measured) / measured",
-        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
-        "profile": profile.name,
-        "calibrated_in_this_run": calibrated_here,
-        "profile_rates": {
-            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
-        },
-        "profile_fits": profile.measured.get("fits"),
-        "model": {
-            "hidden": args.hidden,
-            "intermediate": args.intermediate,
-            "layers": args.layers,
-            "heads": args.heads,
-        },
-        "workload": {
-            "prompts": args.prompts,
-            "minibatch": args.minibatch,
-            "gen_len": args.gen_len,
-            "iterations": args.iterations,
-        },
-        "results": results,
-        "seconds": {
-            "calibration": t_calibrated - t_start,
-            "search": search_s,
-            "trainers_and_measuring": run_s,
-            "total": time.perf_counter() - t_start,
-        },
-    }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return results, summary
 
 
 if __name__ == "__main__":

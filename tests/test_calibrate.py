@@ -38,6 +38,60 @@ def test_measure_interleaved_rounds_alternate_tasks():
     assert all(v["seconds"] >= 0 for v in out.values())
 
 
+def test_model_timings_take_rounds_on_demand(monkeypatch):
+    """The calibration models' tasks are built and warmed up once; each ``round()`` times every
+    task ``repeat`` times in turn (the plan bench takes one before each round of trainer
+    iterations), ``reset()`` forgets the samples, and ``results()`` reports one forward and one
+    train step per call, as the estimator prices them."""
+    calls = []
+    per_call = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
+
+    def tasks(overrides, dtype, devices):
+        return {k: (lambda k=k, v=v: calls.append((devices, k)) or v) for k, v in per_call.items()}
+
+    monkeypatch.setattr(cal, "model_tasks", tasks)
+    monkeypatch.setattr(cal, "_samples", lambda fn, repeat: [fn() for _ in range(repeat)])
+    timings = cal.ModelTimings([({}, 8), ({}, 2)], "float32", repeat=2)
+    assert len(calls) == 8  # one warm-up call per task
+    with pytest.raises(RuntimeError, match="no calibration round"):
+        timings.results()
+    calls.clear()
+    timings.round()
+    assert calls == [(d, k) for d in (8, 2) for k in per_call for _ in range(2)]
+    timings.round()
+    (_, _, seconds, spread), _ = timings.results()
+    assert seconds == pytest.approx(
+        {"forward": 0.1, "train": 0.8 / cal.TRAIN_STEPS, "generate": 0.5, "reshard": 0.01}
+    )
+    assert spread == {k: 0.0 for k in per_call}
+    timings.reset()
+    calls.clear()
+    with pytest.raises(RuntimeError, match="no calibration round"):
+        timings.results()
+    assert calls == []  # nothing rebuilt or re-run by a reset
+
+
+def test_plan_bench_takes_a_calibration_round_before_each_round_of_iterations():
+    from benchmarks import plan as bench
+
+    events = []
+
+    class Run:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self):
+            events.append(self.name)
+            return dict.fromkeys(bench.PHASE_KEYS, 1.0)
+
+    out, _ = bench._measure_interleaved(
+        {"a": Run("a"), "b": Run("b")}, rounds=2, between=lambda: events.append("cal")
+    )
+    # first iterations (compiles, dropped), then per round: calibration, then every plan
+    assert events == ["a", "b", "cal", "a", "b", "cal", "b", "a"]
+    assert out["a"]["train"] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_collective_fit_recovers_bandwidth_and_latency(shared):
     n, bw, lat, cores = 8, 6e9, 4e-5, 2

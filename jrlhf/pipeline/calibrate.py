@@ -309,24 +309,61 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
     }
 
 
+class ModelTimings:
+    """The calibration models' blocking calls (``model_tasks`` of every (overrides, devices)
+    run), built and warmed up (compiled) once, then timed in rounds: ``round()`` calls every
+    task ``repeat`` times in turn. A caller may take rounds between its own measurements (the
+    plan bench takes one before each round of trainer iterations), so the profile fitted from
+    ``results()`` saw the machine as those measurements did; ``reset()`` forgets the samples
+    taken so far (the compiled tasks stay)."""
+
+    def __init__(self, runs: Sequence[tuple[dict[str, Any], int]], dtype: str, repeat: int = 2):
+        self.runs = list(runs)
+        self.repeat = repeat
+        self.tasks = {
+            (i, kind): fn
+            for i, (overrides, devices) in enumerate(self.runs)
+            for kind, fn in model_tasks(overrides, dtype, devices).items()
+        }
+        for fn in self.tasks.values():
+            fn()
+        self.samples: dict[tuple[int, str], list[float]] = {k: [] for k in self.tasks}
+
+    def round(self) -> None:
+        """One round: every task ``repeat`` times, one task after another."""
+        for name, fn in self.tasks.items():
+            self.samples[name] += _samples(fn, self.repeat)
+
+    def reset(self) -> None:
+        self.samples = {k: [] for k in self.tasks}
+
+    def results(self) -> list[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]]:
+        """(overrides, devices, robust seconds per kind, spread per kind) for each run, the
+        forward and train times per call of the estimator (one forward, one step)."""
+        out = []
+        for i, (overrides, devices) in enumerate(self.runs):
+            seconds, spread = {}, {}
+            for kind in MODEL_KINDS:
+                xs = self.samples[(i, kind)]
+                if not xs:
+                    raise RuntimeError("no calibration round was timed")
+                seconds[kind] = robust_seconds(xs)
+                spread[kind] = (max(xs) - min(xs)) / seconds[kind]
+            seconds["forward"] /= 3  # three forwards per call
+            seconds["train"] /= TRAIN_STEPS
+            out.append((overrides, devices, seconds, spread))
+        return out
+
+
 def profile_models(
     runs: Sequence[tuple[dict[str, Any], int]], dtype: str, rounds: int = 3, repeat: int = 2
 ) -> list[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]]:
     """(overrides, devices, robust seconds per kind, spread per kind) for each (overrides,
-    devices) run, all runs' measurements interleaved in rounds (``measure_interleaved``)."""
-    tasks = {}
-    for i, (overrides, devices) in enumerate(runs):
-        for kind, fn in model_tasks(overrides, dtype, devices).items():
-            tasks[(i, kind)] = fn
-    timed = measure_interleaved(tasks, rounds, repeat)
-    out = []
-    for i, (overrides, devices) in enumerate(runs):
-        seconds = {k: timed[(i, k)]["seconds"] for k in MODEL_KINDS}
-        seconds["forward"] /= 3  # three forwards per call
-        seconds["train"] /= TRAIN_STEPS
-        spread = {k: timed[(i, k)]["spread"] for k in MODEL_KINDS}
-        out.append((overrides, devices, seconds, spread))
-    return out
+    devices) run, all runs' measurements interleaved in rounds (``ModelTimings``)."""
+    timings = ModelTimings(runs, dtype, repeat)
+    for _ in range(rounds):
+        timings.round()
+    return timings.results()
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -457,10 +494,34 @@ def _fit_linear(
 def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProfile:
     """Measure this machine's devices (microbenchmarks, then the calibration models, each in
     interleaved rounds) and fit a profile. ``quick``: fewer sizes and rounds."""
+    base = measure_base(device_kind, quick)
+    timings = ModelTimings(model_runs(), compute_dtype())
+    for _ in range(3 if quick else 5):
+        timings.round()
+    return fit_measured(base, timings.results())
+
+
+def compute_dtype() -> str:
+    """The dtype the calibration runs compute in: float32 on CPU, bfloat16 on accelerators."""
+    return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+
+
+def model_runs() -> list[tuple[dict[str, Any], int]]:
+    """The calibration models' (overrides, devices) runs on this machine's devices."""
+    n = jax.device_count()
+    return [
+        (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
+        for index, fraction in CALIBRATION_RUNS
+    ]
+
+
+def measure_base(device_kind: str | None = None, quick: bool = False) -> DeviceProfile:
+    """The microbenchmarks' profile, before any model is fitted: rates, call overhead and
+    collectives; their raw numbers under ``measured`` (``fit_measured`` completes it)."""
     devices = jax.devices()
     platform = devices[0].platform
     n = len(devices)
-    dtype = "float32" if platform == "cpu" else "bfloat16"
+    dtype = compute_dtype()
     jdtype = jnp.dtype(dtype)
     sizes = (256, 512) if quick else (256, 512, 1024)
     tasks = microbenchmark_tasks(sizes, jdtype, 32 if quick else 64, 8 if quick else 16)
@@ -518,13 +579,6 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
         # accelerator's host link is not measured here (0: offload is priced as impossible).
         host_bandwidth=float(bw) if shared else 0.0,
     )
-    runs = [
-        (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
-        for index, fraction in CALIBRATION_RUNS
-    ]
-    profiled = profile_models(runs, dtype, rounds=3 if quick else 5, repeat=2)
-    measurements = [(o, k, m) for o, k, m, _ in profiled]
-    profile, fits = fit_profile(base, measurements, dtype)
     notes = (
         f"measured by python -m jrlhf.plan.calibrate on {n} x {platform} "
         f"({devices[0].device_kind}); compute dtype {dtype}."
@@ -550,10 +604,20 @@ def calibrate(device_kind: str | None = None, quick: bool = False) -> DeviceProf
         "allgather_latency_s": coll_latency,
         "call_overhead_s": overhead,
         "microbenchmark_spread": {k: round(v["spread"], 3) for k, v in timed.items()},
-        "models": [
-            {"overrides": o, "devices": k, "seconds": m, "spread": sp, "dtype": dtype}
-            for o, k, m, sp in profiled
-        ],
-        "fits": fits,
     }
-    return profile.replace(notes=notes, measured=measured)
+    return base.replace(notes=notes, measured=measured)
+
+
+def fit_measured(
+    base: DeviceProfile,
+    results: Sequence[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]],
+) -> DeviceProfile:
+    """``base`` (``measure_base``) with the models fitted to ``results``
+    (``ModelTimings.results``), which are kept under ``measured``."""
+    dtype = compute_dtype()
+    profile, fits = fit_profile(base, [(o, k, m) for o, k, m, _ in results], dtype)
+    models = [
+        {"overrides": o, "devices": k, "seconds": m, "spread": sp, "dtype": dtype}
+        for o, k, m, sp in results
+    ]
+    return profile.replace(measured={**base.measured, "models": models, "fits": fits})
