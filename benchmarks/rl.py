@@ -27,9 +27,10 @@ Per algorithm, one JSON object on stdout reports:
 ``--peers`` adds TRL's ``GRPOTrainer`` on the GRPO setting (benchmarks/rl_trl.py), in a child
 process run with ``--peer-python`` (a scratch environment with trl; it is no jrlhf dependency),
 starting from the same actor weights, on the same prompts, with the same verifiable reward. The
-two alternate: one jrlhf iteration, then one TRL step, so both see the same machine load; the
-GRPO object gains ``trl`` (its per-step medians) and ``jrlhf_speedup_over_trl`` (TRL's median
-step over jrlhf's median iteration, both wall time of the whole iteration).
+two alternate after their warm-ups (one jrlhf iteration; ``--peer-warmup`` TRL steps, default 2,
+reported but not timed): one jrlhf iteration, then one TRL step, so both see the same machine
+load; the GRPO object gains ``trl`` (its per-step medians) and ``jrlhf_speedup_over_trl``
+(TRL's median step over jrlhf's median iteration, both wall time of the whole iteration).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
     loader = PromptLoader(trainer.data.train_records(), args.prompts, seed=cfg.run.seed)
     batches = [[list(map(int, r.prompt_ids)) for r in loader.next_batch()]
                for _ in range(1 + args.iterations)]  # fmt: skip
+    # TRL's warm-up steps all take jrlhf's warm-up prompts; its timed steps take the timed ones
+    batches = [batches[0]] * max(args.peer_warmup, 1) + batches[1:]
     spec = {
         "prompt_batches": batches,
         "samples": args.samples,
@@ -246,9 +249,13 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         t0 = time.perf_counter()
         iteration()  # warm-up: compiles every program of the iteration
         warmup_s = time.perf_counter() - t0
-        peer_rows = []
+        peer_rows, peer_warmup = [], []
         if peer is not None:
-            peer()  # TRL's warm-up step
+            # TRL's warm-up steps: its first compiles nothing but still runs several times
+            # slower than later ones, and so does its second (torch's allocator and kernels
+            # settling), so one is not enough to time a steady step
+            for _ in range(max(args.peer_warmup, 1)):
+                peer_warmup.append(round(peer()["seconds"], 4))
         rows, walls, compiles = [], [], 0
         for _ in range(args.iterations):
             compiles_before = backend_compile_count()
@@ -299,11 +306,11 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
             "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
         },
         "compilations_during_timed_iterations": compiles,
-        **(_peer_summary(peer, peer_rows, statistics.median(walls)) if peer else {}),
+        **(_peer_summary(peer, peer_rows, statistics.median(walls), peer_warmup) if peer else {}),
     }
 
 
-def _peer_summary(peer, rows: list[dict], jrlhf_wall_s: float) -> dict:
+def _peer_summary(peer, rows: list[dict], jrlhf_wall_s: float, warmup_s: list[float]) -> dict:
     """TRL's per-step medians and the ratio of the whole iterations' wall times."""
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     step_s = med("seconds")
@@ -311,6 +318,7 @@ def _peer_summary(peer, rows: list[dict], jrlhf_wall_s: float) -> dict:
         **peer.versions,
         "step_median_s": round(step_s, 4),
         "step_runs_s": [round(r["seconds"], 4) for r in rows],
+        "warmup_steps_s": warmup_s,  # not in the medians
         # _generate_and_score_completions: generation, reward and TRL's log-prob bookkeeping
         "generate_and_score_median_s": round(med("generate_and_score_s"), 4),
         "generate_median_s": round(med("generate_s"), 4),
@@ -362,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the Python with trl for --peers (default: this one, if trl imports here)",
     )
     p.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: its default)")
+    p.add_argument(
+        "--peer-warmup",
+        type=int,
+        default=2,
+        help="TRL steps run before the timed ones (its first two are several times slower)",
+    )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
 
