@@ -142,6 +142,10 @@ def discard_failed_start(run_dir: Path) -> bool:
     command can be run again; returns whether it was removed. Every process calls it."""
     barrier(f"discard:{run_dir}")
     removed = not has_progress(run_dir)
+    # Every process has looked before the primary removes anything: a process still walking
+    # the directory while it goes would fail with FileNotFoundError instead of the one-line
+    # error the run stopped with.
+    barrier(f"checked:{run_dir}")
     if removed and is_primary():
         shutil.rmtree(run_dir, ignore_errors=True)
     barrier(f"discarded:{run_dir}")
