@@ -352,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument(
-        "--layer-loop", choices=("scan", "unroll"), default="scan", help="ModelConfig.layer_loop"
+        "--layer-loop",
+        choices=("auto", "scan", "unroll"),
+        default="auto",
+        help="ModelConfig.layer_loop (auto: unrolled on CPU)",
     )
     p.add_argument("--logprob-chunk", type=int, default=0, help="RLConfig.logprob_chunk")
     p.add_argument(

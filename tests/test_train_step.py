@@ -9,6 +9,7 @@ import pytest
 from jrlhf.config import DPOConfig, RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
+from jrlhf.models.config import AUTO_UNROLL_LAYERS
 from jrlhf.ppo.core_algos import AGG_MODES, sft_loss
 from jrlhf.ppo.trainer import actor_loss, critic_loss
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
@@ -203,6 +204,11 @@ def test_unrolled_layer_loop_equals_scan():
     (l0, g0, p0), (l1, g1, p1) = results
     np.testing.assert_allclose([l1, g1], [l0, g0], rtol=1e-5)
     chex.assert_trees_all_close(p1, p0, rtol=1e-5, atol=1e-6)
+    # the default, "auto": unrolled on CPU for a shallow model without remat, else the scan
+    assert tiny_config().unroll_layers
+    assert not tiny_config(remat_policy="full").unroll_layers
+    assert not tiny_config(num_layers=AUTO_UNROLL_LAYERS + 1).unroll_layers
+    assert not tiny_config(layer_loop="scan").unroll_layers
     with pytest.raises(ValueError, match="layer_loop"):
         tiny_config(layer_loop="unroll", remat_policy="full")
     with pytest.raises(ValueError, match="layer_loop"):

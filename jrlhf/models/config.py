@@ -11,7 +11,9 @@ import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-LAYER_LOOPS = ("scan", "unroll")
+LAYER_LOOPS = ("auto", "scan", "unroll")
+# layer_loop="auto" unrolls models up to this deep on CPU (compile time grows with the depth)
+AUTO_UNROLL_LAYERS = 8
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -62,8 +64,10 @@ class ModelConfig:
     # the stacked weights; compile time independent of depth) or "unroll" (one copy of the layer
     # program per layer, static weight slices: on CPU the scan zero-fills, writes and re-slices
     # its per-layer residual and gradient stacks, which the unrolled program does not do; for
-    # shallow models). The decode engine chooses its own (EngineConfig.unroll_layers).
-    layer_loop: str = "scan"
+    # shallow models). "auto": unroll on CPU for models of at most AUTO_UNROLL_LAYERS layers
+    # without remat, scan otherwise (see unroll_layers). The decode engine chooses its own
+    # (EngineConfig.unroll_layers).
+    layer_loop: str = "auto"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -120,6 +124,19 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    @property
+    def unroll_layers(self) -> bool:
+        """Whether full-sequence passes run the layers unrolled: ``layer_loop`` "unroll", or
+        "auto" on a CPU backend for a model of at most ``AUTO_UNROLL_LAYERS`` layers without
+        remat (measured on 4 layers: the GRPO train step 21% faster than under the scan)."""
+        if self.layer_loop == "auto":
+            return (
+                jax.default_backend() == "cpu"
+                and self.remat_policy == "none"
+                and self.num_layers <= AUTO_UNROLL_LAYERS
+            )
+        return self.layer_loop == "unroll"
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

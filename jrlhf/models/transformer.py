@@ -164,16 +164,16 @@ class Transformer(nnx.Module):
     ):
         """Run the layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer.
 
-        By default the stacked layers run under ``lax.scan`` (``ModelConfig.layer_loop="unroll"``
-        unrolls them over static slices). ``layer_params`` (one pure parameter dict per layer, see
-        ``unstack_layers``) runs them unrolled instead, with the layer index
-        a constant: decode uses this on CPU, where the scan's per-layer dynamic slice of every
-        stacked weight is materialised as a copy before each matmul, doubling the weight traffic
-        that bounds a decode step.
+        The stacked layers run under ``lax.scan`` or unrolled over static slices
+        (``ModelConfig.layer_loop``; by default unrolled for shallow models on CPU).
+        ``layer_params`` (one pure parameter dict per layer, see ``unstack_layers``) runs them
+        unrolled instead, with the layer index a constant: decode uses this on CPU, where the
+        scan's per-layer dynamic slice of every stacked weight is materialised as a copy before
+        each matmul, doubling the weight traffic that bounds a decode step.
         """
         cos, sin = rope_cos_sin(positions_bt, self.config)
         graphdef, state = nnx.split(self.layers)
-        if layer_params is None and self.config.layer_loop == "unroll":
+        if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
         if layer_params is not None:
             for idx, params in enumerate(layer_params):
