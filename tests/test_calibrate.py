@@ -159,6 +159,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
         reshard_overhead_s=1.5e-3,
         reshard_efficiency=0.8,
     )
+    if shared:  # the target copy at its own rate
+        truth = truth.replace(reshard_copy_efficiency=2.5)
     if shared:  # per-layer costs paid once per call, apart from those every device pays
         truth = truth.replace(
             fixed_device_exponent=0.6,
@@ -179,6 +181,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "decode_layer_overhead_once_s",
         "reshard_overhead_s",
         "reshard_efficiency",
+        "reshard_copy_efficiency",
         "fixed_device_exponent",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field

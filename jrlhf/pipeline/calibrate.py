@@ -479,28 +479,43 @@ def _fit_linear(
             "layer_overhead_s": float(layer_overhead),
             "layer_overhead_once_s": float(layer_once),
         }
-    # the resharder: a fixed cost plus its bytes at a fitted fraction of the link bandwidth
+    # the resharder: a fixed cost plus its bytes at fitted fractions of the link bandwidth, on a
+    # shared host one for the bytes fetched from other devices and one for the local target
+    # copy (the one- and two-device runs move nothing across devices, which tells them apart)
+    shared = profile.shared_host
     rows, ys = [], []
     for overrides, devices, measured in measurements:
         _, plan, w = _calibration_setup(overrides, dtype, devices)
         edge = plan.reshard_edges()[0]
-        p0 = profile.replace(reshard_overhead_s=0.0, reshard_efficiency=1.0)
-        t0 = est.reshard_seconds(w, edge, plan, p0)
-        moved = 2 * (t0 - est.reshard_seconds(w, edge, plan, p0.replace(reshard_efficiency=2.0)))
-        fixed = (
-            est.reshard_seconds(w, edge, plan, p0.replace(reshard_overhead_s=1e-3)) - t0
-        ) / 1e-3
+        p0 = profile.replace(
+            reshard_overhead_s=0.0, reshard_efficiency=1.0, reshard_copy_efficiency=1.0
+        )
+
+        def seconds(w=w, edge=edge, plan=plan, p0=p0, **changes):
+            return est.reshard_seconds(w, edge, plan, p0.replace(**changes))
+
+        t0 = seconds()
+        moved = 2 * (t0 - seconds(reshard_efficiency=2.0))  # at efficiency 1
+        copy = 2 * (t0 - seconds(reshard_copy_efficiency=2.0)) if shared else 0.0
+        fixed = (seconds(reshard_overhead_s=1e-3) - t0) / 1e-3
         scale = 1.0 / max(measured["reshard"], 1e-9)
-        rows.append([fixed * scale, moved * scale])
-        ys.append((measured["reshard"] - (t0 - moved)) * scale)  # less the collective latency
-    overhead, inv_eff = _nnls(np.array(rows), np.array(ys))
+        rows.append([fixed * scale, moved * scale] + ([copy * scale] if shared else []))
+        # less the collective latency (and, off a shared host, the copy at memory bandwidth)
+        ys.append((measured["reshard"] - (t0 - moved - copy)) * scale)
+    x = _nnls(np.array(rows), np.array(ys))
+
+    def efficiency(inv: float) -> float:
+        return float(min(10.0, 1.0 / inv)) if inv > 0 else 10.0
+
     profile = profile.replace(
-        reshard_overhead_s=float(overhead),
-        reshard_efficiency=float(min(10.0, 1.0 / inv_eff)) if inv_eff > 0 else 10.0,
+        reshard_overhead_s=float(x[0]),
+        reshard_efficiency=efficiency(x[1]),
+        reshard_copy_efficiency=efficiency(x[2]) if shared else 0.0,
     )
     fits["reshard"] = {
         "overhead_s": profile.reshard_overhead_s,
         "efficiency": profile.reshard_efficiency,
+        "copy_efficiency": profile.reshard_copy_efficiency,
     }
     return profile, fits, residual
 

@@ -470,9 +470,13 @@ def reshard_seconds(
     bw = _link_bandwidth(nodes, profile) * profile.reshard_efficiency
     target = shard_bytes(cfg, head, dst)
     if profile.shared_host:
-        # one memory: a byte from another device and a local one are the same memcpy
+        # one memory, every device's copies on the same cores; bytes fetched from another
+        # device and the local target copy at their own fitted rates
+        copy_bw = _link_bandwidth(nodes, profile) * (
+            profile.reshard_copy_efficiency or profile.reshard_efficiency
+        )
         moved = sum(per_device.values()) / bw
-        copy = target * dst.mesh.size / bw
+        copy = target * dst.mesh.size / copy_bw
     else:
         moved = max(per_device.values(), default=0) / bw
         copy = 2 * target / profile.memory_bandwidth

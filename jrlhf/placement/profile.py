@@ -65,6 +65,10 @@ class DeviceProfile:
     collective_latency_s: float = 0.0  # per collective (all-gather, all-reduce, ...)
     reshard_overhead_s: float = 0.0  # one cached resharder transition: tree walk, dispatch, sync
     reshard_efficiency: float = 1.0  # fraction of the link bandwidth a transition achieves
+    # shared_host: the fraction of the link bandwidth at which a transition writes its target
+    # copy on every target device (a local copy, which runs several times faster than bytes
+    # fetched from other devices on fake CPU devices); 0 = reshard_efficiency (one rate for both)
+    reshard_copy_efficiency: float = 0.0
     shared_host: bool = False
     # shared_host: the cores the device programs share. A fixed per-device cost (dispatch, op
     # launches, a collective's rendezvous) is paid by each of the n device programs, up to
