@@ -16,9 +16,12 @@ searched plan's, both measured in this run). ``table`` gives one row per plan: m
 estimated seconds and the relative error per phase and for the iteration. ``results`` has the
 details (each iteration's phase times, the placements, the estimate's per-call seconds).
 
-Held-out check: by default the profile is calibrated first in this process (microbenchmarks plus
-two small models, ``jrlhf.pipeline.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
-different size (``--hidden``/``--layers``), so the error is not fitted to the test.
+Held-out check: by default the profile is calibrated in this process (microbenchmarks plus two
+small models, ``jrlhf.pipeline.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
+different size (``--hidden``/``--layers``), so the error is not fitted to the test. The
+calibration models are timed first (the search uses that profile), then once more before each
+round of trainer iterations; the errors come from the profile fitted to those later rounds, which
+saw the machine as the trainers did (``summary.calibrated_before_measuring`` scores the first).
 """
 
 from __future__ import annotations
