@@ -158,6 +158,11 @@ def test_fit_profile_recovers_a_known_profile(shared):
         decode_layer_overhead_s=3e-4,
         reshard_overhead_s=1.5e-3,
         reshard_efficiency=0.8,
+        # the costs that grow with tokens and context, not FLOPs (the long-prompt model's runs
+        # tell them apart)
+        forward_activation_efficiency=0.08,
+        train_activation_efficiency=0.03,
+        decode_kv_efficiency=0.1,
     )
     if shared:  # the target copy at its own rate
         truth = truth.replace(reshard_copy_efficiency=2.5)
@@ -183,6 +188,9 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "reshard_efficiency",
         "reshard_copy_efficiency",
         "fixed_device_exponent",
+        "forward_activation_efficiency",
+        "train_activation_efficiency",
+        "decode_kv_efficiency",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
     assert set(fits) - {"fixed_device_exponent"} == {"forward", "train", "generate", "reshard"}

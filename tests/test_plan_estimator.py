@@ -303,9 +303,13 @@ def test_microbatches_cut_activation_memory_not_flops():
 def test_from_config_reads_slots_chunks_and_microbatches():
     from jrlhf.config import load_config
 
-    cfg = load_config(["configs/llama3_8b_ppo.gin"], ["DecodeConfig.num_slots = 128"])
+    cfg = load_config(
+        ["configs/llama3_8b_ppo.gin"],
+        ["DecodeConfig.num_slots = 128", "DecodeConfig.page_size = 32"],
+    )
     w = Workload.from_config(cfg, {"actor": tiny_config()})
     assert w.decode_slots == w.slots == 128
+    assert w.decode_page_size == 32
     assert w.infer_batch_size == getattr(cfg.rl, "infer_batch_size", 0)
     assert w.actor_microbatches == cfg.roles["actor"].microbatches == 4
     assert w.critic_microbatches == cfg.roles["critic"].microbatches == 4
@@ -563,3 +567,45 @@ def test_memory_reserve_is_held_back_in_the_fit_check():
     assert not e.fits and "reserve" in e.reasons[0]
     with pytest.raises(ValueError, match="memory_reserve_bytes"):
         h100.replace(memory_reserve_bytes=h100.memory_bytes)
+
+
+@pytest.mark.parametrize("prompt_len", [3, 10, 16, 20, 40, 64])
+def test_prefill_is_priced_at_the_length_the_engine_pads_to(prompt_len):
+    """The engine pads a prefill to a power of two of at least min(16, P), capped at P (its
+    max_prompt_len): a 10-token limit prefills 10 tokens, not 16."""
+    from jrlhf.decode.engine import _bucket
+
+    lo = min(16, prompt_len)  # EngineConfig.min_prefill_len as jrlhf.ppo.rollout sets it
+    want = _bucket(prompt_len, lo, max(prompt_len, lo))
+    w = _workload(tiny_config(), prompt_len=prompt_len)
+    assert est.prefill_len(w) == want <= prompt_len
+
+
+def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
+    """paged_attention_blocked reads blocks of min(4, pages) pages, as many as the longest
+    sequence needs: the step's KV reads follow those blocks, averaged over the steps."""
+    # 10 + 12 tokens on 8-token pages: 3 pages (21 cached positions), one 24-token block
+    assert est.attended_context(10, 12, 8) == 24
+    assert est.attended_context(16, 16, 8) == 32
+    assert est.attended_context(112, 16, 8) == 128
+    # 20 + 30: 7 pages, 32-token blocks; lengths 21..49 over 29 steps: 12 steps read one
+    # block, 17 read two
+    assert est.attended_context(20, 30, 8) == pytest.approx((12 * 32 + 17 * 64) / 29)
+    # the KV term grows with the context at decode_kv_efficiency of the bandwidth
+    cfg = tiny_config()
+    profile = DeviceProfile(name="t", memory_bytes=2**33, matmul_flops=1e15, memory_bandwidth=1e9)
+    p = flatten(1)["actor_generate"]
+    short, long = (
+        _workload(cfg, prompt_len=16, gen_len=2),
+        _workload(cfg, prompt_len=48, gen_len=2),
+    )
+    slow = profile.replace(decode_kv_efficiency=0.1)
+
+    def kv_part(w):  # the decode step's KV price under ``slow``, less the prefill and the rest
+        return est.generate_seconds(w, p, slow) - est.generate_seconds(w, p, profile)
+
+    # one decode step (gen_len 2) of 32 rows: 17 cached positions on 3 pages read as one
+    # 24-token block; 49 on 7 pages as two 32-token blocks
+    row_token = wl.kv_bytes_per_token(cfg) * short.rows
+    assert kv_part(short) == pytest.approx(9 * row_token * 24 / 1e9, rel=1e-6)
+    assert kv_part(long) == pytest.approx(9 * row_token * 64 / 1e9, rel=1e-6)

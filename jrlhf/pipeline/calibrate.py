@@ -58,14 +58,42 @@ from jrlhf.reshard import Resharder
 from jrlhf.runtime.roles import make_infer
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
-# calibration models: deliberately not the size the plan bench evaluates (held-out check)
+# calibration models: deliberately not the size the plan bench evaluates (held-out check). Each
+# runs prompts of ``prompt_len`` and responses of ``gen_len`` tokens (16 and 16 unless given) on
+# the flatten plan with ``tensor``-way tensor parallelism (2 unless given, where it divides). The
+# first model runs once more with a long prompt and no tensor parallelism: the fit then tells
+# the costs that grow with the context and the tokens (a decode step's reads of the KV cache,
+# the activations' elementwise work) from the per-step and per-layer ones, and per-device work
+# from tensor parallelism's collectives.
 CALIBRATION_MODELS = (
     dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2),
     dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
+    dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        prompt_len=112,
+        gen_len=16,
+        tensor=1,
+    ),
 )
+WORKLOAD_KEYS = ("prompt_len", "gen_len", "tensor")
 # (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
 # costs (which a shared host pays once per device program) and collectives from compute
-CALIBRATION_RUNS = ((0, 1.0), (1, 1.0), (0, 0.5), (1, 0.5), (0, 0.25), (0, 0.125), (1, 0.125))
+CALIBRATION_RUNS = (
+    (0, 1.0),
+    (1, 1.0),
+    (0, 0.5),
+    (1, 0.5),
+    (0, 0.25),
+    (0, 0.125),
+    (1, 0.125),
+    (2, 1.0),
+    (2, 0.5),
+    (2, 0.125),
+)
 MODEL_KINDS = ("forward", "train", "generate", "reshard")
 # bytes the memory-bandwidth microbenchmark streams (read and written in place): above the
 # last-level caches of the hosts we run on (32 MiB here), so DRAM's rate is measured
@@ -225,11 +253,15 @@ def collective_fit(
 
 
 def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
-
-    cfg = tiny_config(vocab_size=64, max_position_embeddings=256, **overrides).replace(
+    """(model config, flatten plan, workload) of a calibration run: ``overrides`` are the
+    model's, plus the workload's ``WORKLOAD_KEYS``."""
+    shape = {"prompt_len": 16, "gen_len": 16, "tensor": None}
+    shape.update({k: v for k, v in overrides.items() if k in WORKLOAD_KEYS})
+    plan = flatten(devices, tensor=shape.pop("tensor"))
+    model = {k: v for k, v in overrides.items() if k not in WORKLOAD_KEYS}
+    cfg = tiny_config(vocab_size=64, max_position_embeddings=256, **model).replace(
         param_dtype="float32", dtype=dtype
     )
-    plan = flatten(devices)
     w = Workload(
         actor=cfg,
         critic=None,
@@ -237,11 +269,10 @@ def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
         reward=None,
         prompts=32,
         samples_per_prompt=1,
-        prompt_len=16,
-        gen_len=16,
         epochs=1,
         minibatch_size=16,
         decode_chunk_steps=8,
+        **shape,
     )
     return cfg, plan, w
 
@@ -397,6 +428,15 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+# Rates each kind's fit finds besides its efficiency and layer overheads, as (profile field, the
+# value that means "not priced" when the fit finds no such cost): forwards and training steps
+# stream their activations at their own fractions of the memory bandwidth, and a decode step
+# reads the KV cache at its own.
+EXTRA_RATES = {
+    "forward": (("forward_activation_efficiency", 0.0),),
+    "train": (("train_activation_efficiency", 0.0),),
+    "generate": (("decode_kv_efficiency", 10.0),),
+}
 # fixed_device_exponent values the shared-host fit tries
 DEVICE_EXPONENTS = tuple(i / 10 for i in range(11))
 
@@ -448,9 +488,13 @@ def _fit_linear(
                 return est.train_seconds(w, "actor", plan["actor_train"], prof) / w.train_steps
             return est.generate_seconds(w, plan["actor_generate"], prof)
 
+        rates = EXTRA_RATES[kind]
         rows, ys = [], []
         for overrides, devices, measured in measurements:
-            p0 = profile.replace(**{eff_field: 1.0, layer_field: 0.0, once_field: 0.0})
+            p0 = profile.replace(
+                **{eff_field: 1.0, layer_field: 0.0, once_field: 0.0},
+                **{field: 1.0 for field, _ in rates},
+            )
             t0 = model_time(p0, overrides, devices)
             t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices)
             t_layer = model_time(p0.replace(**{layer_field: 1e-3}), overrides, devices)
@@ -458,17 +502,22 @@ def _fit_linear(
             work = 2 * (t0 - t_half)  # the term divided by efficiency, at efficiency 1
             layers = (t_layer - t0) / 1e-3  # the coefficient of the per-device layer overhead
             once = (t_once - t0) / 1e-3  # ... and of the once-per-call one
-            fixed = t0 - work
+            # each extra rate's term at efficiency 1 (its time halves at efficiency 2)
+            extra = [
+                2 * (t0 - model_time(p0.replace(**{field: 2.0}), overrides, devices))
+                for field, _ in rates
+            ]
+            fixed = t0 - work - sum(extra)
             scale = 1.0 / max(measured[kind], 1e-9)
             row = [work * scale, layers * scale]
             if profile.shared_host:  # elsewhere both overheads are paid alike: one unknown
                 row.append(once * scale)
-            rows.append(row)
+            rows.append(row + [e * scale for e in extra])
             ys.append((measured[kind] - fixed) * scale)
         x = _nnls(np.array(rows), np.array(ys))
         residual += float(np.sum((np.array(rows) @ x - np.array(ys)) ** 2))
         inv_eff, layer_overhead = x[0], x[1]
-        layer_once = x[2] if len(x) > 2 else 0.0
+        layer_once = x[2] if profile.shared_host else 0.0
         eff = 1.0 / inv_eff if inv_eff > 0 else 10.0
         eff = float(min(10.0, eff))
         profile = profile.replace(
@@ -479,6 +528,10 @@ def _fit_linear(
             "layer_overhead_s": float(layer_overhead),
             "layer_overhead_once_s": float(layer_once),
         }
+        for (field, unpriced), inv in zip(rates, x[len(x) - len(rates) :]):
+            value = float(min(10.0, 1.0 / inv)) if inv > 0 else unpriced
+            profile = profile.replace(**{field: value})
+            fits[kind][field] = value
     # the resharder: a fixed cost plus its bytes at fitted fractions of the link bandwidth, on a
     # shared host one for the bytes fetched from other devices and one for the local target
     # copy (the one- and two-device runs move nothing across devices, which tells them apart)

@@ -3,8 +3,15 @@
 Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
 
 * compute: FLOPs / (achieved matmul FLOP/s x a fitted per-kind efficiency);
-* memory-bound decode: each step reads the weight shard and the KV cache; a step costs
-  ``max(compute, bytes / bandwidth) / decode_efficiency``;
+* activations: the elementwise work between the matmuls streams each layer's live activations,
+  priced at a fitted fraction of the memory bandwidth (``forward_activation_efficiency``,
+  ``train_activation_efficiency``; 0 folds it into the efficiencies, as on accelerators, where
+  it fuses into the matmul kernels). On XLA's CPU backend it grows with tokens x width, not
+  with FLOPs, and decides much of a small model's time;
+* decode: each step runs one token per sequence through the matmuls, at
+  ``max(compute, weight shard bytes / bandwidth) / decode_efficiency``, and its attention reads
+  the KV pages the kernel visits (``attended_context``) at ``decode_kv_efficiency`` x the
+  bandwidth;
 * collectives: FSDP all-gathers of weights (and reduce-scatter of gradients), tensor-parallel
   all-reduces of activations (two per layer forward, four forward + backward), priced by bytes per
   device over the intra- or inter-node bandwidth (whichever the call's device span needs);
@@ -239,6 +246,20 @@ def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile
     return per_device * (g.n if profile.shared_host else 1) / rate
 
 
+def _activation_s(
+    cfg: ModelConfig, tokens: float, seq: int, g: _Geometry, efficiency: float, profile
+) -> float:
+    """Seconds of a forward's elementwise work over ``tokens`` tokens per device (its live
+    activations, ``activation_bytes_per_token``, streamed once per layer) at ``efficiency`` x
+    the memory bandwidth; 0 when the profile does not price it apart (efficiency 0)."""
+    if efficiency <= 0:
+        return 0.0
+    per_token = activation_bytes_per_token(cfg, seq, g.tensor, saved=False)
+    return _work_s(
+        tokens * cfg.num_layers * per_token, g, profile.memory_bandwidth * efficiency, profile
+    )
+
+
 def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
     """A fixed per-device cost (dispatch, per-op launch): on a shared host every device's
     program runs its ops on the same cores, so the cost is paid n times over, ``host_cores``
@@ -348,17 +369,42 @@ def _waves(w: Workload, g: _Geometry) -> list[int]:
     return [slots] * full + ([rest] if rest else [])
 
 
+def prefill_len(w: Workload) -> int:
+    """The prefill's padded prompt length, as the engine buckets it: a power of two of at least
+    min(16, prompt_len), capped at prompt_len (``EngineConfig.min_prefill_len`` and
+    ``max_prompt_len`` as ``jrlhf.ppo.rollout.engine_config`` sets them)."""
+    return min(w.prompt_len, _bucket(w.prompt_len, min(16, w.prompt_len)))
+
+
+@functools.lru_cache(maxsize=1024)
+def attended_context(prompt_len: int, gen_len: int, page_size: int) -> float:
+    """KV positions one decode step reads per sequence, averaged over the steps.
+
+    The decode kernels read the cache in whole pages: the CPU one (``paged_attention_blocked``)
+    in blocks of up to 4 pages, as many blocks as the longest sequence needs; the GPU one each
+    sequence's own pages, which is at most a block less. With uniform lengths the sequences at
+    step s hold prompt_len + s positions.
+    """
+    pages = -(-(prompt_len + gen_len - 1) // page_size)
+    block = min(4, pages) * page_size
+    steps = range(1, max(1, gen_len - 1) + 1)
+    return sum(-(-(prompt_len + s) // block) * block for s in steps) / len(steps)
+
+
 def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> float:
     """Prefill in batches of <= min(slots, 64) prompts, then, per wave of up to ``slots``
-    sequences, gen_len - 1 decode steps; each step reads the weight shard once and the KV cache
-    of the sequences in flight."""
+    sequences, gen_len - 1 decode steps. Each step runs the matmuls of one token per sequence
+    (compute- or weight-read-bound, at ``decode_efficiency``), and its attention reads the KV
+    pages of the sequences in flight (``attended_context``) at ``decode_kv_efficiency`` of the
+    memory bandwidth: on CPU that gather-and-reduce is far slower than the matmuls and grows
+    with the context, not with the weights."""
     cfg = w.actor
     g = _geometry(p, profile)
     rows = w.rows
     a = itemsize(cfg.dtype)
     slots = _engine_slots(w, g)
-    # prefill: prompts padded to a power of two (the engine's bucketing), <= 64 rows per call
-    plen = _bucket(w.prompt_len, min(16, w.prompt_len))
+    # prefill: prompts padded as the engine buckets them, <= 64 rows per call
+    plen = prefill_len(w)
     prefill_calls = -(-rows // min(slots, 64))
     flops = forward_flops(cfg, rows, plen, "lm", rows)
     prefill = prefill_calls * (
@@ -367,25 +413,30 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
         * (profile.forward_layer_overhead_s + profile.forward_layer_overhead_once_s)
     )
     prefill += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+    prefill_tokens = -(-rows // g.batch) * plen
+    prefill += _activation_s(
+        cfg, prefill_tokens, plen, g, profile.forward_activation_efficiency, profile
+    )
     steps = max(0, w.gen_len - 1)
-    context = w.prompt_len + w.gen_len / 2
+    context = attended_context(w.prompt_len, w.gen_len, w.decode_page_size)
     weight_bytes = shard_bytes(cfg, "lm", p)
     chunks = -(-steps // max(1, w.decode_chunk_steps))
     total = prefill
     for in_flight in _waves(w, g):
         per_shard = -(-in_flight // g.batch)
         compute = _work_s(
-            decode_step_flops(cfg, in_flight, context) / g.n, g, profile.matmul_flops, profile
+            decode_step_flops(cfg, in_flight, 0) / g.n, g, profile.matmul_flops, profile
         )
+        memory = _work_s(weight_bytes, g, profile.memory_bandwidth, profile)
         kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
-        memory = _work_s(weight_bytes + kv_bytes, g, profile.memory_bandwidth, profile)
+        kv = _work_s(kv_bytes, g, profile.memory_bandwidth * profile.decode_kv_efficiency, profile)
         tp = _comm_s(
             2 * cfg.num_layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
             2 * cfg.num_layers,
             g,
             profile,
         )
-        step = max(compute, memory) / profile.decode_efficiency
+        step = max(compute, memory) / profile.decode_efficiency + kv
         step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
         step += cfg.num_layers * profile.decode_layer_overhead_once_s
         total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
@@ -418,6 +469,8 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         )
         t += cfg.num_layers * profile.forward_layer_overhead_once_s
         t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+        tokens = -(-rows // g.batch) * seq
+        t += _activation_s(cfg, tokens, seq, g, profile.forward_activation_efficiency, profile)
         t += _comm_s(gathered, cfg.num_layers, g, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
         t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
@@ -440,6 +493,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     )
     step += m * cfg.num_layers * profile.train_layer_overhead_once_s
     step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)
+    step += m * _activation_s(
+        cfg, -(-micro // g.batch) * seq, seq, g, profile.train_activation_efficiency, profile
+    )
     # per micro-batch: two all-gathers of the weights (forward, backward) and a reduce-scatter
     # of the gradients
     gathered = _gathered_weight_bytes(cfg, head, p, g)
@@ -619,7 +675,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     g = _geometry(p, profile)
     a = itemsize(cfg.dtype)
     if phase == "generate":
-        plen = _bucket(w.prompt_len, min(16, w.prompt_len))
+        plen = prefill_len(w)
         slots = _engine_slots(w, g)
         prefill_rows = -(-min(w.rows, slots, 64) // g.batch)
         act = (

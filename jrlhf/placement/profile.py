@@ -38,6 +38,16 @@ class DeviceProfile:
     forward_efficiency: float = 1.0
     train_efficiency: float = 1.0
     decode_efficiency: float = 1.0
+    # The fraction of memory_bandwidth at which a forward (and a training step's forward and
+    # backward) streams its activations through the elementwise work between the matmuls (norms,
+    # rotary, softmax, residuals, activations): work that grows with tokens x width, not with
+    # the FLOPs. 0: not priced apart (folded into the efficiencies, as on accelerators, where
+    # it fuses into the matmul kernels).
+    forward_activation_efficiency: float = 0.0
+    train_activation_efficiency: float = 0.0
+    # the fraction of memory_bandwidth at which a decode step's attention reads the KV cache
+    # (gathering pages and reducing over them: far below a stream on CPU, near it on GPUs)
+    decode_kv_efficiency: float = 1.0
     # memory and links: achieved bytes/s
     memory_bandwidth: float = 1e11
     intra_node_bandwidth: float = 1e11  # per device, one direction, inside a node
@@ -87,9 +97,17 @@ class DeviceProfile:
         for field in ("memory_bytes", "matmul_flops", "memory_bandwidth", "intra_node_bandwidth"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be > 0")
-        for field in ("forward_efficiency", "train_efficiency", "decode_efficiency"):
+        for field in (
+            "forward_efficiency",
+            "train_efficiency",
+            "decode_efficiency",
+            "decode_kv_efficiency",
+        ):
             if not 0 < getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in (0, 10]")
+        for field in ("forward_activation_efficiency", "train_activation_efficiency"):
+            if not 0 <= getattr(self, field) <= 10:
+                raise ValueError(f"profile {self.name!r}: {field} must be in [0, 10]")
         if self.host_bandwidth < 0:
             raise ValueError(f"profile {self.name!r}: host_bandwidth must be >= 0")
         if not 0 <= self.memory_reserve_bytes < self.memory_bytes:

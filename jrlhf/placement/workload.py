@@ -43,6 +43,9 @@ class Workload:
     # 0 = every row in flight at once). The KV pool holds this many sequences at full length;
     # rows beyond it wait for a free slot, so uniform lengths decode in ceil(rows / slots) waves.
     decode_slots: int = 0
+    # Tokens per KV page (DecodeConfig.page_size): the decode kernels read the cache in blocks of
+    # pages, which sets how much of it a step reads.
+    decode_page_size: int = 8
     # Rows per reference / reward / critic scoring call (RLConfig.infer_batch_size; 0 = all rows
     # in one call). The trainer scores in chunks of this many rows, one after another.
     infer_batch_size: int = 0
@@ -129,6 +132,7 @@ class Workload:
             minibatch_size=cfg.rl.minibatch_size,
             decode_chunk_steps=cfg.decode.chunk_steps,
             decode_slots=cfg.decode.num_slots,
+            decode_page_size=cfg.decode.page_size,
             infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
