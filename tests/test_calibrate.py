@@ -39,10 +39,11 @@ def test_measure_interleaved_rounds_alternate_tasks():
 
 
 def test_model_timings_take_rounds_on_demand(monkeypatch):
-    """The calibration models' tasks are built and warmed up once; each ``round()`` times every
-    task ``repeat`` times in turn (the plan bench takes one before each round of trainer
-    iterations), ``reset()`` forgets the samples, and ``results()`` reports one forward and one
-    train step per call, as the estimator prices them."""
+    """The calibration models' tasks are built and warmed up once; each ``round()`` runs each
+    run's calls ``repeat`` times in a trainer iteration's order (generate, score, train, reshard:
+    the reshard right after a train step, as in the trainer; the plan bench takes one round before
+    each round of trainer iterations), ``reset()`` forgets the samples, and ``results()`` reports
+    one forward and one train step per call, as the estimator prices them."""
     calls = []
     per_call = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
 
@@ -57,7 +58,8 @@ def test_model_timings_take_rounds_on_demand(monkeypatch):
         timings.results()
     calls.clear()
     timings.round()
-    assert calls == [(d, k) for d in (8, 2) for k in per_call for _ in range(2)]
+    iteration = ["generate", "forward", "train", "reshard"]
+    assert calls == [(d, k) for d in (8, 2) for _ in range(2) for k in iteration]
     timings.round()
     (_, _, seconds, spread), _ = timings.results()
     assert seconds == pytest.approx(

@@ -94,7 +94,10 @@ CALIBRATION_RUNS = (
     (2, 0.5),
     (2, 0.125),
 )
-MODEL_KINDS = ("forward", "train", "generate", "reshard")
+# in the order a trainer iteration runs them (generate, score, train, then the reshard of the new
+# weights): each kind is timed in the machine state the previous one leaves, as in the trainer,
+# e.g. the reshard's fresh copy right after a train step has evicted the caches
+MODEL_KINDS = ("generate", "forward", "train", "reshard")
 # bytes the memory-bandwidth microbenchmark streams (read and written in place): above the
 # last-level caches of the hosts we run on (32 MiB here), so DRAM's rate is measured
 MEMORY_MBYTES = 256
@@ -375,9 +378,12 @@ class ModelTimings:
         self.samples: dict[tuple[int, str], list[float]] = {k: [] for k in self.tasks}
 
     def round(self) -> None:
-        """One round: every task ``repeat`` times, one task after another."""
-        for name, fn in self.tasks.items():
-            self.samples[name] += _samples(fn, self.repeat)
+        """One round: each run's calls ``repeat`` times in turn, in the order of ``MODEL_KINDS``
+        (an iteration's), one run after another."""
+        for i in range(len(self.runs)):
+            for _ in range(self.repeat):
+                for kind in MODEL_KINDS:
+                    self.samples[(i, kind)] += _samples(self.tasks[(i, kind)], 1)
 
     def reset(self) -> None:
         self.samples = {k: [] for k in self.tasks}
