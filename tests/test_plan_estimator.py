@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import pytest
 
 from jrlhf.meshes.mesh import make_mesh
@@ -91,14 +92,51 @@ def test_reshard_bytes_arithmetic_equals_layout_bytes_moved(head):
         (interleave(8), "reward_infer", "critic_infer"),
         (flatten(8, tensor=4, gen_tensor=2), "actor_train", "actor_generate"),
     ]
+    pairs.append((flatten(8, tensor=1), "actor_train", "actor_generate"))
     for plan, a, b in pairs:
         src, dst = plan[a], plan[b]
-        want = layout.bytes_moved(
-            model.shardings(make_mesh(src.mesh), src.rules),
-            model.shardings(make_mesh(dst.mesh), dst.rules),
-            model.abstract_params,
-        )
+        src_sh = model.shardings(make_mesh(src.mesh), src.rules)
+        dst_sh = model.shardings(make_mesh(dst.mesh), dst.rules)
+        want = layout.bytes_moved(src_sh, dst_sh, model.abstract_params)
         assert est.reshard_bytes(cfg, head, src, dst) == want, (plan.name, a, b)
+        # the parameters of which some device receives a part, from the real shardings
+        per_leaf = [
+            sum(layout.moved_bytes_per_device(s, d, x.shape, x.dtype).values())
+            for s, d, x in zip(
+                *(jax.tree.leaves(t) for t in (src_sh, dst_sh)),
+                jax.tree.leaves(model.abstract_params),
+            )
+        ]
+        moving = sum(n > 0 for n in per_leaf)
+        assert est.reshard_moving_leaves(cfg, head, src, dst) == moving, (plan.name, a, b)
+        assert 0 < moving <= len(per_leaf)
+
+
+def test_reshard_pays_one_collective_latency_per_moving_parameter():
+    """Only the latency priced (links and memory infinitely fast, no overhead): one collective
+    per parameter that moves, each paid by every device's thread on a shared host, none for an
+    identity."""
+    cfg = tiny_config(num_kv_heads=4)
+    w = _workload(cfg)
+    lat = DeviceProfile(
+        name="t",
+        memory_bytes=2**33,
+        matmul_flops=1e12,
+        memory_bandwidth=1e30,
+        intra_node_bandwidth=1e30,
+        inter_node_bandwidth=1e30,
+        collective_latency_s=1e-4,
+        reshard_overhead_s=0.0,
+    )
+    plan = flatten(8, tensor=1)
+    (edge,) = [e for e in plan.reshard_edges() if e.role == "actor"]
+    leaves = est.reshard_moving_leaves(cfg, "lm", plan[edge.src], plan[edge.dst])
+    assert leaves > 0
+    assert est.reshard_seconds(w, edge, plan, lat) == pytest.approx(leaves * 1e-4)
+    shared = lat.replace(shared_host=True, host_cores=2, fixed_device_exponent=1.0)
+    assert est.reshard_seconds(w, edge, plan, shared) == pytest.approx(leaves * 1e-4 * 8 / 2)
+    same = plan[edge.src]
+    assert est.reshard_moving_leaves(cfg, "lm", same, same) == 0
 
 
 def test_profile_json_round_trip(tmp_path):

@@ -209,6 +209,19 @@ def reshard_bytes_per_device(
     return types.MappingProxyType(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def reshard_moving_leaves(
+    cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement
+) -> int:
+    """Parameters (leaves) of which some device must receive a part: one collective each."""
+    count = 0
+    for _path, logical, shape, _size in _param_table(cfg, head):
+        have = _device_bounds(shape, _dim_axes(logical, src.mesh, src.rules), src.mesh)
+        want = _device_bounds(shape, _dim_axes(logical, dst.mesh, dst.rules), dst.mesh)
+        count += any(moved_elements(have, want).values())
+    return count
+
+
 def reshard_bytes(cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement) -> int:
     """Total bytes crossing devices (equals ``layout.bytes_moved`` of the two shardings)."""
     return sum(reshard_bytes_per_device(cfg, head, src, dst).values())
@@ -515,7 +528,8 @@ def reshard_seconds(
     plus writing the target copy: the resharder's compiled transition produces a new array on
     every target device (read and written at memory bandwidth; on a shared host at the same
     rate as the bytes from other devices, all being copies in one memory) even where nothing
-    crosses devices, e.g. an identity when training and generation share a layout."""
+    crosses devices, e.g. an identity when training and generation share a layout; plus one
+    collective's latency per parameter that moves."""
     cfg, head = w.models()[edge.role]
     # the layouts do not depend on the remat policy: one cache entry for every policy
     cfg = replace(cfg, remat_policy="none") if cfg.remat_policy != "none" else cfg
@@ -536,7 +550,10 @@ def reshard_seconds(
     else:
         moved = max(per_device.values(), default=0) / bw
         copy = 2 * target / profile.memory_bandwidth
-    latency = profile.collective_latency_s if moved > 0 else 0.0
+    # one collective per parameter that moves, each paying the measured collective latency
+    # (on a shared host, every device's thread takes part in its rendezvous)
+    leaves = reshard_moving_leaves(cfg, head, src, dst)
+    latency = _fixed_n_s(profile.collective_latency_s, len(devices), profile) * leaves
     # dispatch and per-leaf copies: every device of the move runs them (on a shared host, on
     # the same cores)
     overhead = _fixed_n_s(profile.reshard_overhead_s, len(devices), profile)
@@ -1232,6 +1249,7 @@ __all__ = [
     "layout_problems",
     "reshard_bytes",
     "reshard_bytes_per_device",
+    "reshard_moving_leaves",
     "shard_bytes",
     "tune_batches",
 ]
