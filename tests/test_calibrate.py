@@ -160,6 +160,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
         decode_layer_overhead_s=3e-4,
         reshard_overhead_s=1.5e-3,
         reshard_efficiency=0.8,
+        # the separated run's twin copy (the resharder's path between disjoint device sets)
+        reshard_twin_shard_s=4e-5,
         # the costs that grow with tokens and context, not FLOPs (the long-prompt model's runs
         # tell them apart)
         forward_activation_efficiency=0.08,
@@ -189,6 +191,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "reshard_overhead_s",
         "reshard_efficiency",
         "reshard_copy_efficiency",
+        "reshard_twin_shard_s",
         "fixed_device_exponent",
         "forward_activation_efficiency",
         "train_activation_efficiency",

@@ -139,6 +139,51 @@ def test_reshard_pays_one_collective_latency_per_moving_parameter():
     assert est.reshard_moving_leaves(cfg, "lm", same, same) == 0
 
 
+def test_disjoint_move_is_priced_as_the_resharder_runs_it():
+    """Between disjoint device sets the resharder copies the source layout shard for shard onto
+    the target devices (its twin) and reshards there: the estimate is that copy plus the
+    same-devices reshard from the twin, whose layout is the resharder's own twin sharding."""
+    from jrlhf.reshard import Resharder
+    from jrlhf.reshard.processes import twin
+
+    cfg = tiny_config(num_kv_heads=4)
+    w = _workload(cfg)
+    model = ModelDef(cfg, "lm")
+    plan = separate(8)
+    (edge,) = [e for e in plan.reshard_edges() if e.role == "actor"]
+    src, dst = plan[edge.src], plan[edge.dst]
+    assert not src.devices & dst.devices
+    src_sh = model.shardings(make_mesh(src.mesh), src.rules)
+    dst_sh = model.shardings(make_mesh(dst.mesh), dst.rules)
+    tree = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        model.abstract_params,
+        src_sh,
+    )
+    transition = Resharder().plan(tree, dst_sh)
+    assert transition.path == "device_put+jit"
+    # the twin placement lays every parameter out as the resharder's twin sharding does
+    mid = est.twin_placement(src, dst)
+    assert mid.devices == dst.devices
+    mid_sh = model.shardings(make_mesh(mid.mesh), mid.rules)
+    order = list(make_mesh(dst.mesh).devices.flat)
+    for s, m, aval in zip(
+        jax.tree.leaves(src_sh), jax.tree.leaves(mid_sh), jax.tree.leaves(model.abstract_params)
+    ):
+        assert twin(s, order).devices_indices_map(aval.shape) == m.devices_indices_map(aval.shape)
+    # price: the twin copy (its bytes over each device's link, a fixed cost per shard) plus the
+    # same-devices reshard on the target
+    profile = DeviceProfile.load("h100").replace(reshard_twin_shard_s=1e-4)
+    same = ExecutionPlan.of("twin", **{c: mid if c == edge.src else plan[c] for c in CALLS})
+    params = len(jax.tree.leaves(model.abstract_params))
+    copy_s = est.shard_bytes(cfg, "lm", src) / (
+        profile.intra_node_bandwidth * profile.reshard_efficiency
+    )
+    assert est.reshard_seconds(w, edge, plan, profile) == pytest.approx(
+        est.reshard_seconds(w, edge, same, profile) + copy_s + params * 1e-4
+    )
+
+
 def test_profile_json_round_trip(tmp_path):
     p = DeviceProfile.load("h100")
     path = tmp_path / "p.json"

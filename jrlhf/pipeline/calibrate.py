@@ -49,7 +49,7 @@ from jrlhf.meshes.mesh import make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
 from jrlhf.placement import estimator as est
-from jrlhf.placement.plan import flatten
+from jrlhf.placement.plan import strategy
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
 from jrlhf.ppo import batch as rl_batch
@@ -64,7 +64,7 @@ from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimize
 # first model runs once more with a long prompt and no tensor parallelism: the fit then tells
 # the costs that grow with the context and the tokens (a decode step's reads of the KV cache,
 # the activations' elementwise work) from the per-step and per-layer ones, and per-device work
-# from tensor parallelism's collectives.
+# from tensor parallelism's collectives. It runs a third time on the separate plan (``placement``).
 CALIBRATION_MODELS = (
     dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2),
     dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
@@ -78,8 +78,19 @@ CALIBRATION_MODELS = (
         gen_len=16,
         tensor=1,
     ),
+    # the first model on the separate plan: generation on half the devices, the rest on the
+    # other half, so its reshard takes the resharder's path between disjoint device sets (a
+    # twin copy of the training layout onto the generation devices, then a reshard there)
+    dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        placement="separate",
+    ),
 )
-WORKLOAD_KEYS = ("prompt_len", "gen_len", "tensor")
+WORKLOAD_KEYS = ("prompt_len", "gen_len", "tensor", "placement")
 # (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
 # costs (which a shared host pays once per device program) and collectives from compute
 CALIBRATION_RUNS = (
@@ -93,6 +104,7 @@ CALIBRATION_RUNS = (
     (2, 1.0),
     (2, 0.5),
     (2, 0.125),
+    (3, 1.0),
 )
 # in the order a trainer iteration runs them (generate, score, train, then the reshard of the new
 # weights): each kind is timed in the machine state the previous one leaves, as in the trainer,
@@ -256,11 +268,12 @@ def collective_fit(
 
 
 def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
-    """(model config, flatten plan, workload) of a calibration run: ``overrides`` are the
-    model's, plus the workload's ``WORKLOAD_KEYS``."""
-    shape = {"prompt_len": 16, "gen_len": 16, "tensor": None}
+    """(model config, plan, workload) of a calibration run: ``overrides`` are the model's, plus
+    the workload's ``WORKLOAD_KEYS`` (the plan: the ``placement`` strategy, flatten unless
+    given)."""
+    shape = {"prompt_len": 16, "gen_len": 16, "tensor": None, "placement": "flatten"}
     shape.update({k: v for k, v in overrides.items() if k in WORKLOAD_KEYS})
-    plan = flatten(devices, tensor=shape.pop("tensor"))
+    plan = strategy(shape.pop("placement"), devices, tensor=shape.pop("tensor"))
     model = {k: v for k, v in overrides.items() if k not in WORKLOAD_KEYS}
     cfg = tiny_config(vocab_size=64, max_position_embeddings=256, **model).replace(
         param_dtype="float32", dtype=dtype
@@ -540,14 +553,18 @@ def _fit_linear(
             fits[kind][field] = value
     # the resharder: a fixed cost plus its bytes at fitted fractions of the link bandwidth, on a
     # shared host one for the bytes fetched from other devices and one for the local target
-    # copy (the one- and two-device runs move nothing across devices, which tells them apart)
+    # copy (the one- and two-device runs move nothing across devices, which tells them apart);
+    # where a run's reshard is between disjoint device sets, one more for its twin copy
     shared = profile.shared_host
-    rows, ys = [], []
+    rows, twins, ys = [], [], []
     for overrides, devices, measured in measurements:
         _, plan, w = _calibration_setup(overrides, dtype, devices)
         edge = plan.reshard_edges()[0]
         p0 = profile.replace(
-            reshard_overhead_s=0.0, reshard_efficiency=1.0, reshard_copy_efficiency=1.0
+            reshard_overhead_s=0.0,
+            reshard_efficiency=1.0,
+            reshard_copy_efficiency=1.0,
+            reshard_twin_shard_s=0.0,
         )
 
         def seconds(w=w, edge=edge, plan=plan, p0=p0, **changes):
@@ -556,11 +573,16 @@ def _fit_linear(
         t0 = seconds()
         moved = 2 * (t0 - seconds(reshard_efficiency=2.0))  # at efficiency 1
         copy = 2 * (t0 - seconds(reshard_copy_efficiency=2.0)) if shared else 0.0
+        twin = (seconds(reshard_twin_shard_s=1e-3) - t0) / 1e-3
         fixed = (seconds(reshard_overhead_s=1e-3) - t0) / 1e-3
         scale = 1.0 / max(measured["reshard"], 1e-9)
         rows.append([fixed * scale, moved * scale] + ([copy * scale] if shared else []))
+        twins.append(twin * scale)
         # less the collective latency (and, off a shared host, the copy at memory bandwidth)
         ys.append((measured["reshard"] - (t0 - moved - copy)) * scale)
+    fit_twin = any(t > 0 for t in twins)
+    if fit_twin:
+        rows = [[*row, t] for row, t in zip(rows, twins)]
     x = _nnls(np.array(rows), np.array(ys))
 
     def efficiency(inv: float) -> float:
@@ -570,11 +592,13 @@ def _fit_linear(
         reshard_overhead_s=float(x[0]),
         reshard_efficiency=efficiency(x[1]),
         reshard_copy_efficiency=efficiency(x[2]) if shared else 0.0,
+        reshard_twin_shard_s=float(x[-1]) if fit_twin else 0.0,
     )
     fits["reshard"] = {
         "overhead_s": profile.reshard_overhead_s,
         "efficiency": profile.reshard_efficiency,
         "copy_efficiency": profile.reshard_copy_efficiency,
+        "twin_shard_s": profile.reshard_twin_shard_s,
     }
     return profile, fits, residual
 
@@ -597,9 +621,15 @@ def compute_dtype() -> str:
 def model_runs() -> list[tuple[dict[str, Any], int]]:
     """The calibration models' (overrides, devices) runs on this machine's devices."""
     n = jax.device_count()
-    return [
+    runs = [
         (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
         for index, fraction in CALIBRATION_RUNS
+    ]
+    # a separated placement needs two devices at least
+    return [
+        (overrides, devices)
+        for overrides, devices in runs
+        if devices > 1 or overrides.get("placement", "flatten") == "flatten"
     ]
 
 

@@ -28,7 +28,10 @@ per minibatch.
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
 and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
 exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
-against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices.
+against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between disjoint
+device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout onto
+the target devices (so only the source's bytes cross the links between the two sets), then the
+same-devices reshard there.
 
 Memory per device is what lives there during the call's phase (train states with fp32 AdamW
 moments, the actor's generation copy, frozen models, the KV pool; the memory knobs take some of
@@ -529,11 +532,19 @@ def reshard_seconds(
     every target device (read and written at memory bandwidth; on a shared host at the same
     rate as the bytes from other devices, all being copies in one memory) even where nothing
     crosses devices, e.g. an identity when training and generation share a layout; plus one
-    collective's latency per parameter that moves."""
+    collective's latency per parameter that moves. Between disjoint device sets of one size
+    (the resharder's ``device_put+jit`` path), a twin copy of the source layout onto the
+    target devices first (``_twin_copy_seconds``), then all of the above on the target."""
     cfg, head = w.models()[edge.role]
     # the layouts do not depend on the remat policy: one cache entry for every policy
     cfg = replace(cfg, remat_policy="none") if cfg.remat_policy != "none" else cfg
     src, dst = plan[edge.src], plan[edge.dst]
+    twin_s = 0.0
+    if src.devices != dst.devices and src.mesh.size == dst.mesh.size:
+        # the resharder's device_put+jit path: the source layout copied shard for shard onto
+        # the target devices (its "twin"), then the same-devices reshard there
+        twin_s = _twin_copy_seconds(cfg, head, src, dst, profile)
+        src = twin_placement(src, dst)
     per_device = reshard_bytes_per_device(cfg, head, src, dst)
     devices = src.devices | dst.devices
     nodes = len({d // profile.devices_per_node for d in devices})
@@ -557,7 +568,31 @@ def reshard_seconds(
     # dispatch and per-leaf copies: every device of the move runs them (on a shared host, on
     # the same cores)
     overhead = _fixed_n_s(profile.reshard_overhead_s, len(devices), profile)
-    return overhead + moved + latency + copy
+    return overhead + moved + latency + copy + twin_s
+
+
+def twin_placement(src: CallPlacement, dst: CallPlacement) -> CallPlacement:
+    """``src``'s mesh axes and rules on ``dst``'s devices, in ``dst``'s order: where the
+    resharder copies a source layout before resharding between disjoint device sets
+    (``jrlhf.reshard.processes.twin``)."""
+    return CallPlacement(MeshSpec(src.mesh.axes, dst.mesh.device_ids()), src.rules)
+
+
+def _twin_copy_seconds(
+    cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement, profile: DeviceProfile
+) -> float:
+    """Copying every source shard to its twin device: its bytes (on a shared host all copies
+    go through one memory at the target copy's rate; otherwise every device sends its shard
+    over its own link at once) plus ``reshard_twin_shard_s`` per shard copied (every device's
+    shard of every parameter; on a shared host one after another)."""
+    shard = shard_bytes(cfg, head, src)
+    nodes = len({d // profile.devices_per_node for d in src.devices | dst.devices})
+    bw = _link_bandwidth(nodes, profile)
+    copies = len(_param_table(cfg, head))
+    if profile.shared_host:
+        eff = profile.reshard_copy_efficiency or profile.reshard_efficiency
+        return (shard / (bw * eff) + copies * profile.reshard_twin_shard_s) * src.mesh.size
+    return shard / (bw * profile.reshard_efficiency) + copies * profile.reshard_twin_shard_s
 
 
 # ------------------------------------------------------------------------------- memory model
@@ -1252,4 +1287,5 @@ __all__ = [
     "reshard_moving_leaves",
     "shard_bytes",
     "tune_batches",
+    "twin_placement",
 ]

@@ -79,6 +79,10 @@ class DeviceProfile:
     # copy on every target device (a local copy, which runs several times faster than bytes
     # fetched from other devices on fake CPU devices); 0 = reshard_efficiency (one rate for both)
     reshard_copy_efficiency: float = 0.0
+    # a move between disjoint device sets (the resharder's device_put+jit path) first copies the
+    # source layout shard for shard onto the target devices: this fixed cost per shard copied
+    # (one per parameter per source device), besides its bytes
+    reshard_twin_shard_s: float = 0.0
     shared_host: bool = False
     # shared_host: the cores the device programs share. A fixed per-device cost (dispatch, op
     # launches, a collective's rendezvous) is paid by each of the n device programs, up to
