@@ -256,6 +256,29 @@ def test_sampling_filters():
         SamplingParams(temperature=0.0)
 
 
+def test_first_argmax_and_sampling_match_jax():
+    """The sampler's argmax is jnp.argmax (first maximum; a NaN wins), and its Gumbel-max draw
+    is jax.random.categorical's: the same tokens for the same keys."""
+    from jrlhf.decode.sampling import first_argmax, sample_tokens
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 5, size=(64, 33)).astype(np.float32)  # many ties
+    x[3, [7, 20]] = np.nan
+    x[4] = -np.inf
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+    logits = jnp.asarray(3 * rng.standard_normal((32, 300)), jnp.float32)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(1), 32))
+    tokens, _, raw = sample_tokens(
+        logits, keys, jnp.float32(0.7), jnp.int32(0), jnp.float32(1.0), greedy=False, filtered=False
+    )
+    want = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, logits / 0.7)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+    assert tokens.dtype == jnp.int32
+    np.testing.assert_allclose(
+        raw, jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0], atol=1e-5
+    )
+
+
 def test_page_allocator_shared_prefix_pages():
     alloc = PageAllocator(
         num_shards=2, pages_per_shard=6, slots_per_shard=2, page_size=4, max_pages_per_seq=4

