@@ -65,30 +65,15 @@ from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimize
 # the costs that grow with the context and the tokens (a decode step's reads of the KV cache,
 # the activations' elementwise work) from the per-step and per-layer ones, and per-device work
 # from tensor parallelism's collectives. It runs a third time on the separate plan (``placement``).
+_SMALL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2)
 CALIBRATION_MODELS = (
-    dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2),
+    _SMALL,
     dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
-    dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        prompt_len=112,
-        gen_len=16,
-        tensor=1,
-    ),
+    dict(_SMALL, prompt_len=112, gen_len=16, tensor=1),
     # the first model on the separate plan: generation on half the devices, the rest on the
     # other half, so its reshard takes the resharder's path between disjoint device sets (a
     # twin copy of the training layout onto the generation devices, then a reshard there)
-    dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        placement="separate",
-    ),
+    dict(_SMALL, placement="separate"),
 )
 WORKLOAD_KEYS = ("prompt_len", "gen_len", "tensor", "placement")
 # (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
