@@ -110,12 +110,23 @@ def test_reshard_bytes_arithmetic_equals_layout_bytes_moved(head):
         moving = sum(n > 0 for n in per_leaf)
         assert est.reshard_moving_leaves(cfg, head, src, dst) == moving, (plan.name, a, b)
         assert 0 < moving <= len(per_leaf)
+        # the collectives' outputs: every target shard of which its device receives a part
+        gathered = 0
+        for s, d, x in zip(
+            *(jax.tree.leaves(t) for t in (src_sh, dst_sh)),
+            jax.tree.leaves(model.abstract_params),
+        ):
+            shard = math.prod(d.shard_shape(x.shape)) * x.dtype.itemsize
+            received = layout.moved_bytes_per_device(s, d, x.shape, x.dtype)
+            gathered += shard * sum(n > 0 for n in received.values())
+        assert est.reshard_gathered_bytes(cfg, head, src, dst) == gathered, (plan.name, a, b)
+        assert est.reshard_bytes(cfg, head, src, dst) <= gathered
 
 
 def test_reshard_pays_one_collective_latency_per_moving_parameter():
     """Only the latency priced (links and memory infinitely fast, no overhead): one collective
-    per parameter that moves, each paid by every device's thread on a shared host, none for an
-    identity."""
+    per parameter that moves, none for an identity; on a shared host the gathered shards' rate
+    carries the collectives instead."""
     cfg = tiny_config(num_kv_heads=4)
     w = _workload(cfg)
     lat = DeviceProfile(
@@ -133,10 +144,26 @@ def test_reshard_pays_one_collective_latency_per_moving_parameter():
     leaves = est.reshard_moving_leaves(cfg, "lm", plan[edge.src], plan[edge.dst])
     assert leaves > 0
     assert est.reshard_seconds(w, edge, plan, lat) == pytest.approx(leaves * 1e-4)
-    shared = lat.replace(shared_host=True, host_cores=2, fixed_device_exponent=1.0)
-    assert est.reshard_seconds(w, edge, plan, shared) == pytest.approx(leaves * 1e-4 * 8 / 2)
     same = plan[edge.src]
     assert est.reshard_moving_leaves(cfg, "lm", same, same) == 0
+    # on a shared host: the target copy on every device at one rate, the gathered shards at
+    # another, the fixed cost once per device on the host's cores
+    shared = lat.replace(
+        shared_host=True,
+        host_cores=2,
+        fixed_device_exponent=1.0,
+        intra_node_bandwidth=1e9,
+        reshard_efficiency=0.5,
+        reshard_copy_efficiency=2.0,
+        reshard_overhead_s=1e-3,
+    )
+    src, dst = plan[edge.src], plan[edge.dst]
+    gathered = est.reshard_gathered_bytes(cfg, "lm", src, dst)
+    copied = est.shard_bytes(cfg, "lm", dst) * 8
+    assert 0 < gathered < copied  # the parameters that stay (replicated norms) are only copied
+    assert est.reshard_seconds(w, edge, plan, shared) == pytest.approx(
+        1e-3 * 8 / 2 + gathered / 0.5e9 + copied / 2e9
+    )
 
 
 def test_disjoint_move_is_priced_as_the_resharder_runs_it():

@@ -537,9 +537,9 @@ def _fit_linear(
             profile = profile.replace(**{field: value})
             fits[kind][field] = value
     # the resharder: a fixed cost plus its bytes at fitted fractions of the link bandwidth, on a
-    # shared host one for the bytes fetched from other devices and one for the local target
-    # copy (the one- and two-device runs move nothing across devices, which tells them apart);
-    # where a run's reshard is between disjoint device sets, one more for its twin copy
+    # shared host one for the shards the collectives write and one for the target copy on every
+    # device (the one- and two-device runs gather nothing, which tells them apart); where a
+    # run's reshard is between disjoint device sets, one more for its twin copy
     shared = profile.shared_host
     rows, twins, ys = [], [], []
     for overrides, devices, measured in measurements:

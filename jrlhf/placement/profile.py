@@ -74,10 +74,12 @@ class DeviceProfile:
     decode_layer_overhead_once_s: float = 0.0
     collective_latency_s: float = 0.0  # per collective (all-gather, all-reduce, ...)
     reshard_overhead_s: float = 0.0  # one cached resharder transition: tree walk, dispatch, sync
-    reshard_efficiency: float = 1.0  # fraction of the link bandwidth a transition achieves
+    # fraction of the link bandwidth a transition achieves; on a shared host, the rate at which
+    # its collectives write the gathered shards (``estimator.reshard_gathered_bytes``)
+    reshard_efficiency: float = 1.0
     # shared_host: the fraction of the link bandwidth at which a transition writes its target
-    # copy on every target device (a local copy, which runs several times faster than bytes
-    # fetched from other devices on fake CPU devices); 0 = reshard_efficiency (one rate for both)
+    # copy on every target device (gathered shards pay this and ``reshard_efficiency`` both);
+    # 0 = reshard_efficiency (one rate for both)
     reshard_copy_efficiency: float = 0.0
     # a move between disjoint device sets (the resharder's device_put+jit path) first copies the
     # source layout shard for shard onto the target devices: this fixed cost per shard copied
