@@ -167,6 +167,9 @@ def test_fit_profile_recovers_a_known_profile(shared):
         forward_activation_efficiency=0.08,
         train_activation_efficiency=0.03,
         decode_kv_efficiency=0.1,
+        # a forward's writes of its FSDP-gathered weights (the short-sequence run's gathers
+        # tell them from the FLOPs)
+        forward_gather_efficiency=0.4,
     )
     if shared:  # the target copy at its own rate
         truth = truth.replace(reshard_copy_efficiency=2.5)
@@ -196,6 +199,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "forward_activation_efficiency",
         "train_activation_efficiency",
         "decode_kv_efficiency",
+        "forward_gather_efficiency",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
     assert set(fits) - {"fixed_device_exponent"} == {"forward", "train", "generate", "reshard"}

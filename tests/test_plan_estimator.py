@@ -166,6 +166,30 @@ def test_reshard_pays_one_collective_latency_per_moving_parameter():
     )
 
 
+def test_forward_prices_the_fsdp_gathers_writes():
+    """A forward's FSDP gathers write every device's whole gathered copy of each FSDP-sharded
+    weight: priced at forward_gather_efficiency x the link bandwidth (n times over on a shared
+    host), nothing where no weight is FSDP-sharded or the profile does not price it."""
+    cfg = tiny_config(num_kv_heads=4)
+    w = _workload(cfg)
+    base = DeviceProfile.load("cpu").replace(forward_gather_efficiency=0.0)
+    priced = base.replace(forward_gather_efficiency=0.25)
+    full = sum(math.prod(s) * size for _, _, s, size in est._param_table(cfg, "lm"))
+    for tensor in (1, 2):
+        p = flatten(8, tensor=tensor)["reference_infer"]
+        extra = est.infer_seconds(w, "reference", p, priced) - est.infer_seconds(
+            w, "reference", p, base
+        )
+        calls = len(est._chunks(w))
+        # every weight of the tiny model is FSDP-sharded: each device gathers its tensor shard
+        want = calls * 8 * full / tensor / (base.intra_node_bandwidth * 0.25)
+        assert extra == pytest.approx(want, rel=0.05), tensor
+    replicated = CallPlacement(flatten(8)["actor_generate"].mesh, "dp_tp")
+    assert est.infer_seconds(w, "reference", replicated, priced) == est.infer_seconds(
+        w, "reference", replicated, base
+    )
+
+
 def test_disjoint_move_is_priced_as_the_resharder_runs_it():
     """Between disjoint device sets the resharder copies the source layout shard for shard onto
     the target devices (its twin) and reshards there: the estimate is that copy plus the

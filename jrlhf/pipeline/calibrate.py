@@ -65,15 +65,21 @@ from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimize
 # the costs that grow with the context and the tokens (a decode step's reads of the KV cache,
 # the activations' elementwise work) from the per-step and per-layer ones, and per-device work
 # from tensor parallelism's collectives. It runs a third time on the separate plan (``placement``).
+# The larger model runs once more with 8-token prompts and responses and no tensor parallelism:
+# a forward gathers every weight whole on each device for few tokens, which tells the gathers'
+# writes from the FLOPs.
 _SMALL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2)
+_LARGER = dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2)
 CALIBRATION_MODELS = (
     _SMALL,
-    dict(hidden_size=384, intermediate_size=1024, num_layers=3, num_heads=6, num_kv_heads=2),
+    _LARGER,
     dict(_SMALL, prompt_len=112, gen_len=16, tensor=1),
     # the first model on the separate plan: generation on half the devices, the rest on the
     # other half, so its reshard takes the resharder's path between disjoint device sets (a
     # twin copy of the training layout onto the generation devices, then a reshard there)
     dict(_SMALL, placement="separate"),
+    # the larger model with short sequences and no tensor parallelism (the gathers' writes)
+    dict(_LARGER, prompt_len=8, gen_len=8, tensor=1),
 )
 WORKLOAD_KEYS = ("prompt_len", "gen_len", "tensor", "placement")
 # (model index, fraction of the devices): the half- and one-device runs separate per-device fixed
@@ -90,6 +96,7 @@ CALIBRATION_RUNS = (
     (2, 0.5),
     (2, 0.125),
     (3, 1.0),
+    (4, 1.0),
 )
 # in the order a trainer iteration runs them (generate, score, train, then the reshard of the new
 # weights): each kind is timed in the machine state the previous one leaves, as in the trainer,
@@ -434,10 +441,11 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # Rates each kind's fit finds besides its efficiency and layer overheads, as (profile field, the
 # value that means "not priced" when the fit finds no such cost): forwards and training steps
-# stream their activations at their own fractions of the memory bandwidth, and a decode step
-# reads the KV cache at its own.
+# stream their activations at their own fractions of the memory bandwidth, a forward writes its
+# FSDP-gathered weights at its own fraction of the link bandwidth, and a decode step reads the
+# KV cache at its own.
 EXTRA_RATES = {
-    "forward": (("forward_activation_efficiency", 0.0),),
+    "forward": (("forward_activation_efficiency", 0.0), ("forward_gather_efficiency", 0.0)),
     "train": (("train_activation_efficiency", 0.0),),
     "generate": (("decode_kv_efficiency", 10.0),),
 }

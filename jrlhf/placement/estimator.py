@@ -341,6 +341,21 @@ def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
 
 
+def _gather_write_s(
+    cfg, head: str, p: CallPlacement, g: _Geometry, efficiency: float, profile: DeviceProfile
+) -> float:
+    """Seconds for every device to write its gathered copy of each FSDP-sharded weight once
+    (every layer's, and the unscanned ones) at ``efficiency`` x the link bandwidth; 0 when the
+    profile does not price it apart (efficiency 0) or nothing is FSDP-sharded."""
+    if efficiency <= 0:
+        return 0.0
+    layer, rest = _gathered_parts(cfg, head, p)
+    written = layer * cfg.num_layers + rest
+    if written <= 0:
+        return 0.0
+    return _work_s(written, g, _link_bandwidth(g.nodes, profile) * efficiency, profile)
+
+
 @functools.lru_cache(maxsize=4096)
 def _gathered_parts(cfg: ModelConfig, head: str, placement: CallPlacement) -> tuple[int, int]:
     """(one scanned layer, the unscanned rest): bytes per device of the FSDP-sharded weights
@@ -505,6 +520,7 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         tokens = -(-rows // g.batch) * seq
         t += _activation_s(cfg, tokens, seq, g, profile.forward_activation_efficiency, profile)
         t += _comm_s(gathered, cfg.num_layers, g, profile)
+        t += _gather_write_s(cfg, head, p, g, profile.forward_gather_efficiency, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
         t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
     return t

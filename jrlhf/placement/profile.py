@@ -45,6 +45,12 @@ class DeviceProfile:
     # it fuses into the matmul kernels).
     forward_activation_efficiency: float = 0.0
     train_activation_efficiency: float = 0.0
+    # The fraction of the link bandwidth at which a forward writes its FSDP-gathered weights
+    # (each device its whole gathered copy of every FSDP-sharded weight), besides the
+    # collectives' own time. 0: not priced apart. On fake CPU devices a scoring forward's
+    # gathers cost far more per byte than the collective microbenchmark's; a training step's
+    # showed no such cost in the calibration's fits, so it has none.
+    forward_gather_efficiency: float = 0.0
     # the fraction of memory_bandwidth at which a decode step's attention reads the KV cache
     # (gathering pages and reducing over them: far below a stream on CPU, near it on GPUs)
     decode_kv_efficiency: float = 1.0
