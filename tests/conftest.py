@@ -47,7 +47,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
-    assert jax.device_count() == 8, f"tests need 8 fake devices, got {jax.device_count()}"
+    # On an accelerator (JAX_PLATFORMS=cuda, for the compiled-kernel tests) the devices are real.
+    if jax.default_backend() == "cpu":
+        assert jax.device_count() == 8, f"tests need 8 fake devices, got {jax.device_count()}"
 
 
 @contextmanager

@@ -5,9 +5,18 @@ One program per (sequence, kv head): it loads the query heads that share that kv
 online softmax, so only the pages a sequence actually uses are read. The whole 5-D pool and the
 layer index go in (no per-layer slice, which would copy every page of the layer each step).
 
+Precision: Triton's default for a float32 dot is TF32 (10-bit mantissas), which put the compiled
+kernel 3e-4 (relative) off the reference on float32 pools where the pure-JAX kernels are within
+1e-7 (measured on an H200). So float32 (and f16 or mixed) operands use IEEE float32 dots, and a
+bf16 model's decode (bf16 queries and pools) multiplies in bf16, whose products are exact in the
+float32 accumulator, the scale applied to the scores; the softmax weights, float32, are split
+into a high and a low bf16 half (two dots instead of one: about 16 mantissa bits instead of 8),
+so the result stays within rounding of the reference, which computes in float32 throughout.
+
 The kernel math is checked against the pure-JAX reference on CPU with ``interpret=True``. The
-compiled Triton path is selected automatically when ``jax.default_backend() == "gpu"`` and is
-checked by tests/test_decode_kernels.py whenever a CUDA device is present.
+compiled Triton path is selected automatically when ``jax.default_backend() == "gpu"``;
+tests/test_decode_kernels.py checks it on a CUDA device
+(``JAX_PLATFORMS=cuda python -m pytest -o addopts="" tests/test_decode_kernels.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,23 @@ from jax.experimental.pallas import triton as plgpu
 from jrlhf.models.attention import MASK_VALUE
 
 _MIN_ROWS = 16  # Triton's tl.dot needs at least 16 rows
+
+
+def _dot(a, b, trans_b: bool = False):
+    """A float32-accumulated dot with exact products: IEEE for float32 operands (not TF32),
+    the tensor cores' native multiply for bf16/f16 ones."""
+    return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST)
+
+
+def _split_bf16(x):
+    """float32 ``x`` as bf16 ``hi + lo`` to about 16 mantissa bits. ``hi`` is ``x`` with its low
+    16 bits cleared (exactly a bf16), taken by bit masking: a round trip through a bf16 convert
+    may be folded away by a compiler allowed excess precision (XLA:GPU folded it under
+    ``interpret=True``, leaving ``lo`` zero)."""
+    hi = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
+    )
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
 def _kernel(
@@ -42,7 +68,10 @@ def _kernel(
     layer = layer_ref[0]
     length = lengths_ref[0]
     rows, head_dim = q_ref.shape
-    q = q_ref[...].astype(jnp.float32) * scale
+    # bf16 when queries and pool are both bf16 (the engine's case for a bf16 model); float32
+    # otherwise (float32 models, mixed types, f16).
+    cdt = jnp.bfloat16 if q_ref.dtype == k_ref.dtype == jnp.bfloat16 else jnp.float32
+    q = q_ref[...].astype(cdt)
     first_page = 0
     if sliding_window:
         first_page = jnp.maximum(length - sliding_window, 0) // page_size
@@ -52,9 +81,9 @@ def _kernel(
         # Same contract as the reference kernel: out-of-range ids (unused table entries) are
         # clamped rather than read past the end of the pool.
         page = jnp.minimum(pages_ref[i], k_ref.shape[1] - 1)
-        k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
-        v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)]
-        s = plgpu.dot(q, k.astype(jnp.float32), trans_b=True)  # (rows, page_size)
+        k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)].astype(cdt)
+        v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)].astype(cdt)
+        s = _dot(q, k, trans_b=True) * scale  # (rows, page_size), float32
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
         valid = pos < length
         if sliding_window:
@@ -64,7 +93,12 @@ def _kernel(
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = l * correction + p.sum(axis=-1)
-        o_new = o * correction[:, None] + plgpu.dot(p, v.astype(jnp.float32))
+        if cdt == jnp.float32:
+            pv = _dot(p, v)
+        else:  # p in two bf16 halves: ~16 mantissa bits, exact products
+            hi, lo = _split_bf16(p)
+            pv = _dot(hi, v) + _dot(lo, v)
+        o_new = o * correction[:, None] + pv
         return o_new, m_new, l_new
 
     num_pages = (length + page_size - 1) // page_size
