@@ -162,7 +162,7 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
         }
     if jax.default_backend() == "gpu":
         itemsize = jax.numpy.dtype(c.dtype).itemsize
-        weight_bytes = model_def.num_params() * jax.numpy.dtype(c.param_dtype).itemsize
+        weight_bytes = _weight_read_bytes(model_def)
         avg_ctx = sum(len(p) for p in prompts) / batch + new_tokens / 2
         kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize * avg_ctx * batch
         step_s = seconds / new_tokens

@@ -14,8 +14,10 @@ Per algorithm, one JSON object on stdout reports:
   seconds over the timed iterations, and their sum;
 * generated tokens/s (response tokens / generate time);
 * the train steps' FLOPs, analytic per trained role (actor; PPO's critic too):
-  ``(6 x params + 12 x layers x hidden x sequence) x trained tokens`` (params without the
-  input embedding, a gather; every column of every row the step computes, padding included:
+  ``(6 x matmul weights + 12 x layers x hidden x sequence) x trained tokens`` (the output
+  head's weights included, tied or not; not the input embedding, a gather: see
+  ``jrlhf.placement.workload.train_flops_per_token``; every column of every row the step
+  computes, padding included:
   fewer with ``--pack``, ``RLConfig.pack_samples``; ``real_tokens`` counts the non-padding), and
   XLA's cost analysis of the actor's compiled step for comparison (it counts the scanned layer
   loop's body once, so it undercounts);
@@ -202,12 +204,11 @@ def _step_flops(trainer, batch) -> float | None:
 
 
 def _analytic_flops(model, seq: int, trained_tokens: int) -> float:
-    """Forward + backward FLOPs of one step over ``trained_tokens`` tokens of ``seq``-long rows:
-    6 per matmul parameter per token (not the input embedding, a gather) plus attention's QK^T
-    and AV (12 x layers x hidden x sequence per token, the causal half not subtracted)."""
-    c = model.config
-    matmul_params = model.num_params() - c.vocab_size * c.hidden_size
-    return float(trained_tokens * (6 * matmul_params + 12 * c.num_layers * c.hidden_size * seq))
+    """Forward + backward FLOPs of one step over ``trained_tokens`` tokens of ``seq``-long rows
+    (``train_flops_per_token``)."""
+    from jrlhf.placement.workload import train_flops_per_token
+
+    return float(trained_tokens * train_flops_per_token(model.config, seq, model.head))
 
 
 def _matmul_peak(n: int, repeats: int) -> float:

@@ -125,6 +125,7 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
         "RLConfig.keep_checkpoints=0": "RLConfig.keep_checkpoints: must be >= 1",
         "RewardModelConfig.steps=0": "RewardModelConfig.steps: must be >= 1",
         "DecodeConfig.page_size=0": "DecodeConfig.page_size: must be >= 1",
+        "DecodeConfig.layer_loop='unrolled'": "DecodeConfig.layer_loop: must be one of auto,",
         "RLConfig.kl_coef=nan": "binding 'RLConfig.kl_coef=nan'",
         "RLConfig.kl_coef=1e999": "RLConfig.kl_coef: expects a finite number",
         "actor/RoleConfig.model_overrides=(('nope', 1),)": "model_overrides: unknown model field",

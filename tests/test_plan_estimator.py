@@ -661,6 +661,45 @@ def test_memory_knobs_lower_each_phase_peak_by_the_bytes_they_move():
     assert e.memory_breakdown["actor_train"]["actor adam"] == actor // size * 8
 
 
+def test_unrolled_decode_holds_the_layer_weights_once_more_while_generating():
+    """DecodeConfig.layer_loop='unroll' adds each layer weight's generation shard to the generate
+    call's peak and nothing elsewhere; 'auto' does so only on CPU, where the engine unrolls."""
+    import dataclasses
+
+    h100, cpu = DeviceProfile.load("h100"), DeviceProfile.load("cpu")
+    plan = flatten(8, tensor=2)
+    w = _llama7b_workload()
+    cfg = _llama7b()
+    # the layer weights' shards under the generation layout, re-derived from the model's shapes
+    layers = _llama7b_params_bytes(plan["actor_generate"], "lm") - sum(
+        math.prod(-(-d // k) for d, k in zip(shape, ways)) * wl.itemsize(cfg.param_dtype)
+        for shape, ways in (
+            ((cfg.vocab_size, cfg.hidden_size), (2, 1)),  # embedding: vocab over tensor
+            ((cfg.hidden_size, cfg.vocab_size), (1, 2)),  # lm head
+            ((cfg.hidden_size,), (1,)),  # final norm
+        )
+    )
+    assert layers > 0
+    for profile, auto in ((h100, 0), (cpu, layers)):
+        base = est.estimate(plan, dataclasses.replace(w, decode_layer_loop="scan"), profile)
+        for loop, extra in (("unroll", layers), ("auto", auto)):
+            e = est.estimate(plan, dataclasses.replace(w, decode_layer_loop=loop), profile)
+            d = {c: e.memory_bytes[c] - base.memory_bytes[c] for c in base.memory_bytes}
+            assert d.pop("actor_generate") == extra, (profile.name, loop)
+            assert set(d.values()) == {0}
+
+
+def test_decode_layer_loop_reaches_the_engine_config():
+    from jrlhf.config import DEFAULT_CONFIG, load_config
+    from jrlhf.ppo.rollout import engine_config
+
+    mesh = make_mesh("data=2,tensor=2")
+    for loop, unroll in (("auto", None), ("scan", False), ("unroll", True)):
+        cfg = load_config([str(DEFAULT_CONFIG)], [f"DecodeConfig.layer_loop='{loop}'"])
+        assert engine_config(cfg, mesh, "dp_tp").unroll_layers is unroll
+        assert wl.Workload.from_config(cfg, {"actor": _llama7b()}).decode_layer_loop == loop
+
+
 def test_remat_policy_is_chosen_per_training_call_and_written_to_the_plan():
     import dataclasses
 

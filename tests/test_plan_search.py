@@ -89,6 +89,7 @@ def test_presets_have_the_published_parameter_counts():
         "llama2_7b": 6_738_415_616,
         "llama2_13b": 13_015_864_320,
         "llama2_70b": 68_976_648_192,
+        "llama3_2_1b": 1_235_814_400,  # tied embeddings
         "llama3_8b": 8_030_261_248,
         "llama3_70b": 70_553_706_496,
         "llama3_405b": 405_853_388_800,  # Llama 3.1 405B (tied: no; 128k vocab)

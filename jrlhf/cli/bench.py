@@ -1,5 +1,5 @@
 """``python -m jrlhf.bench
-{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness} [options]``: one JSON
+{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu} [options]``: one JSON
 object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
@@ -18,6 +18,7 @@ from jrlhf.runtime import distributed
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
+    "gpu",
 )  # fmt: skip
 CHECKOUT = Path(__file__).resolve().parents[2]
 

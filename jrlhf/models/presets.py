@@ -76,6 +76,29 @@ def llama2_70b(**overrides: Any) -> ModelConfig:
     )
 
 
+def llama3_2_1b(**overrides: Any) -> ModelConfig:
+    """meta-llama/Llama-3.2-1B: 1.24e9 parameters, tied input and output embeddings, 64-wide
+    heads (32 query / 8 KV), RoPE with Llama 3's long-context scaling (factor 32)."""
+    return _make(
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            rope_theta=500000.0,
+            rope_scaling=RopeScaling(rope_type="llama3", factor=32.0),
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            bos_token_id=128000,
+            eos_token_id=128001,
+        ),
+        overrides,
+    )
+
+
 def llama3_8b(**overrides: Any) -> ModelConfig:
     """meta-llama/Meta-Llama-3-8B: 8.03e9 parameters, 128k vocabulary, 8 KV heads."""
     return _make(
@@ -170,6 +193,7 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "llama2_7b": llama2_7b,
     "llama2_13b": llama2_13b,
     "llama2_70b": llama2_70b,
+    "llama3_2_1b": llama3_2_1b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "llama3_405b": llama3_405b,

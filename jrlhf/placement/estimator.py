@@ -758,6 +758,23 @@ def _logits_bytes(cfg, head: str, head_tokens_per_device: float, tensor: int, co
     return head_tokens_per_device * cfg.vocab_size / tensor * 4 * copies  # float32 logits
 
 
+def _unrolled_layer_bytes(
+    w: Workload, cfg: ModelConfig, p: CallPlacement, profile: DeviceProfile
+) -> int:
+    """Per-device bytes of the per-layer weight copies a generate call holds when its decode steps
+    run the layers unrolled (DecodeConfig.layer_loop 'unroll', or 'auto' on CPU, where the
+    engine unrolls by default): every layer weight's shard once more."""
+    loop = w.decode_layer_loop
+    if not (loop == "unroll" or (loop == "auto" and profile.shared_host)):
+        return 0
+    total = 0
+    for _path, logical, shape, size in _param_table(cfg, "lm"):
+        if logical and logical[0] == "layers":
+            axes = _dim_axes(logical, p.mesh, p.rules)
+            total += math.prod(-(-d // axis_size(p.mesh, a)) for d, a in zip(shape, axes)) * size
+    return total
+
+
 def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProfile) -> float:
     """Transient bytes a call needs on top of the residents (per device)."""
     role, phase = CALLS[call]
@@ -777,7 +794,8 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             )
         )
         in_flight = -(-min(w.rows, slots) // g.batch)
-        return act + _logits_bytes(cfg, "lm", max(in_flight, prefill_rows), g.tensor, 4)
+        logits = _logits_bytes(cfg, "lm", max(in_flight, prefill_rows), g.tensor, 4)
+        return act + logits + _unrolled_layer_bytes(w, cfg, p, profile)
     if phase == "infer":
         rows = -(-w.infer_chunk // g.batch)
         tokens = rows * w.seq_len

@@ -46,6 +46,9 @@ class Workload:
     # Tokens per KV page (DecodeConfig.page_size): the decode kernels read the cache in blocks of
     # pages, which sets how much of it a step reads.
     decode_page_size: int = 8
+    # DecodeConfig.layer_loop: "unroll" (or "auto" on a shared-host CPU profile) holds a copy of
+    # the layer weights while generating.
+    decode_layer_loop: str = "auto"
     # Rows per reference / reward / critic scoring call (RLConfig.infer_batch_size; 0 = all rows
     # in one call). The trainer scores in chunks of this many rows, one after another.
     infer_batch_size: int = 0
@@ -133,6 +136,7 @@ class Workload:
             decode_chunk_steps=cfg.decode.chunk_steps,
             decode_slots=cfg.decode.num_slots,
             decode_page_size=cfg.decode.page_size,
+            decode_layer_loop=getattr(cfg.decode, "layer_loop", "auto"),
             infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
@@ -162,6 +166,15 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
 def head_params(cfg: ModelConfig, head: str) -> int:
     """Weight entries of the output head: vocab x hidden (lm head) or hidden (value head)."""
     return cfg.vocab_size * cfg.hidden_size if head == "lm" else cfg.hidden_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq: int, head: str = "lm") -> float:
+    """Model FLOPs of a training step (forward + backward) per token of ``seq``-long rows, as MFU
+    counts them: 6 per matmul weight (the output head's too, tied to the input embedding or not;
+    the input-embedding gather is no matmul) plus attention's QK^T and AV over the full square
+    (12 x layers x heads x head_dim x sequence), which the model computes, masked."""
+    matmul = cfg.num_layers * layer_matmul_params(cfg) + head_params(cfg, head)
+    return 6.0 * matmul + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
 
 
 def num_params(cfg: ModelConfig, head: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from jrlhf.config import Config
+from jrlhf.config import DECODE_LAYER_LOOPS, Config
 from jrlhf.decode.engine import (
     DecodeEngine,
     EngineConfig,
@@ -53,6 +53,7 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
         chunk_steps=cfg.decode.chunk_steps,
         max_prefill_rows=min(slots, 64),
         min_prefill_len=min(16, P),
+        unroll_layers=DECODE_LAYER_LOOPS[cfg.decode.layer_loop],
     )
 
 
