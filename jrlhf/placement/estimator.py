@@ -166,10 +166,15 @@ def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int
 # The search evaluates thousands of plans built from a few hundred distinct placements: the
 # per-placement arithmetic below is cached (configs and placements are frozen, hashable).
 @functools.lru_cache(maxsize=4096)
-def shard_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
-    """Parameter bytes one device holds under ``placement`` (the largest shard, ceil-divided)."""
+def shard_bytes(
+    cfg: ModelConfig, head: str, placement: CallPlacement, layers_only: bool = False
+) -> int:
+    """Parameter bytes one device holds under ``placement`` (the largest shard, ceil-divided);
+    of the stacked decoder-layer weights alone with ``layers_only``."""
     total = 0
     for _path, logical, shape, size in _param_table(cfg, head):
+        if layers_only and not (logical and logical[0] == "layers"):
+            continue
         axes = _dim_axes(logical, placement.mesh, placement.rules)
         total += (
             math.prod(-(-d // axis_size(placement.mesh, a)) for d, a in zip(shape, axes)) * size
@@ -767,12 +772,7 @@ def _unrolled_layer_bytes(
     loop = w.decode_layer_loop
     if not (loop == "unroll" or (loop == "auto" and profile.shared_host)):
         return 0
-    total = 0
-    for _path, logical, shape, size in _param_table(cfg, "lm"):
-        if logical and logical[0] == "layers":
-            axes = _dim_axes(logical, p.mesh, p.rules)
-            total += math.prod(-(-d // axis_size(p.mesh, a)) for d, a in zip(shape, axes)) * size
-    return total
+    return shard_bytes(cfg, "lm", p, layers_only=True)
 
 
 def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProfile) -> float:

@@ -36,7 +36,7 @@ _MIN_ROWS = 16  # Triton's tl.dot needs at least 16 rows
 
 def _dot(a, b, trans_b: bool = False):
     """A float32-accumulated dot with exact products: IEEE for float32 operands (not TF32),
-    the tensor cores' native multiply for bf16/f16 ones."""
+    the tensor cores' native multiply for bf16 ones."""
     return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST)
 
 
