@@ -20,6 +20,10 @@ error and the others still run):
   prefill and the first sampled token left out. Bytes a step must read: every weight but an untied
   input embedding (one row per sequence is gathered) plus the K/V of the mean context; their rate
   over the step time is reported as a fraction of the measured read bandwidth (the roofline).
+  The kernels run with the engine's default layer loop (``unrolled_layers`` says what it chose);
+  ``--decode-unroll`` and ``--decode-scan`` add the first kernel with the loop forced.
+  ``--decode-einsum-prefill`` adds the first kernel with the prefill's attention in the einsum
+  form (``ModelConfig.attention='einsum'``) instead of cuDNN's.
 * ``train``: the actor's PPO train step (``make_train_step`` with the trainer's ``actor_loss``:
   forward, backward, AdamW, the update guard) on a ``--train-model`` shape with float32 parameters
   and bf16 compute, ``--train-batch`` rows of ``--train-prompt`` + ``--train-response`` tokens.
@@ -27,7 +31,9 @@ error and the others still run):
   weights + 12 x layers x hidden x sequence) per token: the LM head counted, the
   input-embedding gather not; attention's full square, as the model computes it). MFU is those
   FLOPs over the median step time, against the measured bf16 matmul rate and against the
-  datasheet's dense bf16 peak where the device is known.
+  datasheet's dense bf16 peak where the device is known. One run per ``--train-attention``
+  (``cudnn``: cuDNN flash attention; ``einsum``: float32 scores and probabilities materialized),
+  on the same initial weights and batch.
 
 On a machine without an accelerator every section still runs (``--small`` shrinks the shapes so
 it takes seconds on a CPU); its figures are then the CPU's and say so in ``backend``.
@@ -77,6 +83,12 @@ def _timed(fn, calls: int, trials: int) -> float:
         per_call.append((time.perf_counter() - t0) / calls)
         del out
     return statistics.median(per_call)
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def _model_config(name: str, **overrides):
@@ -244,14 +256,20 @@ def decode(args, bandwidth: dict) -> dict:
             "kernels": {},
         }
         outputs = {}
-        variants = [(k, None) for k in args.decode_kernels]
+        variants = [(k, None, md) for k in args.decode_kernels]
         if args.decode_unroll:  # the first kernel again, layers unrolled over per-layer copies
-            variants.append((args.decode_kernels[0], True))
-        for kname, unroll in variants:
-            label = kname + ("/unrolled" if unroll else "")
+            variants.append((args.decode_kernels[0], True, md))
+        if args.decode_scan:  # the first kernel again, layers scanned over the stacked weights
+            variants.append((args.decode_kernels[0], False, md))
+        if args.decode_einsum_prefill:  # the first kernel again, prefill attention not fused
+            einsum = ModelDef(cfg.replace(attention="einsum"))
+            variants.append((args.decode_kernels[0], None, einsum))
+        for kname, unroll, vmd in variants:
+            label = kname + {None: "", True: "/unrolled", False: "/scan"}[unroll]
+            label += "/einsum-prefill" if vmd is not md else ""
             try:
                 engine = DecodeEngine(
-                    md,
+                    vmd,
                     mesh,
                     "dp_tp",
                     EngineConfig(
@@ -281,6 +299,7 @@ def decode(args, bandwidth: dict) -> dict:
                 step_s = (best_full - best_first) / (args.new_tokens - 1)
                 achieved = step_bytes / step_s / 1e9
                 row["kernels"][label] = {
+                    "unrolled_layers": bool(res.stats["unrolled_layers"]),
                     "warmup_and_compile_s": round(compile_s, 2),
                     "generate_s": round(best_full, 4),
                     "prefill_and_first_token_s": round(best_first, 4),
@@ -355,72 +374,76 @@ def train(args, ceil: dict) -> dict:
     )
 
     P, R, B = args.train_prompt, args.train_response, args.train_batch
-    cfg = _model_config(
-        args.train_model,
-        param_dtype="float32",
-        dtype="bfloat16",
-        remat_policy=args.remat,
-        layer_loop="scan",
-    )
-    model = ModelDef(cfg)
     mesh = make_mesh("fsdp=1,tensor=1")
     opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
-    state = init_train_state(model, opt, mesh, "fsdp_tp")
-    step = make_train_step(model, opt, actor_loss(P, RLConfig(), False), mesh, "fsdp_tp")
+    base = _model_config(args.train_model, param_dtype="float32", dtype="bfloat16")
     rng = np.random.default_rng(0)
     batch = pack(
-        [rng.integers(1, cfg.vocab_size, P).tolist() for _ in range(B)],
-        [rng.integers(1, cfg.vocab_size, R).tolist() for _ in range(B)],
+        [rng.integers(1, base.vocab_size, P).tolist() for _ in range(B)],
+        [rng.integers(1, base.vocab_size, R).tolist() for _ in range(B)],
         P,
         R,
     )
     batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids", "response_tokens", "mask")}
     batch.update(
-        old_logprobs=np.full((B, R), -np.log(cfg.vocab_size), np.float32),
+        old_logprobs=np.full((B, R), -np.log(base.vocab_size), np.float32),
         advantages=rng.normal(size=(B, R)).astype(np.float32),
     )
-    holder = {"state": state}
-
-    def run():
-        holder["state"], metrics = step(holder["state"], batch)
-        return metrics
-
-    t0 = time.perf_counter()
-    first = jax.device_get(run())
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.train_steps):
-        t0 = time.perf_counter()
-        metrics = jax.device_get(run())
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
     seq = P + R
-    flops = train_flops_per_token(cfg, seq) * B * seq
-    achieved = flops / step_s
+    flops = train_flops_per_token(base, seq) * B * seq
     sheet = _datasheet(jax.devices()[0].device_kind)
-    mem = jax.devices()[0].memory_stats() or {}
+
+    def one(attention: str) -> dict:
+        cfg = base.replace(remat_policy=args.remat, layer_loop="scan", attention=attention)
+        model = ModelDef(cfg)
+        state = init_train_state(model, opt, mesh, "fsdp_tp")
+        step = make_train_step(model, opt, actor_loss(P, RLConfig(), False), mesh, "fsdp_tp")
+        holder = {"state": state}
+
+        def run():
+            holder["state"], metrics = step(holder["state"], batch)
+            return metrics
+
+        t0 = time.perf_counter()
+        first = jax.device_get(run())
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.train_steps):
+            t0 = time.perf_counter()
+            metrics = jax.device_get(run())
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        achieved = flops / step_s
+        mem = jax.devices()[0].memory_stats() or {}
+        holder.clear()  # the train state's buffers go before the next run
+        gc.collect()
+        return {
+            "first_step_s": round(compile_s, 2),
+            "step_median_s": round(step_s, 4),
+            "step_runs_s": [round(t, 4) for t in times],
+            "tokens_per_s": round(B * seq / step_s, 1),
+            "achieved_tflops": round(achieved / 1e12, 2),
+            "mfu_vs_measured_matmul": round(achieved / (ceil["matmul_bf16_tflops"] * 1e12), 4)
+            if ceil.get("matmul_bf16_tflops")
+            else None,
+            "mfu_vs_datasheet": round(achieved / sheet["bf16_flops"], 4) if sheet else None,
+            "loss_first_last": [float(first["loss"]), float(metrics["loss"])],
+            "skipped_updates": float(first["skipped"]) + float(metrics["skipped"]),
+            # the process's peak so far: the runs go in --train-attention order
+            "peak_bytes_in_use_so_far": mem.get("peak_bytes_in_use"),
+        }
+
     return {
         "model": args.train_model,
-        "params": model.num_params(),
+        "params": ModelDef(base).num_params(),
         "param_dtype": "float32",
         "compute_dtype": "bfloat16",
         "remat_policy": args.remat,
         "batch": B,
         "sequence": seq,
         "tokens_per_step": B * seq,
-        "first_step_s": round(compile_s, 2),
-        "step_median_s": round(step_s, 4),
-        "step_runs_s": [round(t, 4) for t in times],
-        "tokens_per_s": round(B * seq / step_s, 1),
         "model_flops_per_step": flops,
-        "achieved_tflops": round(achieved / 1e12, 2),
-        "mfu_vs_measured_matmul": round(achieved / (ceil["matmul_bf16_tflops"] * 1e12), 4)
-        if ceil.get("matmul_bf16_tflops")
-        else None,
-        "mfu_vs_datasheet": round(achieved / sheet["bf16_flops"], 4) if sheet else None,
-        "loss_first_last": [float(first["loss"]), float(metrics["loss"])],
-        "skipped_updates": float(first["skipped"]) + float(metrics["skipped"]),
-        "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
+        "attention": {a: one(a) for a in args.train_attention},
     }
 
 
@@ -447,6 +470,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="decode: also run the first kernel with EngineConfig.unroll_layers=True",
     )
+    p.add_argument(
+        "--decode-scan",
+        action="store_true",
+        help="decode: also run the first kernel with EngineConfig.unroll_layers=False",
+    )
+    p.add_argument(
+        "--decode-einsum-prefill",
+        action="store_true",
+        help="decode: also run the first kernel with ModelConfig.attention='einsum' (the "
+        "prefill's attention not fused)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--train-model", default="llama3_2_1b")
     p.add_argument("--train-batch", type=int, default=8)
@@ -454,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-response", type=int, default=768)
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--remat", default="none")
+    p.add_argument(
+        "--train-attention",
+        default="cudnn,einsum",
+        help="train: ModelConfig.attention of each run, in order (cudnn needs a GPU)",
+    )
     p.add_argument("--out", help="also write the JSON here (after every section)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
@@ -471,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.prompt_len, args.new_tokens, args.chunk_steps = 4, 16, 8, 4
         args.train_model, args.train_batch, args.train_prompt = "tiny", 2, 16
         args.train_response, args.train_steps, args.repeats = 16, 2, 1
+        if jax_backend() != "gpu":
+            args.train_attention = "einsum"
     args.kernels = args.kernels.split(",")
     args.models = args.models.split(",")
     args.decode_kernels = args.decode_kernels.split(",")
+    args.train_attention = args.train_attention.split(",")
 
     import jax
 

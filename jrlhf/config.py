@@ -52,7 +52,8 @@ OFFLOAD_PHASES = {
 }
 # A dropped generation copy exists from the reshard that builds it to the end of generation.
 DROPPED_COPY_PHASES = ("reshard", "generate")
-# DecodeConfig.layer_loop -> EngineConfig.unroll_layers (None: unrolled on CPU only).
+# DecodeConfig.layer_loop -> EngineConfig.unroll_layers (None: unrolled on CPU; on accelerators
+# when the copies fit in half the free device memory, single-process jobs only).
 DECODE_LAYER_LOOPS = {"auto": None, "scan": False, "unroll": True}
 PHASES = ("train", "infer", "generate")
 # The phases each role has: the actor trains and generates, the critic trains and scores, the
@@ -668,7 +669,10 @@ class DecodeConfig:
     twice while generating; the planner counts the copies). XLA copies each layer's weight slices
     out of the stack at every scanned step on CPU and on GPUs alike, which unrolling avoids: on
     an H200, decode steps of a Llama-3-8B shape took 2.1x less time unrolled (docs/gpu.md).
-    ``auto`` unrolls on CPU only (EngineConfig.unroll_layers).
+    ``auto`` unrolls on CPU, and on accelerators for each generate whose layer copies fit in
+    half of every device's free memory, in single-process jobs (the processes of a
+    multi-controller job would have to agree; they scan). The planner prices ``auto`` on
+    accelerators as a scan: it needs no memory beyond what the plan leaves free.
     """
 
     num_slots: int = 0

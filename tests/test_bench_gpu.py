@@ -37,7 +37,9 @@ def test_bench_gpu_small_runs_every_section(tmp_path, capsys):
     # two pure-JAX kernels in float32 arithmetic on a tiny model: the same greedy tokens
     assert tiny["agreement"]["blocked vs reference"]["identical_sequences"] == "4/4"
     train = out["train"]
-    assert train["skipped_updates"] == 0 and np.isfinite(train["loss_first_last"]).all()
+    assert set(train["attention"]) == {"einsum"}
+    run = train["attention"]["einsum"]
+    assert run["skipped_updates"] == 0 and np.isfinite(run["loss_first_last"]).all()
     assert (
         train["model_flops_per_step"]
         == train_flops_per_token(bench._model_config("tiny"), train["sequence"])

@@ -337,3 +337,39 @@ def test_shared_prefixes_same_samples_fewer_pages(mesh_text, slots):
         # One row per prompt; the full prompt pages (1 + 2 + 0 + 3) are held once per group.
         assert shared.stats["prefill_rows"] == 4
         assert shared.stats["shared_pages"] == 3 * (1 + 2 + 0 + 3)
+
+
+def test_auto_layer_loop_unrolls_where_the_copies_fit():
+    """EngineConfig.unroll_layers=None: unrolled on CPU (the generate stats say so); elsewhere
+    decided by ``layer_copies_fit`` against each device's free memory, which counts every
+    device's own shards of the stacked layer weights."""
+    from jrlhf.decode.engine import layer_copies_fit
+
+    mesh = make_mesh("data=4,tensor=2")
+    model = ModelDef(tiny_config())
+    params = model.init_sharded(mesh, "dp_tp", seed=0)
+    layers = params["layers"]
+    # per device: every leaf's shard (the tensor axis splits some weights two ways)
+    per_device = {}
+    for leaf in jax.tree.leaves(layers):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    need = max(per_device.values())
+    assert need < sum(x.nbytes for x in jax.tree.leaves(layers))  # sharded, not whole
+
+    def stats(free):
+        return lambda d: {"bytes_limit": 10 * need + free, "bytes_in_use": 10 * need}
+
+    assert layer_copies_fit(layers, stats_of=stats(2 * need))
+    assert not layer_copies_fit(layers, stats_of=stats(2 * need - 2))
+    assert layer_copies_fit(layers, share=1.0, stats_of=stats(need))
+    assert not layer_copies_fit(layers, stats_of=lambda d: None)  # no statistics: scan
+    engine = DecodeEngine(model, mesh, "dp_tp", EngineConfig(num_slots=4, max_new_tokens=2))
+    out = engine.generate(params, [[1, 2, 3], [4, 5]], SamplingParams(greedy=True, stop_ids=()))
+    assert out.stats["unrolled_layers"] == 1  # CPU
+    scan = DecodeEngine(
+        model, mesh, "dp_tp", EngineConfig(num_slots=4, max_new_tokens=2, unroll_layers=False)
+    )
+    again = scan.generate(params, [[1, 2, 3], [4, 5]], SamplingParams(greedy=True, stop_ids=()))
+    assert again.stats["unrolled_layers"] == 0
+    assert again.completion_ids == out.completion_ids

@@ -782,3 +782,32 @@ def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
     row_token = wl.kv_bytes_per_token(cfg) * short.rows
     assert kv_part(short) == pytest.approx(9 * row_token * 24 / 1e9, rel=1e-6)
     assert kv_part(long) == pytest.approx(9 * row_token * 64 / 1e9, rel=1e-6)
+
+
+def test_fused_attention_keeps_no_probabilities_in_training_memory():
+    """On a profile with fused attention (the GPU ones) a bf16 model's training step saves one
+    float32 log-sum-exp per head and token instead of the float32 scores/probabilities rows;
+    ModelConfig.attention='einsum' keeps them, and the CPU profile never fuses. The generate
+    call's prefill (the same attention) is one forward's worth of live rows smaller."""
+    import dataclasses
+
+    h100, cpu = DeviceProfile.load("h100"), DeviceProfile.load("cpu")
+    assert h100.fused_attention and not cpu.fused_attention
+    plan = flatten(8, tensor=2)
+    cfg = _llama7b(remat_policy="none")
+    w = _workload(
+        cfg, prompts=64, samples_per_prompt=1, prompt_len=256, gen_len=256, minibatch_size=32
+    )
+    einsum = dataclasses.replace(
+        w, actor=cfg.replace(attention="einsum"), critic=cfg.replace(attention="einsum")
+    )
+    g = est._geometry(plan["actor_train"], h100)
+    tokens = -(-w.microbatch_rows("actor") // g.batch) * w.seq_len
+    heads = cfg.num_heads / g.tensor
+    # by hand: 4-byte probs and scores rows of seq entries per head, vs one 4-byte lse per head
+    saved = cfg.num_layers * tokens * (4 * heads * w.seq_len * 2 - 4 * heads)
+    fused_e, einsum_e = est.estimate(plan, w, h100), est.estimate(plan, einsum, h100)
+    for call in ("actor_train", "critic_train"):
+        assert einsum_e.memory_bytes[call] - fused_e.memory_bytes[call] == pytest.approx(saved)
+    assert fused_e.memory_bytes["actor_generate"] < einsum_e.memory_bytes["actor_generate"]
+    assert est.estimate(plan, w, cpu).memory_bytes == est.estimate(plan, einsum, cpu).memory_bytes

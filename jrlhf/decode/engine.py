@@ -45,7 +45,7 @@ from jrlhf.decode.sampling import SamplingParams, sample_tokens
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
-from jrlhf.models.attention import attention_mask, masked_attention
+from jrlhf.models.attention import attention_mask, full_attention
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import unstack_layers
 
@@ -62,8 +62,10 @@ class EngineConfig:
 
     ``unroll_layers`` makes decode steps run the layers unrolled over per-layer weight copies
     (made once per ``generate``, so the layer weights are held twice while it runs) instead of
-    scanning the stacked weights; None picks it on CPU, where the scan copies every layer's
-    weights at every step (see ``Transformer.run_layers``).
+    scanning the stacked weights, which copies every layer's weights at every step on CPUs and
+    GPUs alike (see ``Transformer.run_layers``). None decides per ``generate``: unrolled on CPU;
+    on accelerators when ``layer_copies_fit`` (one process only, so that every process of a
+    multi-controller job compiles the same program).
 
     ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
     and land on the same data shard share that prompt's prefill and its full KV pages (tokens
@@ -232,6 +234,25 @@ class _Request:
         return len(self.prompt) + self.max_new - 1
 
 
+def layer_copies_fit(layers: Any, share: float = 0.5, stats_of: Callable | None = None) -> bool:
+    """Whether one more copy of every device's shards of ``layers`` fits in ``share`` of that
+    device's free memory (the allocator's ``bytes_limit - bytes_in_use``); False where a device
+    reports no memory statistics. ``stats_of(device)`` defaults to ``device.memory_stats()``."""
+    stats_of = stats_of or (lambda d: d.memory_stats())
+    need: collections.Counter = collections.Counter()
+    for leaf in jax.tree.leaves(layers):
+        shard = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+        for device in leaf.sharding.addressable_devices:
+            need[device] += shard
+    for device, nbytes in need.items():
+        stats = stats_of(device) or {}
+        if "bytes_limit" not in stats or "bytes_in_use" not in stats:
+            return False
+        if nbytes > share * (stats["bytes_limit"] - stats["bytes_in_use"]):
+            return False
+    return True
+
+
 def _bucket(n: int, lo: int, hi: int) -> int:
     return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
 
@@ -332,9 +353,6 @@ class DecodeEngine:
             donate_argnums=(1,),
             out_shardings=self.state_shardings,
             static_argnames=("greedy", "filtered"),
-        )
-        self.unroll_layers = (
-            jax.default_backend() == "cpu" if ec.unroll_layers is None else ec.unroll_layers
         )
         self._unstack = jax.jit(unstack_layers)
         self._decode_chunk = jax.jit(
@@ -439,7 +457,7 @@ class DecodeEngine:
             part_v = v[src_m[:, None], part_pos_mp].astype(vp.dtype)
             kp = kp.at[layer, part_page_mp, part_off_mp].set(part_k, mode="drop")
             vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
-            return masked_attention(q, k, v, mask), (kp, vp)
+            return full_attention(q, k, v, mask, self.cfg.fused_attention), (kp, vp)
 
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
@@ -637,6 +655,14 @@ class DecodeEngine:
         return DecodeEngine(self.model_def, mesh, self.rules, config)
 
     # -------------------------------------------------------------------------------- host code
+    def unrolls(self, layers: Any) -> bool:
+        """Whether this ``generate`` runs the layers unrolled (``EngineConfig.unroll_layers``)."""
+        if self.config.unroll_layers is not None:
+            return self.config.unroll_layers
+        if jax.default_backend() == "cpu":
+            return True
+        return jax.process_count() == 1 and layer_copies_fit(layers)
+
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (for tests and logs)."""
         return {
@@ -720,7 +746,8 @@ class DecodeEngine:
         flags = dict(greedy=sp.greedy, filtered=sp.filtered)
         if self.state is None:
             self.state = self._init()
-        layer_params = self._unstack(params["layers"]) if self.unroll_layers else None
+        unrolled = self.unrolls(params["layers"])
+        layer_params = self._unstack(params["layers"]) if unrolled else None
         state = self.state
         self.state = None  # donated below; restored at the end
         alloc = self._allocator()
@@ -791,7 +818,8 @@ class DecodeEngine:
                     eng = migration.engine
                     state = eng._take_over(moved, migration.transfer)
                     params = migration.transfer(params, eng._param_shardings(params))
-                    layer_params = eng._unstack(params["layers"]) if eng.unroll_layers else None
+                    unrolled = eng.unrolls(params["layers"])
+                    layer_params = eng._unstack(params["layers"]) if unrolled else None
                     own_alloc, alloc, slot_req = alloc, moved["alloc"], moved["slot_req"]
                     active_host, num_gen = moved["active"], moved["num_generated"]
                     stats["migrated_rows"] = running
@@ -805,6 +833,7 @@ class DecodeEngine:
             else:
                 self.state, eng.state = own_state, state
         stats["seconds"] = time.perf_counter() - t0
+        stats["unrolled_layers"] = int(unrolled)
         if eng is not self:
             stats["tail_peak_pages_used"] = alloc.peak_used
             alloc = own_alloc

@@ -53,16 +53,54 @@ def masked_attention(
     return out.reshape(b, t, h, d)
 
 
+def fused_attention(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array
+) -> jax.Array:
+    """``masked_attention`` as one cuDNN flash-attention call (GPU; bfloat16 or float16).
+
+    The boolean mask reaches cuDNN as an additive bias of shape (B, 1, T, S), broadcast over
+    the heads, so padding, packing and sliding windows keep the one (position, segment) rule.
+    The kernel never writes the (B, H, T, S) scores and probabilities that the einsum form
+    materializes in float32 for the backward pass: it keeps a log-sum-exp per query and head.
+    """
+    return jax.nn.dot_product_attention(
+        q_bthd, k_bskd, v_bskd, mask=mask_bts[:, None], implementation="cudnn"
+    )
+
+
+def fused_attention_fits(t: int, s: int, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes these shapes with a bias: head_dim a multiple of
+    8 and at most 128 (256 from Hopper on; 128 is the bound on every GPU), even lengths."""
+    return head_dim % 8 == 0 and head_dim <= 128 and t % 2 == 0 and s % 2 == 0
+
+
+def full_attention(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array, fused: bool
+) -> jax.Array:
+    """Attention of whole sequences (training, scoring, prefill): ``fused_attention`` when
+    ``fused`` (ModelConfig.fused_attention) and the shapes allow it, ``masked_attention``
+    otherwise."""
+    if fused and fused_attention_fits(q_bthd.shape[1], k_bskd.shape[1], q_bthd.shape[-1]):
+        return fused_attention(q_bthd, k_bskd, v_bskd, mask_bts)
+    return masked_attention(q_bthd, k_bskd, v_bskd, mask_bts)
+
+
 def dense_attend(
-    positions_bt: jax.Array, segment_ids_bt: jax.Array, sliding_window: int = 0
+    positions_bt: jax.Array,
+    segment_ids_bt: jax.Array,
+    sliding_window: int = 0,
+    fused: bool = False,
 ) -> AttendFn:
-    """The attend hook for full-sequence forward passes (training, scoring): no cache."""
+    """The attend hook for full-sequence forward passes (training, scoring): no cache.
+
+    ``fused``: see ``full_attention``.
+    """
     mask = attention_mask(
         positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, sliding_window
     )
 
     def attend(q, k, v, layer_idx, cache):
         del layer_idx
-        return masked_attention(q, k, v, mask), cache
+        return full_attention(q, k, v, mask, fused), cache
 
     return attend

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LAYER_LOOPS = ("auto", "scan", "unroll")
+ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
+FUSED_ATTENTION_DTYPES = ("bfloat16", "float16")
 # layer_loop="auto" unrolls models up to this deep on CPU (compile time grows with the depth)
 AUTO_UNROLL_LAYERS = 8
 DTYPES = ("float32", "bfloat16", "float16")
@@ -68,6 +70,12 @@ class ModelConfig:
     # without remat, scan otherwise (see unroll_layers). The decode engine chooses its own
     # (EngineConfig.unroll_layers).
     layer_loop: str = "auto"
+    # Attention of full-sequence passes: "einsum" (masked_attention: float32 scores and
+    # probabilities materialized, kept for the backward pass), "cudnn" (fused_attention: cuDNN
+    # flash attention, GPU only, bfloat16/float16 compute), or "auto": cudnn on a GPU backend
+    # with a 16-bit compute dtype, einsum otherwise (see fused_attention). Decode uses the
+    # paged kernels whatever this says.
+    attention: str = "auto"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -100,6 +108,13 @@ class ModelConfig:
             raise ValueError(
                 f"layer_loop 'unroll' runs without remat; remat_policy {self.remat_policy!r} "
                 "needs layer_loop 'scan'"
+            )
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention {self.attention!r} unknown (use one of {ATTENTION_IMPLS})")
+        if self.attention == "cudnn" and self.dtype not in FUSED_ATTENTION_DTYPES:
+            raise ValueError(
+                f"attention 'cudnn' needs a 16-bit compute dtype {FUSED_ATTENTION_DTYPES}, "
+                f"got dtype {self.dtype!r}"
             )
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in DTYPES:
@@ -137,6 +152,14 @@ class ModelConfig:
                 and self.num_layers <= AUTO_UNROLL_LAYERS
             )
         return self.layer_loop == "unroll"
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether full-sequence passes run cuDNN flash attention: ``attention`` "cudnn", or
+        "auto" on a GPU backend with a bfloat16/float16 compute dtype."""
+        if self.attention == "auto":
+            return jax.default_backend() == "gpu" and self.dtype in FUSED_ATTENTION_DTYPES
+        return self.attention == "cudnn"
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

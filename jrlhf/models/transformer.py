@@ -234,7 +234,12 @@ class Transformer(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
-        attend = dense_attend(positions_bt, segment_ids_bt, self.config.sliding_window)
+        attend = dense_attend(
+            positions_bt,
+            segment_ids_bt,
+            self.config.sliding_window,
+            fused=self.config.fused_attention,
+        )
         hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
         return hidden
 

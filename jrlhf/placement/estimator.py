@@ -70,6 +70,7 @@ from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import (
     Workload,
     activation_bytes_per_token,
+    attention_is_fused,
     decode_step_flops,
     forward_flops,
     head_params,
@@ -292,7 +293,8 @@ def _activation_s(
     the memory bandwidth; 0 when the profile does not price it apart (efficiency 0)."""
     if efficiency <= 0:
         return 0.0
-    per_token = activation_bytes_per_token(cfg, seq, g.tensor, saved=False)
+    fused = attention_is_fused(cfg, profile.fused_attention)
+    per_token = activation_bytes_per_token(cfg, seq, g.tensor, saved=False, fused_attention=fused)
     return _work_s(
         tokens * cfg.num_layers * per_token, g, profile.memory_bandwidth * efficiency, profile
     )
@@ -768,7 +770,8 @@ def _unrolled_layer_bytes(
 ) -> int:
     """Per-device bytes of the per-layer weight copies a generate call holds when its decode steps
     run the layers unrolled (DecodeConfig.layer_loop 'unroll', or 'auto' on CPU, where the
-    engine unrolls by default): every layer weight's shard once more."""
+    engine unrolls by default): every layer weight's shard once more. 'auto' on accelerators
+    unrolls only into memory the plan leaves free (``layer_copies_fit``): nothing here."""
     loop = w.decode_layer_loop
     if not (loop == "unroll" or (loop == "auto" and profile.shared_host)):
         return 0
@@ -781,6 +784,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     a = itemsize(cfg.dtype)
+    fused = attention_is_fused(cfg, profile.fused_attention)
     if phase == "generate":
         plen = prefill_len(w)
         slots = _engine_slots(w, g)
@@ -789,7 +793,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
             prefill_rows
             * plen
             * (
-                activation_bytes_per_token(cfg, plen, g.tensor, saved=False)
+                activation_bytes_per_token(cfg, plen, g.tensor, saved=False, fused_attention=fused)
                 + 2 * cfg.hidden_size * a
             )
         )
@@ -800,7 +804,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
         rows = -(-w.infer_chunk // g.batch)
         tokens = rows * w.seq_len
         act = tokens * (
-            activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=False)
+            activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=False, fused_attention=fused)
             + 2 * cfg.hidden_size * a
         )
         logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
@@ -810,7 +814,9 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     rows = -(-w.microbatch_rows(role) // g.batch)
     tokens = rows * w.seq_len
     grads = shard_bytes(cfg, head, p) * (2 if w.microbatches(role) > 1 else 1)
-    saved_layer = activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=True)
+    saved_layer = activation_bytes_per_token(
+        cfg, w.seq_len, g.tensor, saved=True, fused_attention=fused
+    )
     if cfg.remat_policy == "none":
         act = cfg.num_layers * tokens * saved_layer
     elif cfg.remat_policy == "full":

@@ -92,6 +92,10 @@ class DeviceProfile:
     # (one per parameter per source device), besides its bytes
     reshard_twin_shard_s: float = 0.0
     shared_host: bool = False
+    # Whether full-sequence passes with a 16-bit compute dtype run fused attention here
+    # (ModelConfig.attention "auto": cuDNN flash attention on GPUs), which keeps no score or
+    # probability matrix in memory (workload.activation_bytes_per_token).
+    fused_attention: bool = False
     # shared_host: the cores the device programs share. A fixed per-device cost (dispatch, op
     # launches, a collective's rendezvous) is paid by each of the n device programs, up to
     # host_cores of them at once: n / min(n, host_cores) times over. 1 = every device program

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jrlhf.models.config import ModelConfig
+from jrlhf.models.config import FUSED_ATTENTION_DTYPES, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,16 +214,31 @@ def decode_step_flops(cfg: ModelConfig, slots: int, context: int) -> float:
     return body + attention_flops(cfg, 1, context) * slots
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq: int, tensor: int, saved: bool) -> float:
+def activation_bytes_per_token(
+    cfg: ModelConfig, seq: int, tensor: int, saved: bool, fused_attention: bool = False
+) -> float:
     """Activation bytes one token keeps for one layer (saved for backward, or live in forward).
 
     Saved for backward without remat: the layer input, normed inputs, q/k/v, attention output,
     the attention probabilities row (heads x seq, float32 softmax) and the MLP's gate/up/act
-    tensors. Head- and MLP-sized tensors are split over the tensor axis.
+    tensors. Head- and MLP-sized tensors are split over the tensor axis. With
+    ``fused_attention`` (``attention_is_fused``) no scores or probabilities reach memory: the
+    kernel keeps one float32 log-sum-exp per head.
     """
     e, f = cfg.hidden_size, cfg.intermediate_size
     a = itemsize(cfg.dtype)
     qkv = cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
     per = (4 * e + (qkv + cfg.num_heads * cfg.head_dim + 3 * f) / tensor) * a
+    if fused_attention:
+        return per + 4 * cfg.num_heads / tensor
     per += 4 * cfg.num_heads / tensor * seq * (2 if saved else 1)  # softmax probs (and scores)
     return per
+
+
+def attention_is_fused(cfg: ModelConfig, device_fuses: bool) -> bool:
+    """Whether ``cfg``'s full-sequence passes run fused (cuDNN) attention on a device whose
+    profile says it has the kernel (``DeviceProfile.fused_attention``): ModelConfig.fused_attention
+    with the device given instead of JAX's current backend."""
+    if cfg.attention == "auto":
+        return device_fuses and cfg.dtype in FUSED_ATTENTION_DTYPES
+    return cfg.attention == "cudnn"
