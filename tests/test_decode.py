@@ -364,11 +364,13 @@ def test_auto_layer_loop_unrolls_where_the_copies_fit():
     assert not layer_copies_fit(layers, stats_of=stats(2 * need - 2))
     assert layer_copies_fit(layers, share=1.0, stats_of=stats(need))
     assert not layer_copies_fit(layers, stats_of=lambda d: None)  # no statistics: scan
-    engine = DecodeEngine(model, mesh, "dp_tp", EngineConfig(num_slots=4, max_new_tokens=2))
+    one = make_mesh("data=1,tensor=1")  # the engines on one device: compiles in a fraction
+    params = model.init_sharded(one, "dp_tp", seed=0)
+    engine = DecodeEngine(model, one, "dp_tp", EngineConfig(num_slots=2, max_new_tokens=2))
     out = engine.generate(params, [[1, 2, 3], [4, 5]], SamplingParams(greedy=True, stop_ids=()))
     assert out.stats["unrolled_layers"] == 1  # CPU
     scan = DecodeEngine(
-        model, mesh, "dp_tp", EngineConfig(num_slots=4, max_new_tokens=2, unroll_layers=False)
+        model, one, "dp_tp", EngineConfig(num_slots=2, max_new_tokens=2, unroll_layers=False)
     )
     again = scan.generate(params, [[1, 2, 3], [4, 5]], SamplingParams(greedy=True, stop_ids=()))
     assert again.stats["unrolled_layers"] == 0
