@@ -200,7 +200,9 @@ def kernel(args, bandwidth: dict) -> dict:
             fn = jax.jit(select_kernel(name)[1])
             got = fn(q, k_pool, v_pool, layer, table, lengths)
             err = _rel_err(got.astype(jnp.float32), want)
-            secs = _timed(lambda fn=fn: fn(q, k_pool, v_pool, layer, table, lengths), 20, 5)
+            secs = _timed(
+                lambda fn=fn: fn(q, k_pool, v_pool, layer, table, lengths), *args.kernel_timing
+            )
             gbps = kv_bytes / secs / 1e9
             rows[name] = {
                 "rel_err_vs_float32_reference": err,
@@ -501,11 +503,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench gpu: unknown section(s) {unknown} (known: {', '.join(SECTIONS)})")
     args.kernel_shape = dict(batch=64, heads=32, kv_heads=8, head_dim=128, page_size=16,
                              max_len=2048)  # fmt: skip
+    args.kernel_timing = (20, 5)  # calls per timed batch, batches
     if args.small:
         args.bandwidth_mib, args.matmul_size = 16, 256
         args.kernels = args.kernels.replace("pallas,", "pallas_interpret,")
         args.kernel_shape = dict(batch=4, heads=4, kv_heads=2, head_dim=32, page_size=16,
                                  max_len=64)  # fmt: skip
+        args.kernel_timing = (2, 2)  # interpret-mode Pallas is slow on a CPU
         args.models, args.decode_kernels = "tiny", "blocked,reference"
         args.batch, args.prompt_len, args.new_tokens, args.chunk_steps = 4, 16, 8, 4
         args.train_model, args.train_batch, args.train_prompt = "tiny", 2, 16
