@@ -364,6 +364,8 @@ def test_auto_layer_loop_unrolls_where_the_copies_fit():
     assert not layer_copies_fit(layers, stats_of=stats(2 * need - 2))
     assert layer_copies_fit(layers, share=1.0, stats_of=stats(need))
     assert not layer_copies_fit(layers, stats_of=lambda d: None)  # no statistics: scan
+    host = jax.tree.map(np.asarray, layers)
+    assert not layer_copies_fit(host, stats_of=stats(2 * need))  # not placed yet: scan
     one = make_mesh("data=1,tensor=1")  # the engines on one device: compiles in a fraction
     params = model.init_sharded(one, "dp_tp", seed=0)
     engine = DecodeEngine(model, one, "dp_tp", EngineConfig(num_slots=2, max_new_tokens=2))

@@ -241,6 +241,8 @@ def layer_copies_fit(layers: Any, share: float = 0.5, stats_of: Callable | None 
     stats_of = stats_of or (lambda d: d.memory_stats())
     need: collections.Counter = collections.Counter()
     for leaf in jax.tree.leaves(layers):
+        if not isinstance(leaf, jax.Array):  # host arrays: placed by the call; no statistics
+            return False
         shard = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
         for device in leaf.sharding.addressable_devices:
             need[device] += shard
