@@ -34,6 +34,14 @@ error and the others still run):
   datasheet's dense bf16 peak where the device is known. One run per ``--train-attention``
   (``cudnn``: cuDNN flash attention; ``einsum``: float32 scores and probabilities materialized),
   on the same initial weights and batch.
+* ``attention``: one layer's attention alone at the train shape (``--train-batch`` rows of
+  ``--train-prompt`` + ``--train-response`` tokens, the heads of ``--train-model``, bf16, a
+  causal mask), forward and forward + backward: ``einsum`` (float32 scores), ``cudnn_mask`` (the
+  model's fused path: the boolean (position, segment) mask as a (B, 1, T, S) bias, whose gradient
+  JAX's cuDNN wrapper always computes) and ``cudnn_causal`` (cuDNN's own causal mask, no bias:
+  what the mask costs over the same kernel). Outputs and q/k/v gradients are compared with the
+  einsum form's; ``bias_cost_per_train_step_ms`` is (cudnn_mask - cudnn_causal) forward +
+  backward x layers. The cuDNN variants need a GPU.
 
 On a machine without an accelerator every section still runs (``--small`` shrinks the shapes so
 it takes seconds on a CPU); its figures are then the CPU's and say so in ``backend``.
@@ -51,7 +59,7 @@ import time
 import traceback
 from pathlib import Path
 
-SECTIONS = ("ceilings", "kernel", "decode", "train")
+SECTIONS = ("ceilings", "kernel", "decode", "train", "attention")
 # Datasheet dense bf16 matmul peaks (FLOP/s) and HBM bandwidths (GB/s), for reference only: the
 # fractions this benchmark reports are against what it measures.
 _DATASHEET = {
@@ -449,6 +457,67 @@ def train(args, ceil: dict) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------ attention
+def attention(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jrlhf.models.attention import attention_mask, fused_attention, masked_attention
+
+    cfg = _model_config(args.train_model)
+    b, t = args.train_batch, args.train_prompt + args.train_response
+    h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, kv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, kv, d), jnp.bfloat16)
+    cotangent = jax.random.normal(keys[3], (b, t, h, d), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = attention_mask(pos, pos, jnp.ones_like(pos), jnp.ones_like(pos))
+    variants = {"einsum": lambda q, k, v: masked_attention(q, k, v, mask)}
+    if jax.default_backend() == "gpu":
+        variants["cudnn_mask"] = lambda q, k, v: fused_attention(q, k, v, mask)
+        variants["cudnn_causal"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn"
+        )
+    calls, trials = (2, 2) if args.small else (10, 5)
+    rows, results = {}, {}
+    for name, fn in variants.items():
+        fwd = jax.jit(fn)
+        fwd_bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](cotangent))
+        results[name] = [np.asarray(x, np.float32) for x in (fwd(q, k, v), *fwd_bwd(q, k, v))]
+        rows[name] = {
+            "forward_ms": round(1e3 * _timed(lambda f=fwd: f(q, k, v), calls, trials), 3),
+            "forward_backward_ms": round(
+                1e3 * _timed(lambda f=fwd_bwd: f(q, k, v), calls, trials), 3
+            ),
+        }
+    ref = results["einsum"]
+    for name in rows:  # relative to the einsum form's largest magnitude (bf16 outputs)
+        rows[name]["max_rel_diff_vs_einsum"] = {
+            part: float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+            for part, got, want in zip(("out", "dq", "dk", "dv"), results[name], ref)
+        }
+    out = {
+        "model": args.train_model,
+        "batch": b,
+        "sequence": t,
+        "heads": h,
+        "kv_heads": kv,
+        "head_dim": d,
+        "variants": rows,
+    }
+    if "cudnn_causal" in rows:
+        extra = (
+            rows["cudnn_mask"]["forward_backward_ms"] - rows["cudnn_causal"]["forward_backward_ms"]
+        )
+        out["bias_cost_per_train_step_ms"] = round(extra * cfg.num_layers, 2)
+    else:
+        out["note"] = "no GPU: the cuDNN variants did not run"
+    return out
+
+
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -545,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernel": lambda: kernel(args, out.get("ceilings", {})),
         "decode": lambda: decode(args, out.get("ceilings", {})),
         "train": lambda: train(args, out.get("ceilings", {})),
+        "attention": lambda: attention(args),
     }
     failed = False
     for name in sections:

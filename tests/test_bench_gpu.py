@@ -40,6 +40,10 @@ def test_bench_gpu_small_runs_every_section(tmp_path, capsys):
     assert set(train["attention"]) == {"einsum"}
     run = train["attention"]["einsum"]
     assert run["skipped_updates"] == 0 and np.isfinite(run["loss_first_last"]).all()
+    attn = out["attention"]  # no GPU: the einsum form alone, against itself
+    assert set(attn["variants"]) == {"einsum"} and "no GPU" in attn["note"]
+    assert attn["variants"]["einsum"]["forward_backward_ms"] > 0
+    assert max(attn["variants"]["einsum"]["max_rel_diff_vs_einsum"].values()) == 0
     assert (
         train["model_flops_per_step"]
         == train_flops_per_token(bench._model_config("tiny"), train["sequence"])

@@ -377,3 +377,32 @@ def test_auto_layer_loop_unrolls_where_the_copies_fit():
     again = scan.generate(params, [[1, 2, 3], [4, 5]], SamplingParams(greedy=True, stop_ids=()))
     assert again.stats["unrolled_layers"] == 0
     assert again.completion_ids == out.completion_ids
+
+
+def test_fused_prefill_takes_the_causal_call(monkeypatch):
+    """With fused attention the prefill's rows (prompts at columns 0..n-1, padding after) go
+    through cuDNN's causal call, no bias (run through JAX's XLA implementation here): the first
+    sampled tokens' log-probs are the einsum prefill's within bf16 rounding."""
+    from jrlhf.models import attention
+
+    monkeypatch.setattr(attention, "FUSED_IMPLEMENTATION", "xla")
+    causal_calls = []
+    dpa = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        causal_calls.append(kwargs.get("is_causal", False))
+        return dpa(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    # weights large enough that what a query attends to moves the log-probs well past bf16 rounding
+    cfg = tiny_config(vocab_size=64, eos_token_id=None, dtype="bfloat16", initializer_range=0.5)
+    params = ModelDef(cfg).init(jax.random.key(0))
+    engine_cfg = EngineConfig(num_slots=4, page_size=4, max_prompt_len=16, max_new_tokens=1)
+    prompts = _prompts((5, 9, 2, 12), vocab=64)
+    first = {}
+    for impl in ("cudnn", "einsum"):
+        engine = DecodeEngine(ModelDef(cfg.replace(attention=impl)), None, "dp_tp", engine_cfg)
+        out = engine.generate(params, prompts, SamplingParams(greedy=True))
+        first[impl] = np.asarray([lp[0] for lp in out.raw_logprobs])
+    assert causal_calls and all(causal_calls)  # the cuDNN engine's layers, the causal call only
+    np.testing.assert_allclose(first["cudnn"], first["einsum"], atol=0.02)

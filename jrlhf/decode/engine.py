@@ -45,7 +45,12 @@ from jrlhf.decode.sampling import SamplingParams, sample_tokens
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
-from jrlhf.models.attention import attention_mask, full_attention
+from jrlhf.models.attention import (
+    aligned_causal_attention,
+    attention_mask,
+    full_attention,
+    fused_attention_fits,
+)
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import unstack_layers
 
@@ -448,6 +453,11 @@ class DecodeEngine:
         page_idx = jnp.take_along_axis(page_rows_np, positions // ps, axis=1)
         page_idx = jnp.where(valid, page_idx, total_pages)  # padding writes are dropped
         offsets = positions % ps
+        aligned = (
+            self.cfg.fused_attention
+            and not self.cfg.sliding_window
+            and fused_attention_fits(t, t, self.cfg.head_dim)
+        )
 
         def attend(q, k, v, layer, cache):
             kp, vp = cache
@@ -459,6 +469,8 @@ class DecodeEngine:
             part_v = v[src_m[:, None], part_pos_mp].astype(vp.dtype)
             kp = kp.at[layer, part_page_mp, part_off_mp].set(part_k, mode="drop")
             vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
+            if aligned:  # prompts start at column 0: no bias needed
+                return aligned_causal_attention(q, k, v), (kp, vp)
             return full_attention(q, k, v, mask, self.cfg.fused_attention), (kp, vp)
 
         with activation_sharding(self.mesh, self.rules):

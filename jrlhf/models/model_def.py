@@ -76,9 +76,12 @@ class ModelDef:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
-    def apply(self, params: Params, tokens_bt, positions_bt=None, segment_ids_bt=None):
-        """Logits (lm head) or values (value head) for full sequences."""
-        return self.bind(params)(tokens_bt, positions_bt, segment_ids_bt)
+    def apply(
+        self, params: Params, tokens_bt, positions_bt=None, segment_ids_bt=None, one_segment=False
+    ):
+        """Logits (lm head) or values (value head) for full sequences (``one_segment``: see
+        jrlhf.models.transformer.Transformer.hidden)."""
+        return self.bind(params)(tokens_bt, positions_bt, segment_ids_bt, one_segment)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.abstract_params))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jrlhf.meshes.context import constrain
-from jrlhf.models.attention import AttendFn, dense_attend
+from jrlhf.models.attention import AttendFn, aligned_attend, dense_attend, fused_attention_fits
 from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.rope import apply_rope, rope_cos_sin
 
@@ -228,12 +228,29 @@ class Transformer(nnx.Module):
         out = jnp.einsum("...e,eo->...o", hidden_bte, kernel, preferred_element_type=jnp.float32)
         return out[..., 0]
 
-    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
-        """Final normalized hidden states (B, T, E) for a full sequence."""
+    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None, one_segment=False):
+        """Final normalized hidden states (B, T, E) for a full sequence.
+
+        ``one_segment`` says the rows are laid out as jrlhf.data.batch.pack lays them out: at
+        most one segment each, its tokens contiguous at positions counting from 0. With fused
+        attention (and no sliding window) such rows run shifted to start at column 0, under
+        cuDNN's own causal mask instead of a bias built from the (position, segment) mask
+        (``aligned_causal_attention``); the hidden states come back in the rows' own columns.
+        The real tokens' states are those of the masked form.
+        """
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
+        cfg = self.config
+        t = tokens_bt.shape[1]
+        if (
+            one_segment
+            and cfg.fused_attention
+            and not cfg.sliding_window
+            and fused_attention_fits(t, t, cfg.head_dim)
+        ):
+            return self._aligned_hidden(tokens_bt, segment_ids_bt)
         attend = dense_attend(
             positions_bt,
             segment_ids_bt,
@@ -243,9 +260,25 @@ class Transformer(nnx.Module):
         hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
         return hidden
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
-        """Logits (B, T, V) for ``head="lm"``, values (B, T) for ``head="value"``."""
-        hidden = self.hidden(tokens_bt, positions_bt, segment_ids_bt)
+    def _aligned_hidden(self, tokens_bt, segment_ids_bt):
+        """``hidden`` of one-segment rows, each rotated left by its left padding so that its
+        tokens sit at columns 0..n-1 (their positions), and the states rotated back."""
+        t = tokens_bt.shape[1]
+        real = segment_ids_bt > 0
+        start_b = jnp.argmax(real, axis=1)  # the first real column (0 for an empty row)
+        cols = jnp.arange(t, dtype=jnp.int32)
+        read = (cols[None, :] + start_b[:, None]) % t
+        positions_bt = jnp.broadcast_to(cols, tokens_bt.shape)
+        tokens_bt = jnp.take_along_axis(tokens_bt, read, axis=1)
+        hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, aligned_attend)
+        back = (cols[None, :] - start_b[:, None]) % t
+        hidden = jnp.take_along_axis(hidden, back[:, :, None], axis=1)
+        return constrain(hidden, ("batch", "length", "act_embed"))
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, one_segment=False):
+        """Logits (B, T, V) for ``head="lm"``, values (B, T) for ``head="value"``;
+        ``one_segment``: see ``hidden``."""
+        hidden = self.hidden(tokens_bt, positions_bt, segment_ids_bt, one_segment)
         if self.head == "value":
             return self.values(hidden)
         return constrain(self.logits(hidden), ("batch", "length", "act_vocab"))

@@ -31,8 +31,11 @@ def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> ja
     padding between them) is read at the packed positions, gathered back into the (B, R)
     response-aligned order, so everything downstream is the same as for the padded layout.
     """
-    hidden = module.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    if "pack_index" in batch:
+    packed = "pack_index" in batch
+    hidden = module.hidden(
+        batch["tokens"], batch["positions"], batch["segment_ids"], one_segment=not packed
+    )
+    if packed:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return jnp.take(flat, batch["pack_index"], axis=0)
     return hidden[:, max_prompt_len - 1 : -1]
@@ -69,6 +72,8 @@ def response_values(module: Transformer, batch: dict, max_prompt_len: int) -> ja
 
 def sequence_scores(module: Transformer, batch: dict) -> jax.Array:
     """Reward-model scores (B,): the value head at each row's final real token."""
-    hidden = module.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    hidden = module.hidden(
+        batch["tokens"], batch["positions"], batch["segment_ids"], "pack_index" not in batch
+    )
     last = jnp.take_along_axis(hidden, batch["last_index"][:, None, None], axis=1)[:, 0]
     return module.values(last)
