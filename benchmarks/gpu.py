@@ -7,7 +7,9 @@ error and the others still run):
 * ``ceilings``: the device's own limits, measured in this process: memory bandwidth as a copy
   (``x + 1`` over a ``--bandwidth-mib`` bf16 array: bytes read plus bytes written) and as a read
   (a sum over it: bytes read), and the bf16 matmul rate (``--matmul-size`` square products on
-  random data). Each is the median of several timed batches of back-to-back calls.
+  random data). Each is the median of several timed batches of back-to-back calls. Also the
+  host link: the same array parked in host memory and brought back the way the trainer offloads
+  state (``to_host_gbps``, ``from_host_gbps``).
 * ``kernel``: the paged-attention kernels (``pallas``: the compiled Pallas/Triton kernel on a
   GPU; ``blocked``; ``reference``) on random bf16 pools: relative error against the reference
   computed in float32 on the same (upcast) inputs, time per call, and the K/V bytes of the pages
@@ -131,6 +133,37 @@ def ceilings(args) -> dict:
         "read_gbps": round(nbytes / read_s / 1e9, 1),
         "matmul_size": m,
         "matmul_bf16_tflops": round(2 * m**3 / mm_s / 1e12, 3),
+        "host_link": _host_link(x),
+    }
+
+
+def _host_link(x) -> dict:
+    """Device <-> host memory copy rates of ``x`` on the path the trainer parks state with
+    (``jrlhf.reshard.park_to_host`` / ``restore_from_host``: the backend's host memory kind, or
+    NumPy without one): what ``RLConfig.offload`` pays per byte (``DeviceProfile.host_bandwidth``).
+    Each is the median of 5 timed copies after a warm-up."""
+    import jax
+
+    from jrlhf.reshard import park_to_host, restore_from_host
+
+    to_host, from_host, path = [], [], None
+    x = x + 0  # a copy: parking consumes its input
+    for i in range(6):
+        t0 = time.perf_counter()
+        parked = park_to_host(x)
+        t1 = time.perf_counter()
+        x = restore_from_host(parked)
+        jax.block_until_ready(x)
+        t2 = time.perf_counter()
+        path = parked.path
+        if i:  # the first round allocates the host buffers
+            to_host.append(t1 - t0)
+            from_host.append(t2 - t1)
+    return {
+        "path": path,
+        "bytes": x.nbytes,
+        "to_host_gbps": round(x.nbytes / statistics.median(to_host) / 1e9, 2),
+        "from_host_gbps": round(x.nbytes / statistics.median(from_host) / 1e9, 2),
     }
 
 

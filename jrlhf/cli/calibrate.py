@@ -1,6 +1,10 @@
 """``python -m jrlhf.plan.calibrate --out PATH [--device-kind NAME]``: measure a device profile.
 
-See jrlhf.pipeline.calibrate for what is measured and how it is fitted.
+See jrlhf.pipeline.calibrate for what is measured and how it is fitted. On an accelerator, fit
+the profile to ``python -m jrlhf.bench gpu`` reports instead (real model shapes; the small
+calibration models measure kernel launches there): ``--from-bench-gpu REPORT.json ...
+--device-kind h100`` (jrlhf.pipeline.calibrate_from_bench; the built-in profile of that name, or
+``--template``, gives what one device cannot measure).
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from jrlhf.runtime import distributed
 
@@ -19,8 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--device-kind", help="profile name (default: the platform / device kind)")
     p.add_argument("--quick", action="store_true", help="fewer microbenchmark sizes")
+    p.add_argument(
+        "--from-bench-gpu",
+        nargs="+",
+        metavar="REPORT",
+        help="fit to these python -m jrlhf.bench gpu JSON reports instead of measuring here",
+    )
+    p.add_argument(
+        "--template",
+        help="with --from-bench-gpu: the profile (name or JSON) whose links, memory and "
+        "overheads are kept (default: the built-in profile named by --device-kind)",
+    )
     distributed.add_flag(p)
     args = p.parse_args(argv)
+    if args.from_bench_gpu:
+        return _from_bench(p, args)
     try:
         distributed.setup_devices(args.distributed, 8)
     except distributed.DistributedError as e:
@@ -30,6 +48,39 @@ def main(argv: list[str] | None = None) -> int:
     from jrlhf.pipeline.calibrate import calibrate  # noqa: PLC0415
 
     profile = calibrate(args.device_kind, quick=args.quick)
+    profile.save(args.out)
+    print(json.dumps({k: v for k, v in profile.to_dict().items() if k != "measured"}, indent=2))
+    return 0
+
+
+def _from_bench(p: argparse.ArgumentParser, args) -> int:
+    """Fit a profile to bench gpu reports (no devices used)."""
+    # imported here like the calibration below: the module imports JAX, which this entry point
+    # leaves alone until the device flag is applied
+    from jrlhf.pipeline.calibrate_from_bench import (  # noqa: PLC0415
+        BenchReportError,
+        profile_from_bench,
+    )
+    from jrlhf.placement.profile import DeviceProfile  # noqa: PLC0415
+
+    template = args.template or args.device_kind
+    if not template:
+        p.error("--from-bench-gpu needs --device-kind (or --template): the profile to start from")
+    reports = []
+    for path in args.from_bench_gpu:
+        try:
+            reports.append((Path(path).name, json.loads(Path(path).read_text())))
+        except (OSError, ValueError) as e:
+            print(f"error: bench gpu report {path}: {e}", file=sys.stderr)
+            return 2
+    try:
+        base = DeviceProfile.load(template)
+        if args.device_kind:
+            base = base.replace(name=args.device_kind)
+        profile = profile_from_bench(reports, base)
+    except (BenchReportError, KeyError, TypeError, ValueError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     profile.save(args.out)
     print(json.dumps({k: v for k, v in profile.to_dict().items() if k != "measured"}, indent=2))
     return 0

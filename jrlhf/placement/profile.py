@@ -1,9 +1,11 @@
 """Device profiles: the handful of rates and overheads the cost estimator prices work with.
 
 A profile is a JSON file per device kind. ``jrlhf/placement/profiles/cpu.json`` was measured on the
-development machine by ``python -m jrlhf.plan.calibrate``; ``h100.json`` and ``h200.json`` are
-datasheet numbers scaled by typical published efficiencies (their ``notes`` say so). Calibrate on
-the real machine (``--device-kind``) before trusting a GPU plan's absolute times.
+development machine by ``python -m jrlhf.plan.calibrate``. ``h100.json`` and ``h200.json`` have
+their single-device rates and efficiencies fitted to ``python -m jrlhf.bench gpu`` reports from one
+GPU of each kind (``python -m jrlhf.plan.calibrate --from-bench-gpu``, the reports in docs/gpu/);
+their links, memory and fixed overheads are datasheet numbers (``measured.template_notes``), which
+one GPU cannot measure: a multi-GPU plan's communication times are still unmeasured estimates.
 
 Two regimes:
 

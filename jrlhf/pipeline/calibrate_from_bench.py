@@ -1,0 +1,260 @@
+"""An accelerator's device profile fitted to ``python -m jrlhf.bench gpu`` reports.
+
+The CPU calibration (``jrlhf.pipeline.calibrate``) times models of a few hundred thousand
+parameters: on a GPU those measure kernel launches, not the rates a 7B or 70B plan is priced
+with. ``bench gpu`` runs real model shapes (Llama-3.2-1B, Llama-3-8B) on one device; this module
+turns its reports into a profile:
+
+* rates straight from its ``ceilings``: ``matmul_flops`` (the bf16 matmul rate),
+  ``memory_bandwidth`` (the read rate: what a decode step's weight and KV reads and an update's
+  streaming are priced against), ``host_bandwidth`` (the slower direction of the host link, on
+  the path ``RLConfig.offload`` parks state with);
+* ``decode_kv_efficiency``: the paged-attention kernel's measured fraction of the read bandwidth
+  (the ``kernel`` section; fitted with the decode steps where no report has one);
+* efficiencies fitted so that the estimator's own prices of the measured calls match them:
+  ``forward_efficiency`` to the prefill times (``prefill_and_first_token_s``: a forward over
+  every prompt, priced as ``generate_seconds`` of one token), ``decode_efficiency`` to the decode
+  step times (a step priced as the difference of two ``generate_seconds`` over the new tokens,
+  as the bench derives it), ``train_efficiency`` to the train step. Each price is linear in the
+  inverse efficiencies (``a + sum_j b_j / efficiency_j``), so the fit is non-negative least
+  squares of the relative errors over a kind's measurements.
+
+What one device cannot show stays as the template profile has it (the built-in profile of the
+same name: its links, devices per node, memory, fixed overheads), and the notes say which fields
+were measured. The inputs, the fits and every measurement's residual go under ``measured``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.models.presets import get_preset
+from jrlhf.pipeline.calibrate import _nnls
+from jrlhf.placement import estimator as est
+from jrlhf.placement.plan import CallPlacement
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import Workload
+
+# The bench's placements: one device; decode under dp_tp, training under fsdp_tp.
+_DECODE = CallPlacement(MeshSpec.of(data=1, tensor=1), "dp_tp")
+_TRAIN = CallPlacement(MeshSpec.of(fsdp=1, tensor=1), "fsdp_tp")
+# bench gpu's train split before its report recorded it (--train-prompt / --train-response)
+_TRAIN_PROMPT_DEFAULT = 256
+# the decode kernel the engine picks on a GPU; its rows are the ones fitted
+_DECODE_KERNEL = "pallas"
+
+
+class BenchReportError(ValueError):
+    """A report that cannot be fitted (missing sections, a failed run, no usable rows)."""
+
+
+def _workload(cfg, rows: int, prompt: int, gen: int, **knobs: Any) -> Workload:
+    return Workload(
+        actor=cfg,
+        critic=None,
+        reference=cfg,
+        reward=None,
+        prompts=rows,
+        samples_per_prompt=1,
+        prompt_len=prompt,
+        gen_len=gen,
+        epochs=1,
+        minibatch_size=rows,
+        **knobs,
+    )
+
+
+def _linear(price: Callable[[DeviceProfile], float], profile: DeviceProfile, fields):
+    """(a, [b_j]) with price(profile with field_j = 1 / x_j) = a + sum_j b_j x_j: the price with
+    every field at 1, then with each at 0.5 in turn."""
+    base = profile.replace(**dict.fromkeys(fields, 1.0))
+    p0 = price(base)
+    b = [price(base.replace(**{f: 0.5})) - p0 for f in fields]
+    return p0 - sum(b), b
+
+
+def _fit(points: list[dict], fields: tuple[str, ...], profile: DeviceProfile):
+    """The efficiencies (``fields``) minimizing the relative errors' squares over ``points``
+    (each a ``price`` function of the profile and a ``measured_s``), and the fit's report."""
+    if not points:
+        raise BenchReportError(f"no measurement to fit {', '.join(fields)} to")
+    rows = [(_linear(p["price"], profile, fields), p["measured_s"]) for p in points]
+    lhs = np.array([[bj / m for bj in b] for (_, b), m in rows])
+    rhs = np.array([1 - a / m for (a, _), m in rows])
+    inverse = _nnls(lhs, rhs)
+    if not (inverse > 0).all():
+        zero = [f for f, x in zip(fields, inverse) if x <= 0]
+        raise BenchReportError(
+            f"{', '.join(zero)}: the measurements leave no time for this cost (fit at zero)"
+        )
+    values = {f: float(1 / x) for f, x in zip(fields, inverse)}
+    fitted = profile.replace(**values)
+    report = []
+    for p in points:
+        e = p["price"](fitted)
+        report.append(
+            {
+                "what": p["what"],
+                "measured_s": p["measured_s"],
+                "estimated_s": e,
+                "rel_error": (e - p["measured_s"]) / p["measured_s"],
+            }
+        )
+    return values, {"values": values, "points": report}
+
+
+def _decode_points(report: dict, where: str) -> tuple[list[dict], list[dict]]:
+    """Prefill and decode-step measurements of a report's ``decode`` section, as fit points."""
+    dec = report.get("decode")
+    if not isinstance(dec, dict) or "models" not in dec:
+        return [], []
+    rows, prompt, new = dec["batch"], dec["prompt_len"], dec["new_tokens"]
+    prefill, steps = [], []
+    for name, row in dec["models"].items():
+        run = row.get("kernels", {}).get(_DECODE_KERNEL)
+        if not run or "error" in run:
+            continue
+        cfg = get_preset(name, param_dtype="bfloat16", dtype="bfloat16")
+        knobs = dict(decode_slots=rows, decode_page_size=16, decode_chunk_steps=dec["chunk_steps"])
+        first = _workload(cfg, rows, prompt, 1, **knobs)
+        full = _workload(cfg, rows, prompt, new, **knobs)
+        what = f"{where}: {name}, {rows} x {prompt} tokens"
+        prefill.append(
+            {
+                "what": f"{what}, prefill + first token",
+                "measured_s": run["prefill_and_first_token_s"],
+                "price": lambda p, w=first: est.generate_seconds(w, _DECODE, p),
+            }
+        )
+        steps.append(
+            {
+                "what": f"{what}, decode step over {new} new tokens",
+                "measured_s": run["decode_step_ms"] / 1e3,
+                "price": lambda p, w=full, w1=first, n=new: (
+                    (est.generate_seconds(w, _DECODE, p) - est.generate_seconds(w1, _DECODE, p))
+                    / (n - 1)
+                ),
+            }
+        )
+    return prefill, steps
+
+
+def _train_points(report: dict, where: str) -> list[dict]:
+    """The train section's fused-attention step (the one GPU runs take), as a fit point."""
+    train = report.get("train")
+    if not isinstance(train, dict) or "attention" not in train:
+        return []
+    run = train["attention"].get("cudnn")
+    if not run or "error" in run:
+        return []
+    prompt = train.get("prompt", _TRAIN_PROMPT_DEFAULT)
+    cfg = get_preset(
+        train["model"],
+        param_dtype=train["param_dtype"],
+        dtype=train["compute_dtype"],
+        remat_policy=train["remat_policy"],
+    )
+    w = _workload(cfg, train["batch"], prompt, train["sequence"] - prompt)
+    return [
+        {
+            "what": f"{where}: {train['model']} train step, {train['batch']} x "
+            f"{train['sequence']} tokens",
+            "measured_s": run["step_median_s"],
+            "price": lambda p, w=w: est.train_seconds(w, "actor", _TRAIN, p),
+        }
+    ]
+
+
+def _kernel_row(report: dict) -> dict | None:
+    """The paged-attention kernel's row of a report's ``kernel`` section (bf16 decode shape)."""
+    kernel = report.get("kernel")
+    if not isinstance(kernel, dict):
+        return None
+    return kernel.get("bf16_case", {}).get("kernels", {}).get(_DECODE_KERNEL)
+
+
+def _median(values: list[float], field: str) -> float:
+    if not values:
+        raise BenchReportError(f"no report has a ceilings measurement for {field}")
+    return float(statistics.median(values))
+
+
+def profile_from_bench(
+    reports: Sequence[tuple[str, dict]], template: DeviceProfile
+) -> DeviceProfile:
+    """``template`` with its rates and efficiencies fitted to ``reports`` ((label, bench gpu
+    JSON) pairs, e.g. file names: they label the fit's points). The template's notes (where
+    its other numbers come from) move to ``measured["template_notes"]``."""
+    backends = {r.get("backend") for _, r in reports}
+    if backends != {"gpu"}:
+        raise BenchReportError(f"bench gpu reports from a GPU are needed (backends: {backends})")
+    ceilings = [r["ceilings"] for _, r in reports if isinstance(r.get("ceilings"), dict)]
+    links = [c["host_link"] for c in ceilings if isinstance(c.get("host_link"), dict)]
+    profile = template.replace(
+        matmul_flops=_median([c["matmul_bf16_tflops"] * 1e12 for c in ceilings], "matmul"),
+        memory_bandwidth=_median([c["read_gbps"] * 1e9 for c in ceilings], "read bandwidth"),
+    )
+    if links:
+        profile = profile.replace(
+            host_bandwidth=statistics.median(
+                min(x["to_host_gbps"], x["from_host_gbps"]) * 1e9 for x in links
+            )
+        )
+    prefill, steps, train = [], [], []
+    for label, report in reports:
+        p, s = _decode_points(report, label)
+        prefill += p
+        steps += s
+        train += _train_points(report, label)
+    fits = {}
+    # A decode step's KV reads run at the paged-attention kernel's own measured rate where a
+    # report has it (the kernel section, on random pools of a decode shape). Fitting that rate
+    # too from the decode runs, whose contexts barely differ, trades it against the weight
+    # reads: weights then "stream" faster than the read bandwidth.
+    kernel = [
+        row["fraction_of_read_bandwidth"]
+        for _, r in reports
+        if isinstance(row := _kernel_row(r), dict) and row.get("fraction_of_read_bandwidth")
+    ]
+    decode_fields = ("decode_efficiency",)
+    if kernel:
+        profile = profile.replace(decode_kv_efficiency=float(statistics.median(kernel)))
+    else:
+        decode_fields += ("decode_kv_efficiency",)
+    # the prefill first: a decode step's price (a difference of two generations) does not
+    # depend on the forward's efficiency
+    for kind, fields, points in (
+        ("prefill", ("forward_efficiency",), prefill),
+        ("decode_step", decode_fields, steps),
+        ("train_step", ("train_efficiency",), train),
+    ):
+        values, fits[kind] = _fit(points, fields, profile)
+        profile = profile.replace(**values)
+    devices = sorted({r.get("device", "?") for _, r in reports})
+    measured = ["matmul_flops", "memory_bandwidth"]
+    measured += [field for fit in fits.values() for field in fit["values"]]
+    if kernel:
+        measured.append("decode_kv_efficiency (the paged-attention kernel's read rate)")
+    if links:
+        measured.append("host_bandwidth")
+    notes = (
+        f"Fitted by python -m jrlhf.plan.calibrate --from-bench-gpu to {len(reports)} bench gpu "
+        f"report(s) from {', '.join(devices)}: {', '.join(measured)} (residuals under "
+        "measured.fits). The rest (links, memory, fixed overheads, what one device cannot "
+        "measure) is the template profile's: see measured.template_notes."
+    )
+    template_notes = template.measured.get("template_notes", template.notes)
+    return profile.replace(
+        notes=notes,
+        measured={
+            "reports": [label for label, _ in reports],
+            "ceilings": ceilings,
+            "fits": fits,
+            "template_notes": template_notes,
+        },
+    )

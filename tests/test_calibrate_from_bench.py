@@ -1,0 +1,164 @@
+"""Accelerator profiles fitted to bench gpu reports (jrlhf.pipeline.calibrate_from_bench)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jrlhf.cli import calibrate as calibrate_cli
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.models.presets import get_preset
+from jrlhf.pipeline.calibrate_from_bench import BenchReportError, profile_from_bench
+from jrlhf.placement import estimator as est
+from jrlhf.placement.plan import CallPlacement
+from jrlhf.placement.profile import PROFILE_DIR, DeviceProfile
+from jrlhf.placement.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+# the reports the built-in GPU profiles were fitted to (docs/gpu.md says how they were taken)
+PROFILE_REPORTS = {
+    "h100": ["h100_run10_all.json", "h100_run10_prefill.json"],
+    "h200": ["h200_run11_all.json", "h200_run11_prefill.json"],
+}
+
+
+def _workload(cfg, rows, prompt, gen, **knobs):
+    return Workload(cfg, None, cfg, None, rows, 1, prompt, gen, 1, rows, **knobs)
+
+
+def _report(truth: DeviceProfile) -> dict:
+    """A bench gpu report of a device that behaves exactly as ``truth`` prices it: the decode
+    section at two shapes (as the bench derives a step: full generate minus a one-token one),
+    the train section, the kernel's KV read rate and the ceilings."""
+    decode_at = CallPlacement(MeshSpec.of(data=1, tensor=1), "dp_tp")
+    train_at = CallPlacement(MeshSpec.of(fsdp=1, tensor=1), "fsdp_tp")
+    models = {}
+    for name in ("llama3_2_1b", "llama3_8b"):
+        cfg = get_preset(name, param_dtype="bfloat16", dtype="bfloat16")
+        knobs = dict(decode_slots=16, decode_page_size=16, decode_chunk_steps=32)
+        one = est.generate_seconds(_workload(cfg, 16, 512, 1, **knobs), decode_at, truth)
+        full = est.generate_seconds(_workload(cfg, 16, 512, 65, **knobs), decode_at, truth)
+        models[name] = {
+            "kernels": {
+                "pallas": {
+                    "prefill_and_first_token_s": one,
+                    "decode_step_ms": 1e3 * (full - one) / 64,
+                },
+                "blocked": {"error": "not fitted: only the engine's GPU kernel is"},
+            }
+        }
+    cfg = get_preset("llama3_2_1b", param_dtype="float32", dtype="bfloat16", remat_policy="none")
+    step = est.train_seconds(_workload(cfg, 4, 128, 384), "actor", train_at, truth)
+    return {
+        "backend": "gpu",
+        "device": "Test GPU",
+        "ceilings": {
+            "matmul_bf16_tflops": truth.matmul_flops / 1e12,
+            "read_gbps": truth.memory_bandwidth / 1e9,
+            "host_link": {"to_host_gbps": 41.0, "from_host_gbps": 45.0},
+        },
+        "kernel": {
+            "bf16_case": {
+                "kernels": {"pallas": {"fraction_of_read_bandwidth": truth.decode_kv_efficiency}}
+            }
+        },
+        "decode": {
+            "batch": 16,
+            "prompt_len": 512,
+            "new_tokens": 65,
+            "chunk_steps": 32,
+            "models": models,
+        },
+        "train": {
+            "model": "llama3_2_1b",
+            "param_dtype": "float32",
+            "compute_dtype": "bfloat16",
+            "remat_policy": "none",
+            "batch": 4,
+            "prompt": 128,
+            "sequence": 512,
+            "attention": {"cudnn": {"step_median_s": step}},
+        },
+    }
+
+
+TRUTH = DeviceProfile.load("h100").replace(
+    matmul_flops=6.0e14,
+    memory_bandwidth=2.5e12,
+    forward_efficiency=0.7,
+    decode_efficiency=0.9,
+    decode_kv_efficiency=0.4,
+    train_efficiency=0.45,
+)
+
+
+def test_fit_recovers_the_profile_that_produced_the_report():
+    template = DeviceProfile.load("h100")
+    fitted = profile_from_bench([("a.json", _report(TRUTH))], template)
+    for field in (
+        "matmul_flops",
+        "memory_bandwidth",
+        "forward_efficiency",
+        "decode_efficiency",
+        "decode_kv_efficiency",
+        "train_efficiency",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(TRUTH, field), rel=1e-6), field
+    assert fitted.host_bandwidth == 41e9  # the slower direction
+    # what one device cannot measure is the template's
+    assert fitted.intra_node_bandwidth == template.intra_node_bandwidth
+    assert fitted.call_overhead_s == template.call_overhead_s
+    for fit in fitted.measured["fits"].values():
+        assert all(abs(p["rel_error"]) < 1e-6 for p in fit["points"])
+    assert fitted.measured["template_notes"] == template.measured.get(
+        "template_notes", template.notes
+    )
+
+
+def test_without_a_kernel_section_the_kv_rate_is_fitted_with_the_steps():
+    report = _report(TRUTH)
+    del report["kernel"]
+    fitted = profile_from_bench([("a.json", report)], DeviceProfile.load("h100"))
+    assert fitted.decode_kv_efficiency == pytest.approx(0.4, rel=1e-4)
+    assert fitted.decode_efficiency == pytest.approx(0.9, rel=1e-4)
+    assert set(fitted.measured["fits"]["decode_step"]["values"]) == {
+        "decode_efficiency",
+        "decode_kv_efficiency",
+    }
+
+
+def test_unusable_reports_are_refused_by_name():
+    cpu = dict(_report(TRUTH), backend="cpu")
+    with pytest.raises(BenchReportError, match="from a GPU"):
+        profile_from_bench([("a.json", cpu)], TRUTH)
+    no_train = _report(TRUTH)
+    del no_train["train"]
+    with pytest.raises(BenchReportError, match="train_efficiency"):
+        profile_from_bench([("a.json", no_train)], TRUTH)
+    slow = _report(TRUTH)
+    slow["train"]["attention"]["cudnn"]["step_median_s"] = 1e-9  # below the fixed costs
+    with pytest.raises(BenchReportError, match="train_efficiency"):
+        profile_from_bench([("a.json", slow)], TRUTH)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILE_REPORTS))
+def test_builtin_gpu_profile_is_the_fit_of_its_committed_reports(name, tmp_path):
+    """The built-in profile is what its documented command writes from docs/gpu/ (one home for
+    the numbers: the reports)."""
+    out = tmp_path / f"{name}.json"
+    reports = [str(ROOT / "docs" / "gpu" / f) for f in PROFILE_REPORTS[name]]
+    argv = ["--from-bench-gpu", *reports, "--device-kind", name, "--out", str(out)]
+    assert calibrate_cli.main(argv) == 0
+    assert json.loads(out.read_text()) == json.loads((PROFILE_DIR / f"{name}.json").read_text())
+
+
+def test_cli_names_the_bad_report(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    argv = ["--from-bench-gpu", str(bad), "--device-kind", "h100", "--out", str(tmp_path / "o")]
+    assert calibrate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: bench gpu report {bad}") and "\n" not in err
+    assert not (tmp_path / "o").exists()
