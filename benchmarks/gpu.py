@@ -483,6 +483,8 @@ def train(args, ceil: dict) -> dict:
         "compute_dtype": "bfloat16",
         "remat_policy": args.remat,
         "batch": B,
+        "prompt": P,
+        "response": R,
         "sequence": seq,
         "tokens_per_step": B * seq,
         "model_flops_per_step": flops,

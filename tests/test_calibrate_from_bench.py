@@ -10,7 +10,11 @@ import pytest
 from jrlhf.cli import calibrate as calibrate_cli
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.models.presets import get_preset
-from jrlhf.pipeline.calibrate_from_bench import BenchReportError, profile_from_bench
+from jrlhf.pipeline.calibrate_from_bench import (
+    BenchReportError,
+    profile_from_bench,
+    score_profile,
+)
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement
 from jrlhf.placement.profile import PROFILE_DIR, DeviceProfile
@@ -162,3 +166,22 @@ def test_cli_names_the_bad_report(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: bench gpu report {bad}") and "\n" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_score_prices_the_runs_without_fitting(tmp_path, capsys):
+    report = _report(TRUTH)
+    exact = score_profile([("a.json", report)], TRUTH)
+    counts = {k: len(v) for k, v in exact.items()}
+    assert counts == {"prefill": 2, "decode_step": 2, "train_step": 1}
+    assert all(abs(p["rel_error"]) < 1e-9 for rows in exact.values() for p in rows)
+    # a profile with half the train efficiency prices the train step higher, the rest the same
+    slower = score_profile([("a.json", report)], TRUTH.replace(train_efficiency=0.225))
+    assert slower["train_step"][0]["rel_error"] > 0.5
+    assert slower["prefill"] == exact["prefill"]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(report))
+    truth = tmp_path / "truth.json"
+    TRUTH.save(truth)
+    assert calibrate_cli.main(["--from-bench-gpu", str(path), "--score", str(truth)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train_step"][0]["rel_error"] == pytest.approx(0, abs=1e-9)

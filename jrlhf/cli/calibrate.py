@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jrlhf.plan.calibrate", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--out", help="profile JSON to write (required unless --score)")
     p.add_argument("--device-kind", help="profile name (default: the platform / device kind)")
     p.add_argument("--quick", action="store_true", help="fewer microbenchmark sizes")
     p.add_argument(
@@ -35,10 +35,20 @@ def main(argv: list[str] | None = None) -> int:
         help="with --from-bench-gpu: the profile (name or JSON) whose links, memory and "
         "overheads are kept (default: the built-in profile named by --device-kind)",
     )
+    p.add_argument(
+        "--score",
+        metavar="PROFILE",
+        help="with --from-bench-gpu: fit nothing; print PROFILE's (name or JSON) estimates of "
+        "the reports' runs against their measured times (a held-out check)",
+    )
     distributed.add_flag(p)
     args = p.parse_args(argv)
     if args.from_bench_gpu:
         return _from_bench(p, args)
+    if args.score:
+        p.error("--score needs --from-bench-gpu (the reports to score against)")
+    if not args.out:
+        p.error("--out is required (the profile JSON to write)")
     try:
         distributed.setup_devices(args.distributed, 8)
     except distributed.DistributedError as e:
@@ -60,12 +70,10 @@ def _from_bench(p: argparse.ArgumentParser, args) -> int:
     from jrlhf.pipeline.calibrate_from_bench import (  # noqa: PLC0415
         BenchReportError,
         profile_from_bench,
+        score_profile,
     )
     from jrlhf.placement.profile import DeviceProfile  # noqa: PLC0415
 
-    template = args.template or args.device_kind
-    if not template:
-        p.error("--from-bench-gpu needs --device-kind (or --template): the profile to start from")
     reports = []
     for path in args.from_bench_gpu:
         try:
@@ -73,6 +81,19 @@ def _from_bench(p: argparse.ArgumentParser, args) -> int:
         except (OSError, ValueError) as e:
             print(f"error: bench gpu report {path}: {e}", file=sys.stderr)
             return 2
+    if args.score:
+        try:
+            scored = score_profile(reports, DeviceProfile.load(args.score))
+        except (KeyError, TypeError, ValueError) as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(scored, indent=2))
+        return 0
+    if not args.out:
+        p.error("--out is required (the profile JSON to write)")
+    template = args.template or args.device_kind
+    if not template:
+        p.error("--from-bench-gpu needs --device-kind (or --template): the profile to start from")
     try:
         base = DeviceProfile.load(template)
         if args.device_kind:

@@ -93,19 +93,7 @@ def _fit(points: list[dict], fields: tuple[str, ...], profile: DeviceProfile):
             f"{', '.join(zero)}: the measurements leave no time for this cost (fit at zero)"
         )
     values = {f: float(1 / x) for f, x in zip(fields, inverse)}
-    fitted = profile.replace(**values)
-    report = []
-    for p in points:
-        e = p["price"](fitted)
-        report.append(
-            {
-                "what": p["what"],
-                "measured_s": p["measured_s"],
-                "estimated_s": e,
-                "rel_error": (e - p["measured_s"]) / p["measured_s"],
-            }
-        )
-    return values, {"values": values, "points": report}
+    return values, {"values": values, "points": _scored(points, profile.replace(**values))}
 
 
 def _decode_points(report: dict, where: str) -> tuple[list[dict], list[dict]]:
@@ -152,7 +140,7 @@ def _train_points(report: dict, where: str) -> list[dict]:
     run = train["attention"].get("cudnn")
     if not run or "error" in run:
         return []
-    prompt = train.get("prompt", _TRAIN_PROMPT_DEFAULT)
+    prompt = train.get("prompt", _TRAIN_PROMPT_DEFAULT)  # reports before it was recorded
     cfg = get_preset(
         train["model"],
         param_dtype=train["param_dtype"],
@@ -184,6 +172,39 @@ def _median(values: list[float], field: str) -> float:
     return float(statistics.median(values))
 
 
+def _points(reports: Sequence[tuple[str, dict]]) -> dict[str, list[dict]]:
+    """Every report's measurements as fit points, by kind."""
+    out = {"prefill": [], "decode_step": [], "train_step": []}
+    for label, report in reports:
+        prefill, steps = _decode_points(report, label)
+        out["prefill"] += prefill
+        out["decode_step"] += steps
+        out["train_step"] += _train_points(report, label)
+    return out
+
+
+def _scored(points: list[dict], profile: DeviceProfile) -> list[dict]:
+    out = []
+    for p in points:
+        e = p["price"](profile)
+        out.append(
+            {
+                "what": p["what"],
+                "measured_s": p["measured_s"],
+                "estimated_s": e,
+                "rel_error": (e - p["measured_s"]) / p["measured_s"],
+            }
+        )
+    return out
+
+
+def score_profile(reports: Sequence[tuple[str, dict]], profile: DeviceProfile) -> dict:
+    """``profile``'s prices of the reports' prefills, decode steps and train steps against
+    their measured times, fitting nothing: a held-out check of a fitted profile on runs of
+    other shapes. kind -> [{what, measured_s, estimated_s, rel_error}]."""
+    return {kind: _scored(points, profile) for kind, points in _points(reports).items()}
+
+
 def profile_from_bench(
     reports: Sequence[tuple[str, dict]], template: DeviceProfile
 ) -> DeviceProfile:
@@ -205,12 +226,7 @@ def profile_from_bench(
                 min(x["to_host_gbps"], x["from_host_gbps"]) * 1e9 for x in links
             )
         )
-    prefill, steps, train = [], [], []
-    for label, report in reports:
-        p, s = _decode_points(report, label)
-        prefill += p
-        steps += s
-        train += _train_points(report, label)
+    prefill, steps, train = _points(reports).values()
     fits = {}
     # A decode step's KV reads run at the paged-attention kernel's own measured rate where a
     # report has it (the kernel section, on random pools of a decode shape). Fitting that rate
