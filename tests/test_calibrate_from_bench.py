@@ -24,7 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # the reports the built-in GPU profiles were fitted to (docs/gpu.md says how they were taken)
 PROFILE_REPORTS = {
     "h100": ["h100_run10_all.json", "h100_run10_prefill.json"],
-    "h200": ["h200_run11_all.json", "h200_run11_prefill.json"],
+    "h200": [
+        "h200_run11_all.json",
+        "h200_run11_prefill.json",
+        "h200_run13_remat_none.json",
+        "h200_run13_remat_dots_no_batch.json",
+        "h200_run13_remat_full.json",
+    ],
 }
 
 
@@ -32,7 +38,7 @@ def _workload(cfg, rows, prompt, gen, **knobs):
     return Workload(cfg, None, cfg, None, rows, 1, prompt, gen, 1, rows, **knobs)
 
 
-def _report(truth: DeviceProfile) -> dict:
+def _report(truth: DeviceProfile, remat: str = "none") -> dict:
     """A bench gpu report of a device that behaves exactly as ``truth`` prices it: the decode
     section at two shapes (as the bench derives a step: full generate minus a one-token one),
     the train section, the kernel's KV read rate and the ceilings."""
@@ -53,7 +59,7 @@ def _report(truth: DeviceProfile) -> dict:
                 "blocked": {"error": "not fitted: only the engine's GPU kernel is"},
             }
         }
-    cfg = get_preset("llama3_2_1b", param_dtype="float32", dtype="bfloat16", remat_policy="none")
+    cfg = get_preset("llama3_2_1b", param_dtype="float32", dtype="bfloat16", remat_policy=remat)
     step = est.train_seconds(_workload(cfg, 4, 128, 384), "actor", train_at, truth)
     return {
         "backend": "gpu",
@@ -79,7 +85,7 @@ def _report(truth: DeviceProfile) -> dict:
             "model": "llama3_2_1b",
             "param_dtype": "float32",
             "compute_dtype": "bfloat16",
-            "remat_policy": "none",
+            "remat_policy": remat,
             "batch": 4,
             "prompt": 128,
             "sequence": 512,
@@ -119,6 +125,19 @@ def test_fit_recovers_the_profile_that_produced_the_report():
     assert fitted.measured["template_notes"] == template.measured.get(
         "template_notes", template.notes
     )
+
+
+def test_runs_under_a_remat_policy_fit_what_its_recomputation_costs():
+    truth = TRUTH.replace(remat_forward_cost=0.4)
+    template = DeviceProfile.load("h100")
+    plain = profile_from_bench([("a.json", _report(truth))], template)
+    assert plain.remat_forward_cost == template.remat_forward_cost  # nothing to fit it from
+    both = [("a.json", _report(truth)), ("b.json", _report(truth, remat="full"))]
+    fitted = profile_from_bench(both, template)
+    assert fitted.remat_forward_cost == pytest.approx(0.4, rel=1e-6)
+    assert fitted.train_efficiency == pytest.approx(TRUTH.train_efficiency, rel=1e-6)
+    with pytest.raises(ValueError, match="remat_forward_cost"):
+        template.replace(remat_forward_cost=-0.5)
 
 
 def test_without_a_kernel_section_the_kv_rate_is_fitted_with_the_steps():

@@ -15,9 +15,11 @@ turns its reports into a profile:
   ``forward_efficiency`` to the prefill times (``prefill_and_first_token_s``: a forward over
   every prompt, priced as ``generate_seconds`` of one token), ``decode_efficiency`` to the decode
   step times (a step priced as the difference of two ``generate_seconds`` over the new tokens,
-  as the bench derives it), ``train_efficiency`` to the train step. Each price is linear in the
-  inverse efficiencies (``a + sum_j b_j / efficiency_j``), so the fit is non-negative least
-  squares of the relative errors over a kind's measurements.
+  as the bench derives it), ``train_efficiency`` to the train steps, with
+  ``remat_forward_cost`` (what a remat policy's recomputation costs, in forward passes) where
+  some step ran under a remat policy. Each price is linear in the inverse efficiencies
+  (``a + sum_j b_j / efficiency_j``), so the fit is non-negative least squares of the relative
+  errors over a kind's measurements.
 
 What one device cannot show stays as the template profile has it (the built-in profile of the
 same name: its links, devices per node, memory, fixed overheads), and the notes say which fields
@@ -93,6 +95,36 @@ def _fit(points: list[dict], fields: tuple[str, ...], profile: DeviceProfile):
             f"{', '.join(zero)}: the measurements leave no time for this cost (fit at zero)"
         )
     values = {f: float(1 / x) for f, x in zip(fields, inverse)}
+    return values, {"values": values, "points": _scored(points, profile.replace(**values))}
+
+
+def _fit_train(points: list[dict], profile: DeviceProfile) -> tuple[dict, dict]:
+    """``train_efficiency`` and, where some run used a remat policy, ``remat_forward_cost``.
+
+    A step's price is a + b1 / e + b2 r / e: b1 its 3 passes at efficiency 1, b2 the one
+    forward a remat policy adds (0 without remat), r the remat cost. Linear in (1 / e, r / e),
+    so the same least squares of relative errors finds both."""
+    if not points:
+        raise BenchReportError("no measurement to fit train_efficiency to")
+    base = profile.replace(train_efficiency=1.0, remat_forward_cost=0.0)
+    rows, rhs = [], []
+    for p in points:
+        t0 = p["price"](base)
+        b1 = p["price"](base.replace(train_efficiency=0.5)) - t0
+        b2 = p["price"](base.replace(remat_forward_cost=1.0)) - t0
+        m = p["measured_s"]
+        rows.append([b1 / m, b2 / m])
+        rhs.append(1 - (t0 - b1) / m)
+    lhs = np.array(rows)
+    remat = bool((lhs[:, 1] > 0).any())
+    x = _nnls(lhs if remat else lhs[:, :1], np.array(rhs))
+    if not x[0] > 0:
+        raise BenchReportError(
+            "train_efficiency: the measurements leave no time for this cost (fit at zero)"
+        )
+    values = {"train_efficiency": float(1 / x[0])}
+    if remat:
+        values["remat_forward_cost"] = float(min(2.0, x[1] / x[0]))
     return values, {"values": values, "points": _scored(points, profile.replace(**values))}
 
 
@@ -247,10 +279,11 @@ def profile_from_bench(
     for kind, fields, points in (
         ("prefill", ("forward_efficiency",), prefill),
         ("decode_step", decode_fields, steps),
-        ("train_step", ("train_efficiency",), train),
     ):
         values, fits[kind] = _fit(points, fields, profile)
         profile = profile.replace(**values)
+    values, fits["train_step"] = _fit_train(train, profile)
+    profile = profile.replace(**values)
     devices = sorted({r.get("device", "?") for _, r in reports})
     measured = ["matmul_flops", "memory_bandwidth"]
     measured += [field for fit in fits.values() for field in fit["values"]]

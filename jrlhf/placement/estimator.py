@@ -536,13 +536,14 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
 def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
     """epochs x minibatches steps; each step accumulates gradients over ``microbatches``
     micro-batches (fwd + bwd (+ recompute), FSDP gathers and gradient reduce-scatter and
-    per-layer overheads per micro-batch) and ends with one optimizer update."""
+    per-layer overheads per micro-batch) and ends with one optimizer update. A remat policy
+    adds the profile's ``remat_forward_cost`` forward passes."""
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
     m = w.microbatches(role)
     micro = w.microbatch_rows(role)
-    passes = 3.0 + (1.0 if cfg.remat_policy != "none" else 0.0)
+    passes = 3.0 + (profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0)
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     step = _fixed_s(
         profile.call_overhead_s + m * cfg.num_layers * profile.train_layer_overhead_s, g, profile

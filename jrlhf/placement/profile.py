@@ -108,6 +108,11 @@ class DeviceProfile:
     # for the cores); below 1 when the runtime overlaps some of them (fitted by the calibration).
     fixed_device_exponent: float = 1.0
     optimizer_bytes_per_param: float = 28.0  # AdamW: read p,g,m,v + write p,m,v at 4 bytes
+    # What a training step's remat recomputation costs, in forward passes at the step's rate: a
+    # step is priced as 3 passes (forward, backward) plus this many under any remat policy
+    # but "none". 1.0 (a whole forward) unless measured: on an H200, full remat added 3% to a
+    # 1B step and dots_no_batch none (docs/gpu.md, run 13), where XLA hides the recomputation.
+    remat_forward_cost: float = 1.0
     notes: str = ""
     measured: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
@@ -126,6 +131,8 @@ class DeviceProfile:
         for field in ("forward_activation_efficiency", "train_activation_efficiency"):
             if not 0 <= getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in [0, 10]")
+        if not 0 <= self.remat_forward_cost <= 2:
+            raise ValueError(f"profile {self.name!r}: remat_forward_cost must be in [0, 2]")
         if self.host_bandwidth < 0:
             raise ValueError(f"profile {self.name!r}: host_bandwidth must be >= 0")
         if not 0 <= self.memory_reserve_bytes < self.memory_bytes:
