@@ -23,7 +23,13 @@ from jrlhf.placement.workload import Workload
 ROOT = Path(__file__).resolve().parents[1]
 # the reports the built-in GPU profiles were fitted to (docs/gpu.md says how they were taken)
 PROFILE_REPORTS = {
-    "h100": ["h100_run10_all.json", "h100_run10_prefill.json"],
+    "h100": [
+        "h100_run10_all.json",
+        "h100_run10_prefill.json",
+        "h100_run14_remat_dots_no_batch.json",
+        "h100_run14_remat_full.json",
+        "h100_run14_remat_none.json",
+    ],
     "h200": [
         "h200_run11_all.json",
         "h200_run11_prefill.json",

@@ -703,12 +703,17 @@ def test_decode_layer_loop_reaches_the_engine_config():
 def test_remat_policy_is_chosen_per_training_call_and_written_to_the_plan():
     import dataclasses
 
-    h100 = DeviceProfile.load("h100")
+    # recomputation priced at one forward pass (the built-in h100 profile measured it as free)
+    h100 = DeviceProfile.load("h100").replace(remat_forward_cost=1.0)
     plan = flatten(8, tensor=2)
     w = _llama7b_workload(prompt_len=1024, gen_len=1024)
+    assert w.actor.remat_policy == "full"
     roomy = est.tune_batches(plan, w, h100.replace(memory_bytes=10**15))
     # plenty of memory: no remat (no recompute), nothing dropped or offloaded
     assert (roomy.actor.remat_policy, roomy.generation_copy, roomy.offload) == ("none", "kept", ())
+    # where remat costs nothing, every policy ties and the config's own wins the tie
+    free = est.tune_batches(plan, w, h100.replace(memory_bytes=10**15, remat_forward_cost=0.0))
+    assert (free.actor.remat_policy, free.actor_microbatches) == ("full", 1)
     # tight: the remat that the fastest fitting setting needs; every setting it did not choose
     # is slower or does not fit
     full = dataclasses.replace(
