@@ -109,6 +109,8 @@ def _bindings(args, plan: ExecutionPlan, knobs: dict[str, int]) -> list[str]:
     ]
     for role in ("actor", "critic", "reference", "reward"):
         out.append(f"{role}/RoleConfig.init='tiny'")
+        if args.dtype:
+            out.append(f"{role}/RoleConfig.dtype='{args.dtype}'")
     # the plan as RoleConfig meshes ('custom' placement), the form every trainer version accepts
     for line in plan.to_gin().splitlines():
         if line and not line.startswith("#"):
@@ -154,6 +156,7 @@ class _PlanRun:
             for role in ("actor", "reference", "critic", "reward")
         }
         self.trainer = RLTrainer(cfg, "ppo", roles, plan, data, run_dir / "ppo")
+        self.response_lens: list[float] = []
         self.loader = PromptLoader(
             data.train_records(), cfg.rl.prompts_per_iteration, seed=cfg.run.seed
         )
@@ -162,6 +165,11 @@ class _PlanRun:
         """One iteration; its phase times (the trainer's ``time/*`` metrics)."""
         batch = self.loader.next_batch()
         metrics = self.trainer.run_iteration([r.prompt_ids for r in batch], [r.meta for r in batch])
+        # the estimate prices every response at the full length: shorter responses (the
+        # longest decides a synchronous rollout's steps) explain a faster generate
+        self.response_lens.append(
+            (round(float(metrics["response_len"]), 2), float(metrics["response_len_max"]))
+        )
         return {k: metrics[f"time/{k}"] for k in PHASE_KEYS}
 
 
@@ -270,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=704)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="compute dtype of every role (RoleConfig.dtype; default: the config's, float32)",
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--minibatch", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=12)
@@ -335,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             runs, args.iterations - 1, probe, between=timings.round if timings else None
         )
         run_s = time.perf_counter() - t0
+        # (mean, longest) generated length per timed iteration (the compiling one dropped)
+        response_lens = {name: run.response_lens[1:] for name, run in runs.items()}
         del runs
     first_profile = profile
     if timings is not None:
@@ -342,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_profile:
             profile.save(args.save_profile)
     results, summary = _compare(setups, measured_all, profile)
+    for r in results:
+        r["response_len_mean_max"] = response_lens[r["plan"]]
     if timings is not None:
         _, first = _compare(setups, measured_all, first_profile)
         summary["calibrated_before_measuring"] = {
@@ -385,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             "intermediate": args.intermediate,
             "layers": args.layers,
             "heads": args.heads,
+            "dtype": args.dtype or "float32",
         },
         "workload": {
             "prompts": args.prompts,

@@ -20,6 +20,9 @@ from jrlhf.cli import train
 def test_colocated_run_outputs(colocated_run):
     rows = metric_rows(colocated_run)
     assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
+    # the longest response of each rollout: at least the mean, at most the task's limit (12)
+    for r in rows[:4]:
+        assert r["response_len"] <= r["response_len_max"] <= 12
     summary = json.loads((colocated_run / "summary.json").read_text())
     assert {"gt_score", "kl_to_ref", "reward"} <= set(summary["after"])
     assert (colocated_run / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -696,6 +696,8 @@ class RLTrainer:
             **kl_metrics,
             "kl_coef": float(kl_coef),
             "response_len": summary["response_len"],
+            # a synchronous rollout decodes until its longest response ends
+            "response_len_max": float(lengths.max()) if lengths.size else 0.0,
             "tokens_per_sec": float(lengths.sum() / max(timer.totals["generate"], 1e-9)),
             **timer.summary(),
             # The weight transition after the update: its time is time/reshard (this
