@@ -111,6 +111,8 @@ def _bindings(args, plan: ExecutionPlan, knobs: dict[str, int]) -> list[str]:
         out.append(f"{role}/RoleConfig.init='tiny'")
         if args.dtype:
             out.append(f"{role}/RoleConfig.dtype='{args.dtype}'")
+        if args.param_dtype:
+            out.append(f"{role}/RoleConfig.param_dtype='{args.param_dtype}'")
     # the plan as RoleConfig meshes ('custom' placement), the form every trainer version accepts
     for line in plan.to_gin().splitlines():
         if line and not line.startswith("#"):
@@ -284,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compute dtype of every role (RoleConfig.dtype; default: the config's, float32)",
     )
+    p.add_argument(
+        "--param-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="parameter dtype of every role (RoleConfig.param_dtype; default: float32)",
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--minibatch", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=12)
@@ -404,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "layers": args.layers,
             "heads": args.heads,
             "dtype": args.dtype or "float32",
+            "param_dtype": args.param_dtype or "float32",
         },
         "workload": {
             "prompts": args.prompts,

@@ -95,22 +95,22 @@ def test_plan_bench_takes_a_calibration_round_before_each_round_of_iterations():
 
 
 def test_plan_bench_dtype_reaches_every_role():
-    """``bench plan --dtype bfloat16`` (GPU runs) sets every role's compute dtype, in the
-    trainer's config and in the workload the estimate prices."""
+    """``bench plan --dtype bfloat16 --param-dtype bfloat16`` (GPU runs) set every role's
+    compute and parameter dtypes, in the trainer's config and in the workload the estimate
+    prices."""
     import types
 
     from benchmarks import plan as bench
 
     args = types.SimpleNamespace(
         devices=1, hidden=64, intermediate=128, layers=2, heads=4, prompts=4, minibatch=4,
-        gen_len=8, iterations=2, dtype="bfloat16",
+        gen_len=8, iterations=2, dtype="bfloat16", param_dtype="bfloat16",
     )  # fmt: skip
     plan = bench.PLANS["flatten"][0](1)
     w = bench._workload(bench._bindings(args, plan, {}))
-    assert {role: cfg.dtype for role, (cfg, _) in w.models().items()} == dict.fromkeys(
-        w.models(), "bfloat16"
-    )
-    args.dtype = None
+    dtypes = {role: (cfg.dtype, cfg.param_dtype) for role, (cfg, _) in w.models().items()}
+    assert dtypes == dict.fromkeys(w.models(), ("bfloat16", "bfloat16"))
+    args.dtype = args.param_dtype = None
     assert bench._workload(bench._bindings(args, plan, {})).actor.dtype == "float32"
 
 

@@ -196,6 +196,21 @@ def test_disjoint_devices_round_trips():
         assert t.bytes_moved == sum(bytes_per_device(t.dst, t.avals).values())
 
 
+def test_bfloat16_parameters_reshard_on_both_paths():
+    """bfloat16 trees (``RoleConfig.param_dtype='bfloat16'``) plan, compile and move like
+    float32 ones: the transition key keeps the dtype by name (its array-protocol string is a
+    void type)."""
+    train_mesh = make_mesh("fsdp=2,tensor=2@0:4")
+    params = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), _params(train_mesh, seed=5))
+    reference = jax.device_get(params)
+    for gen_spec in ("data=2,tensor=2@0:4", "data=2,tensor=2@4:8"):
+        gen_sh = MODEL.shardings(make_mesh(gen_spec), "dp_tp")
+        gen = Resharder()(params, gen_sh, donate=False)
+        for leaf in jax.tree.leaves(gen):
+            assert leaf.dtype == jax.numpy.bfloat16
+        chex.assert_trees_all_equal(jax.device_get(gen), reference)
+
+
 def test_donate_consumes_source_and_keep_does_not():
     mesh = make_mesh("fsdp=4,tensor=2")
     gen_sh = MODEL.shardings(make_mesh("data=4,tensor=2"), "dp_tp")

@@ -135,7 +135,8 @@ def transition_key(tree: Any, dst_shardings: Any, donate: bool) -> TransitionKey
         src = getattr(x, "sharding", None)
         if src is None:
             raise ValueError(f"leaf of shape {tuple(x.shape)} has no sharding; cannot plan a move")
-        keys.append(LeafKey(tuple(x.shape), np.dtype(x.dtype).str, src, d))
+        # the dtype's name: bfloat16's array-protocol string is a void type ('<V2')
+        keys.append(LeafKey(tuple(x.shape), np.dtype(x.dtype).name, src, d))
     return TransitionKey(treedef, tuple(keys), bool(donate))
 
 
@@ -151,7 +152,9 @@ class Transition:
         self.treedef = key.treedef
         self.src = [leaf.src for leaf in key.leaves]
         self.dst = [leaf.dst for leaf in key.leaves]
-        self.avals = [jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype)) for leaf in key.leaves]
+        self.avals = [
+            jax.ShapeDtypeStruct(leaf.shape, jax.numpy.dtype(leaf.dtype)) for leaf in key.leaves
+        ]
         self.donate = key.donate
         self.budget_bytes = budget_bytes
         self.runs = 0
