@@ -37,8 +37,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jrlhf.config import DEFAULT_CONFIG, ROLES, load_config
+from jrlhf.config import DEFAULT_CONFIG, load_config
 from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.pipeline.plan_bench import trainer_bindings, trainer_workload
 from jrlhf.pipeline.task_data import task_model_overrides
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, flatten, strategy
 from jrlhf.placement.workload import Workload
@@ -84,47 +85,35 @@ PLANS: dict[str, tuple[Callable[[int], ExecutionPlan], dict[str, int]]] = {
 DEFAULT_PLANS = (*PLANS, "searched")
 
 
+def _model(args) -> dict:
+    """The bench model's shape and dtypes, as its report records them."""
+    return {
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "layers": args.layers,
+        "heads": args.heads,
+        "dtype": args.dtype or "float32",
+        "param_dtype": args.param_dtype or "float32",
+    }
+
+
+def _workload_fields(args) -> dict:
+    return {
+        "prompts": args.prompts,
+        "minibatch": args.minibatch,
+        "gen_len": args.gen_len,
+        "iterations": args.iterations,
+        "bindings": list(args.bind),
+    }
+
+
 def _bindings(args, plan: ExecutionPlan, knobs: dict[str, int]) -> list[str]:
-    overrides = (
-        f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.intermediate}), "
-        f"('num_layers', {args.layers}), ('num_heads', {args.heads}), ('num_kv_heads', 2))"
-    )
-    out = [
-        "RunConfig.stages=('ppo',)",
-        "RunConfig.tensorboard=False",
-        "RunConfig.progress_bar=False",
-        f"RunConfig.host_devices={args.devices}",
-        f"RoleConfig.model_overrides={overrides}",
-        f"RLConfig.iterations={args.iterations}",
-        "RLConfig.checkpoint_every=0",
-        "RLConfig.async_checkpoint=False",
-        f"RLConfig.prompts_per_iteration={args.prompts}",
-        f"RLConfig.minibatch_size={args.minibatch}",
-        "RLConfig.epochs=2",
-        "TaskConfig.num_heldout=8",
-        f"TaskConfig.max_response_len={args.gen_len}",
-        f"RLConfig.infer_batch_size={knobs.get('infer_batch_size', 0)}",
-        f"actor/RoleConfig.microbatches={knobs.get('actor_microbatches', 1)}",
-        f"critic/RoleConfig.microbatches={knobs.get('critic_microbatches', 1)}",
-    ]
-    for role in ("actor", "critic", "reference", "reward"):
-        out.append(f"{role}/RoleConfig.init='tiny'")
-        if args.dtype:
-            out.append(f"{role}/RoleConfig.dtype='{args.dtype}'")
-        if args.param_dtype:
-            out.append(f"{role}/RoleConfig.param_dtype='{args.param_dtype}'")
-    # the plan as RoleConfig meshes ('custom' placement), the form every trainer version accepts
-    for line in plan.to_gin().splitlines():
-        if line and not line.startswith("#"):
-            out.append(line.replace(" = ", "="))
-    return out
+    """The trainer's bindings (``jrlhf.pipeline.plan_bench``, which the GPU fit shares)."""
+    return trainer_bindings(_model(args), _workload_fields(args), args.devices, plan, knobs)
 
 
 def _workload(bindings: list[str]) -> Workload:
-    cfg = load_config([str(DEFAULT_CONFIG)], bindings)
-    overrides = task_model_overrides(cfg)
-    models = {role: resolve_model(cfg, role, overrides, init="tiny").model.config for role in ROLES}
-    return Workload.from_config(cfg, models)
+    return trainer_workload(bindings)
 
 
 def _knobs(w: Workload) -> dict[str, int]:
@@ -287,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         help="compute dtype of every role (RoleConfig.dtype; default: the config's, float32)",
     )
     p.add_argument(
+        "--bind",
+        action="append",
+        default=[],
+        help="an extra gin binding for every plan's trainer, e.g. DecodeConfig.page_size=16",
+    )
+    p.add_argument(
         "--param-dtype",
         choices=("float32", "bfloat16"),
         default=None,
@@ -406,20 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
         },
         "profile_fits": profile.measured.get("fits"),
-        "model": {
-            "hidden": args.hidden,
-            "intermediate": args.intermediate,
-            "layers": args.layers,
-            "heads": args.heads,
-            "dtype": args.dtype or "float32",
-            "param_dtype": args.param_dtype or "float32",
-        },
-        "workload": {
-            "prompts": args.prompts,
-            "minibatch": args.minibatch,
-            "gen_len": args.gen_len,
-            "iterations": args.iterations,
-        },
+        "model": _model(args),
+        "workload": _workload_fields(args),
         "results": results,
         "seconds": {
             "calibration": t_calibrated - t_start,

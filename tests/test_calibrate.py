@@ -104,7 +104,7 @@ def test_plan_bench_dtype_reaches_every_role():
 
     args = types.SimpleNamespace(
         devices=1, hidden=64, intermediate=128, layers=2, heads=4, prompts=4, minibatch=4,
-        gen_len=8, iterations=2, dtype="bfloat16", param_dtype="bfloat16",
+        gen_len=8, iterations=2, dtype="bfloat16", param_dtype="bfloat16", bind=[],
     )  # fmt: skip
     plan = bench.PLANS["flatten"][0](1)
     w = bench._workload(bench._bindings(args, plan, {}))

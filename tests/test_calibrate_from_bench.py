@@ -29,6 +29,8 @@ PROFILE_REPORTS = {
         "h100_run14_remat_dots_no_batch.json",
         "h100_run14_remat_full.json",
         "h100_run14_remat_none.json",
+        "h100_run17_plan_bf16_1b.json",
+        "h100_run17_plan_bf16_300m.json",
     ],
     "h200": [
         "h200_run11_all.json",
@@ -197,7 +199,7 @@ def test_score_prices_the_runs_without_fitting(tmp_path, capsys):
     report = _report(TRUTH)
     exact = score_profile([("a.json", report)], TRUTH)
     counts = {k: len(v) for k, v in exact.items()}
-    assert counts == {"prefill": 2, "decode_step": 2, "train_step": 1}
+    assert counts == {"prefill": 2, "decode_step": 2, "train_step": 1, "trainer_generate": 0}
     assert all(abs(p["rel_error"]) < 1e-9 for rows in exact.values() for p in rows)
     # a profile with half the train efficiency prices the train step higher, the rest the same
     slower = score_profile([("a.json", report)], TRUTH.replace(train_efficiency=0.225))
@@ -210,3 +212,61 @@ def test_score_prices_the_runs_without_fitting(tmp_path, capsys):
     assert calibrate_cli.main(["--from-bench-gpu", str(path), "--score", str(truth)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["train_step"][0]["rel_error"] == pytest.approx(0, abs=1e-9)
+
+
+def _plan_report(truth: DeviceProfile, device: str = "1 x gpu") -> dict:
+    """A bench plan report of one device whose trainer generates exactly as ``truth`` prices
+    it: three timed iterations, the last one's responses all stopping after 3 tokens."""
+    from jrlhf.pipeline.plan_bench import trainer_bindings, trainer_workload
+    from jrlhf.placement.plan import strategy
+
+    model = dict(hidden=64, intermediate=128, layers=2, heads=4, dtype="bfloat16")
+    workload = dict(prompts=4, minibatch=4, gen_len=32, iterations=4)
+    plan = strategy("flatten", 1)
+    lengths = [[20.0, 32.0], [11.5, 24.0], [2.0, 3.0]]
+    runs = []
+    for _, longest in lengths:
+        fields = dict(workload, gen_len=int(longest))
+        w = trainer_workload(trainer_bindings(model, fields, 1, plan, {}))
+        runs.append(est.generate_seconds(w, plan["actor_generate"], truth))
+    runs[-1] *= 3  # the dropped iteration: anything
+    result = {
+        "plan": "flatten",
+        "placements": {call: str(p) for call, p in plan.placements},
+        "knobs": {},
+        "phases": {"generate": {"runs": runs}},
+        "response_len_mean_max": lengths,
+    }
+    return {
+        "benchmark": "plan_estimator",
+        "device": device,
+        "model": model,
+        "workload": workload,
+        "results": [result],
+    }
+
+
+def test_bench_plan_reports_fit_the_decode_layer_overhead():
+    """With the trainer's generations, a decode step's per-layer cost is fitted with the decode
+    efficiency (both from data, none from the template)."""
+    truth = TRUTH.replace(decode_layer_overhead_s=9e-5)
+    template = DeviceProfile.load("h100")
+    reports = [("a.json", _report(truth)), ("p.json", _plan_report(truth))]
+    fitted = profile_from_bench(reports, template)
+    assert fitted.decode_layer_overhead_s == pytest.approx(9e-5, rel=1e-6)
+    assert fitted.decode_efficiency == pytest.approx(truth.decode_efficiency, rel=1e-6)
+    points = fitted.measured["fits"]["decode_step"]["points"]
+    assert len(points) == 2 + 2  # bench gpu's two steps; the collapsed iteration left out
+    assert all(abs(p["rel_error"]) < 1e-6 for p in points)
+    assert "1 bench plan report(s)" in fitted.notes
+    # decode steps faster than the bandwidth allows with that per-layer cost would need weights
+    # read faster than the bandwidth: the efficiency stops at 1 (and the per-layer cost gives)
+    fast = _report(truth)
+    for row in fast["decode"]["models"].values():
+        row["kernels"]["pallas"]["decode_step_ms"] *= 0.6
+    capped = profile_from_bench([("fast.json", fast), reports[1]], template)
+    assert capped.decode_efficiency == 1.0
+    assert 0 < capped.decode_layer_overhead_s < 9e-5
+    # a CPU bench plan run is not a GPU measurement
+    with pytest.raises(BenchReportError, match="backends"):
+        profile_from_bench([reports[0], ("c.json", _plan_report(truth, "8 x cpu"))], template)

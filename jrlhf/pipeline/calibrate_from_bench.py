@@ -21,6 +21,13 @@ turns its reports into a profile:
   (``a + sum_j b_j / efficiency_j``), so the fit is non-negative least squares of the relative
   errors over a kind's measurements.
 
+``bench plan`` reports from a GPU (``--profile NAME --plans flatten`` on one device: the whole
+PPO trainer) add ``decode_layer_overhead_s``, fitted last with everything else held, to the
+trainer's generate phase of each timed iteration, priced at that iteration's longest response (a
+synchronous rollout decodes until it ends). At tens of rows per step a decode step is bound by
+per-layer launches and latencies there, which ``bench gpu``'s weight-bound decode shapes cannot
+tell apart from the weight reads.
+
 What one device cannot show stays as the template profile has it (the built-in profile of the
 same name: its links, devices per node, memory, fixed overheads), and the notes say which fields
 were measured. The inputs, the fits and every measurement's residual go under ``measured``.
@@ -37,6 +44,7 @@ import numpy as np
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.models.presets import get_preset
 from jrlhf.pipeline.calibrate import _nnls
+from jrlhf.pipeline.plan_bench import plan_from_placements, trainer_bindings, trainer_workload
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement
 from jrlhf.placement.profile import DeviceProfile
@@ -190,6 +198,85 @@ def _train_points(report: dict, where: str) -> list[dict]:
     ]
 
 
+def _is_plan_report(report: dict) -> bool:
+    return report.get("benchmark") == "plan_estimator"
+
+
+def _trainer_generate_points(report: dict, where: str) -> list[dict]:
+    """A ``bench plan`` report's generate phases as fit points: every timed iteration of every
+    plan whose report lists the responses' lengths, priced at its longest response. Iterations
+    whose longest response is under half the limit are left out: their generate is mostly the
+    prompts' forward, and their policy has collapsed to stopping at once."""
+    if not _is_plan_report(report):
+        return []
+    model, workload = report["model"], report["workload"]
+    devices = int(str(report.get("device", "1")).split(" x ")[0])
+    points = []
+    for result in report.get("results", []):
+        lengths = result.get("response_len_mean_max")
+        if not lengths:
+            continue  # reports before lengths were recorded
+        plan = plan_from_placements(result["plan"], result["placements"])
+        at = plan["actor_generate"]
+        runs = result["phases"]["generate"]["runs"]
+        for i, (seconds, (_, longest)) in enumerate(zip(runs, lengths), start=1):
+            if 2 * longest < workload["gen_len"]:
+                continue
+            fields = dict(workload, gen_len=int(longest))
+            w = trainer_workload(trainer_bindings(model, fields, devices, plan, result["knobs"]))
+            points.append(
+                {
+                    "what": f"{where}: {result['plan']}, {model['layers']} x {model['hidden']}, "
+                    f"generate of timed iteration {i} (longest response {int(longest)})",
+                    "measured_s": seconds,
+                    "price": lambda p, w=w, at=at: est.generate_seconds(w, at, p),
+                }
+            )
+    return points
+
+
+def _fit_decode_with_overhead(
+    points: list[dict], fields: tuple[str, ...], profile: DeviceProfile
+) -> tuple[dict, dict]:
+    """The decode efficiencies (``fields``, at most 1) and ``decode_layer_overhead_s``
+    minimizing the relative errors' squares over ``points``: a price is a + sum_j b_j /
+    efficiency_j + k overhead, linear in (1 / efficiency_j, overhead), so non-negative least
+    squares again."""
+    overhead = "decode_layer_overhead_s"
+    base = profile.replace(**dict.fromkeys(fields, 1.0), **{overhead: 0.0})
+    unit = 1e-4
+    lhs, rhs = [], []
+    for p in points:
+        t0 = p["price"](base)
+        b = [p["price"](base.replace(**{f: 0.5})) - t0 for f in fields]
+        k = p["price"](base.replace(**{overhead: unit})) - t0
+        m = p["measured_s"]
+        lhs.append([bj / m for bj in b] + [k / m])
+        rhs.append(1 - (t0 - sum(b)) / m)
+    lhs, rhs = np.array(lhs), np.array(rhs)
+    # An efficiency above 1 (weights read faster than the measured bandwidth) would buy the
+    # small models' fit with the large ones' weight reads: cap each at 1 (x_j = 1 / e_j >= 1)
+    # by fixing it there and solving for the rest.
+    capped = np.zeros(len(fields) + 1, bool)
+    while True:
+        free = ~capped
+        x = np.ones(len(fields) + 1)
+        x[-1] = 0.0
+        x[free] = _nnls(lhs[:, free], rhs - lhs[:, capped] @ np.ones(int(capped.sum())))
+        over = [j for j in range(len(fields)) if free[j] and x[j] < 1.0]
+        if not over:
+            break
+        capped[over] = True
+    if not (x[: len(fields)] > 0).all():
+        zero = [f for f, xi in zip(fields, x) if xi <= 0]
+        raise BenchReportError(
+            f"{', '.join(zero)}: the measurements leave no time for this cost (fit at zero)"
+        )
+    values = {f: float(1 / xi) for f, xi in zip(fields, x)}
+    values[overhead] = float(x[-1] * unit)
+    return values, {"values": values, "points": _scored(points, profile.replace(**values))}
+
+
 def _kernel_row(report: dict) -> dict | None:
     """The paged-attention kernel's row of a report's ``kernel`` section (bf16 decode shape)."""
     kernel = report.get("kernel")
@@ -206,12 +293,13 @@ def _median(values: list[float], field: str) -> float:
 
 def _points(reports: Sequence[tuple[str, dict]]) -> dict[str, list[dict]]:
     """Every report's measurements as fit points, by kind."""
-    out = {"prefill": [], "decode_step": [], "train_step": []}
+    out = {"prefill": [], "decode_step": [], "train_step": [], "trainer_generate": []}
     for label, report in reports:
         prefill, steps = _decode_points(report, label)
         out["prefill"] += prefill
         out["decode_step"] += steps
         out["train_step"] += _train_points(report, label)
+        out["trainer_generate"] += _trainer_generate_points(report, label)
     return out
 
 
@@ -243,7 +331,10 @@ def profile_from_bench(
     """``template`` with its rates and efficiencies fitted to ``reports`` ((label, bench gpu
     JSON) pairs, e.g. file names: they label the fit's points). The template's notes (where
     its other numbers come from) move to ``measured["template_notes"]``."""
-    backends = {r.get("backend") for _, r in reports}
+    backends = {
+        str(r.get("device", "")).rpartition(" x ")[2] if _is_plan_report(r) else r.get("backend")
+        for _, r in reports
+    }
     if backends != {"gpu"}:
         raise BenchReportError(f"bench gpu reports from a GPU are needed (backends: {backends})")
     ceilings = [r["ceilings"] for _, r in reports if isinstance(r.get("ceilings"), dict)]
@@ -258,7 +349,7 @@ def profile_from_bench(
                 min(x["to_host_gbps"], x["from_host_gbps"]) * 1e9 for x in links
             )
         )
-    prefill, steps, train = _points(reports).values()
+    prefill, steps, train, generate = _points(reports).values()
     fits = {}
     # A decode step's KV reads run at the paged-attention kernel's own measured rate where a
     # report has it (the kernel section, on random pools of a decode shape). Fitting that rate
@@ -276,24 +367,39 @@ def profile_from_bench(
         decode_fields += ("decode_kv_efficiency",)
     # the prefill first: a decode step's price (a difference of two generations) does not
     # depend on the forward's efficiency
-    for kind, fields, points in (
-        ("prefill", ("forward_efficiency",), prefill),
-        ("decode_step", decode_fields, steps),
-    ):
-        values, fits[kind] = _fit(points, fields, profile)
-        profile = profile.replace(**values)
+    values, fits["prefill"] = _fit(prefill, ("forward_efficiency",), profile)
+    profile = profile.replace(**values)
+    if any(_is_plan_report(r) for _, r in reports):
+        if not generate:
+            raise BenchReportError(
+                "the bench plan reports have no generate phase to fit (none lists response "
+                "lengths, or every longest response is under half the limit)"
+            )
+        # the trainer's generations and bench gpu's decode steps together: the decode
+        # efficiencies and the per-layer cost of a step, so the fit depends on no template
+        # value of either
+        values, fits["decode_step"] = _fit_decode_with_overhead(
+            steps + generate, decode_fields, profile
+        )
+    else:
+        values, fits["decode_step"] = _fit(steps, decode_fields, profile)
+    profile = profile.replace(**values)
     values, fits["train_step"] = _fit_train(train, profile)
     profile = profile.replace(**values)
-    devices = sorted({r.get("device", "?") for _, r in reports})
+    devices = sorted({r.get("device", "?") for _, r in reports if not _is_plan_report(r)})
     measured = ["matmul_flops", "memory_bandwidth"]
     measured += [field for fit in fits.values() for field in fit["values"]]
     if kernel:
         measured.append("decode_kv_efficiency (the paged-attention kernel's read rate)")
     if links:
         measured.append("host_bandwidth")
+    plans = sum(_is_plan_report(r) for _, r in reports)
+    sources = f"{len(reports) - plans} bench gpu report(s)"
+    if plans:
+        sources += f" and {plans} bench plan report(s) (the whole trainer)"
     notes = (
-        f"Fitted by python -m jrlhf.plan.calibrate --from-bench-gpu to {len(reports)} bench gpu "
-        f"report(s) from {', '.join(devices)}: {', '.join(measured)} (residuals under "
+        f"Fitted by python -m jrlhf.plan.calibrate --from-bench-gpu to {sources} "
+        f"from {', '.join(devices)}: {', '.join(measured)} (residuals under "
         "measured.fits). The rest (links, memory, fixed overheads, what one device cannot "
         "measure) is the template profile's: see measured.template_notes."
     )
