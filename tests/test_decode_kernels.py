@@ -74,15 +74,15 @@ def test_auto_selects_blocked_on_cpu():
         select_kernel("flash")
 
 
-@pytest.mark.parametrize("pages_per_block", [1, 3, 4])
+@pytest.mark.parametrize("block_pages", [None, 1, 3, 4])
 @pytest.mark.parametrize("window", [0, 7])
-def test_blocked_kernel_block_sizes_short_batches_and_empty(pages_per_block, window):
+def test_blocked_kernel_block_sizes_short_batches_and_empty(block_pages, window):
     """Any block size (dividing the table width or not) matches the reference, also when every
     length is short (later blocks skipped); with every length 0 it reads nothing, stays finite."""
     q, k_pool, v_pool, table, lengths = _case(2)
     for lens in (lengths, jnp.array([3, 1, 16], jnp.int32)):
         got = paged_attention_blocked(
-            q, k_pool, v_pool, jnp.int32(1), table, lens, window, pages_per_block
+            q, k_pool, v_pool, jnp.int32(1), table, lens, window, block_pages
         )
         want = paged_attention_reference(q, k_pool, v_pool, jnp.int32(1), table, lens, window)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)

@@ -760,8 +760,9 @@ def test_prefill_is_priced_at_the_length_the_engine_pads_to(prompt_len):
 
 
 def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
-    """paged_attention_blocked reads blocks of min(4, pages) pages, as many as the longest
-    sequence needs: the step's KV reads follow those blocks, averaged over the steps."""
+    """paged_attention_blocked reads blocks of 32 positions (whole pages, at most the table's
+    width), as many as the longest sequence needs: the step's KV reads follow those blocks,
+    averaged over the steps."""
     # 10 + 12 tokens on 8-token pages: 3 pages (21 cached positions), one 24-token block
     assert est.attended_context(10, 12, 8) == 24
     assert est.attended_context(16, 16, 8) == 32
@@ -769,6 +770,9 @@ def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
     # 20 + 30: 7 pages, 32-token blocks; lengths 21..49 over 29 steps: 12 steps read one
     # block, 17 read two
     assert est.attended_context(20, 30, 8) == pytest.approx((12 * 32 + 17 * 64) / 29)
+    # 16-token pages: two-page blocks; 64-token pages: one page per block
+    assert est.attended_context(20, 30, 16) == pytest.approx((12 * 32 + 17 * 64) / 29)
+    assert est.attended_context(20, 30, 64) == 64
     # the KV term grows with the context at decode_kv_efficiency of the bandwidth
     cfg = tiny_config()
     profile = DeviceProfile(name="t", memory_bytes=2**33, matmul_flops=1e15, memory_bandwidth=1e9)

@@ -61,6 +61,7 @@ import jax
 import numpy as np
 
 from jrlhf.config import DROPPED_COPY_PHASES, OFFLOAD_PHASES
+from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.meshes.mesh import MeshSpec, pick_replicas, replica_groups
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
 from jrlhf.models.config import ModelConfig
@@ -436,12 +437,12 @@ def attended_context(prompt_len: int, gen_len: int, page_size: int) -> float:
     """KV positions one decode step reads per sequence, averaged over the steps.
 
     The decode kernels read the cache in whole pages: the CPU one (``paged_attention_blocked``)
-    in blocks of up to 4 pages, as many blocks as the longest sequence needs; the GPU one each
-    sequence's own pages, which is at most a block less. With uniform lengths the sequences at
-    step s hold prompt_len + s positions.
+    in blocks of ``pages_per_block`` pages, as many blocks as the longest sequence needs; the
+    GPU one each sequence's own pages, which is at most a block less. With uniform lengths the
+    sequences at step s hold prompt_len + s positions.
     """
     pages = -(-(prompt_len + gen_len - 1) // page_size)
-    block = min(4, pages) * page_size
+    block = pages_per_block(page_size, pages) * page_size
     steps = range(1, max(1, gen_len - 1) + 1)
     return sum(-(-(prompt_len + s) // block) * block for s in steps) / len(steps)
 

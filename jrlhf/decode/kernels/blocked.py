@@ -2,10 +2,20 @@
 
 The reference gathers every page of every sequence's table row at every step, so a step at
 context 70 of a 192-token engine reads (and materialises) as much K/V as one at 190. This kernel
-walks the table in blocks of ``pages_per_block`` pages under a ``while`` loop that stops after
-the last block any sequence of the batch still needs, combining blocks with an online softmax
-(flash-decoding). One compile for every context length; results match the reference to float
-rounding (``tests/test_decode_kernels.py``).
+walks the table in blocks of about ``BLOCK_TOKENS`` positions under a ``while`` loop that stops
+after the last block any sequence of the batch still needs, combining blocks with an online
+softmax (flash-decoding). One compile for every context length; results match the reference to
+float rounding (``tests/test_decode_kernels.py``).
+
+Why this shape, measured on the 2-core CPU machine (BUILD.md, "Benchmarks": decode attention):
+
+* Each block's pages are taken as whole rows of the pool viewed as ``(layers * pages,
+  page_size * kv_heads * head_dim)``: one contiguous row per page, a cheaper gather on XLA:CPU
+  than indexing the 5-D pool by (layer, page).
+* Scores and the weighted sum of values are ``einsum`` contractions (XLA dots) rather than
+  broadcast-multiply-and-reduce, which XLA:CPU fuses into slow reductions over a 5-D product.
+* Blocks of 32 positions: with fewer, the loop's fixed cost per step dominates; with more, each
+  step's temporaries fall out of cache (64 positions was 8-20% slower, 192 three times slower).
 """
 
 from __future__ import annotations
@@ -14,6 +24,18 @@ import jax
 import jax.numpy as jnp
 
 from jrlhf.models.attention import MASK_VALUE
+
+# Positions of K/V one loop step of the kernel reads per sequence (rounded to whole pages).
+BLOCK_TOKENS = 32
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32 pools stay float32 on TPU too
+
+
+def pages_per_block(page_size: int, max_pages: int) -> int:
+    """Pages the kernel reads per sequence and loop step: ``BLOCK_TOKENS`` positions' worth
+    (at least one page, at most the table's width). The cost estimator prices decode attention
+    with the same blocks (jrlhf.placement.estimator.attended_context)."""
+    return max(1, min(max_pages, BLOCK_TOKENS // page_size))
 
 
 def paged_attention_blocked(
@@ -24,13 +46,14 @@ def paged_attention_blocked(
     page_table_bp: jax.Array,
     lengths_b: jax.Array,
     sliding_window: int = 0,
-    pages_per_block: int = 4,
+    block_pages: int | None = None,
 ) -> jax.Array:
-    """Same contract as ``paged_attention_reference``."""
+    """Same contract as ``paged_attention_reference``; ``block_pages`` overrides
+    :func:`pages_per_block`."""
     b, h, d = q_bhd.shape
     _, num_pages, page_size, kv_heads, _ = k_pool.shape
     max_pages = page_table_bp.shape[1]
-    blk = min(pages_per_block, max_pages)
+    blk = min(block_pages or pages_per_block(page_size, max_pages), max_pages)
     blocks = -(-max_pages // blk)
     table = jnp.pad(page_table_bp, ((0, 0), (0, blocks * blk - max_pages)))
     table = jnp.clip(table, 0, num_pages - 1)  # ids past a row's length are masked below
@@ -39,24 +62,32 @@ def paged_attention_blocked(
     q_bkgd = q_bhd.reshape(b, kv_heads, groups, d).astype(jnp.float32) * (d**-0.5)
     q_pos = lengths_b[:, None] - 1
     needed = (jnp.max(lengths_b) + tokens - 1) // tokens
+    # One row per (layer, page): a block's pages are whole contiguous rows.
+    k_rows = k_pool.reshape(-1, page_size * kv_heads * d)
+    v_rows = v_pool.reshape(-1, page_size * kv_heads * d)
+    first_row = layer * num_pages
 
     def body(carry):
         j, m_bkg, l_bkg, acc_bkgd = carry
         pages = jax.lax.dynamic_slice_in_dim(table, j * blk, blk, axis=1)
-        k_bskd = k_pool[layer, pages].reshape(b, tokens, kv_heads, d).astype(jnp.float32)
-        v_bskd = v_pool[layer, pages].reshape(b, tokens, kv_heads, d).astype(jnp.float32)
+        rows = (pages + first_row).reshape(-1)
+        k_bskd = jnp.take(k_rows, rows, axis=0, mode="clip").reshape(b, tokens, kv_heads, d)
+        v_bskd = jnp.take(v_rows, rows, axis=0, mode="clip").reshape(b, tokens, kv_heads, d)
         kv_pos = j * tokens + jnp.arange(tokens, dtype=jnp.int32)
         valid_bs = kv_pos[None, :] <= q_pos
         if sliding_window:
             valid_bs &= q_pos - kv_pos[None, :] < sliding_window
-        # Broadcast-multiply-and-reduce, as in the reference (fuses with the gather on CPU).
-        scores_bskg = jnp.sum(q_bkgd[:, None] * k_bskd[:, :, :, None, :], axis=-1)
+        scores_bskg = jnp.einsum(
+            "bskd,bkgd->bskg", k_bskd.astype(jnp.float32), q_bkgd, precision=_HIGHEST
+        )
         scores_bskg = jnp.where(valid_bs[:, :, None, None], scores_bskg, MASK_VALUE)
         m_new = jnp.maximum(m_bkg, jnp.max(scores_bskg, axis=1))
         p_bskg = jnp.exp(scores_bskg - m_new[:, None])
         scale = jnp.exp(m_bkg - m_new)
         l_bkg = l_bkg * scale + jnp.sum(p_bskg, axis=1)
-        pv_bkgd = jnp.sum(p_bskg[..., None] * v_bskd[:, :, :, None, :], axis=1)
+        pv_bkgd = jnp.einsum(
+            "bskg,bskd->bkgd", p_bskg, v_bskd.astype(jnp.float32), precision=_HIGHEST
+        )
         return j + 1, m_new, l_bkg, acc_bkgd * scale[..., None] + pv_bkgd
 
     init = (
