@@ -299,17 +299,21 @@ def decode(args, bandwidth: dict) -> dict:
             "kernels": {},
         }
         outputs = {}
-        variants = [(k, None, md) for k in args.decode_kernels]
+        first_kernel, ps = args.decode_kernels[0], args.page_size
+        variants = [(k, None, md, ps) for k in args.decode_kernels]
         if args.decode_unroll:  # the first kernel again, layers unrolled over per-layer copies
-            variants.append((args.decode_kernels[0], True, md))
+            variants.append((first_kernel, True, md, ps))
         if args.decode_scan:  # the first kernel again, layers scanned over the stacked weights
-            variants.append((args.decode_kernels[0], False, md))
+            variants.append((first_kernel, False, md, ps))
         if args.decode_einsum_prefill:  # the first kernel again, prefill attention not fused
             einsum = ModelDef(cfg.replace(attention="einsum"))
-            variants.append((args.decode_kernels[0], None, einsum))
-        for kname, unroll, vmd in variants:
+            variants.append((first_kernel, None, einsum, ps))
+        # the first kernel again with other KV page sizes
+        variants += [(first_kernel, None, md, n) for n in args.decode_page_sizes if n != ps]
+        for kname, unroll, vmd, page_size in variants:
             label = kname + {None: "", True: "/unrolled", False: "/scan"}[unroll]
             label += "/einsum-prefill" if vmd is not md else ""
+            label += f"/page{page_size}" if page_size != ps else ""
             try:
                 engine = DecodeEngine(
                     vmd,
@@ -317,7 +321,7 @@ def decode(args, bandwidth: dict) -> dict:
                     "dp_tp",
                     EngineConfig(
                         num_slots=args.batch,
-                        page_size=16,
+                        page_size=page_size,
                         max_prompt_len=args.prompt_len,
                         max_new_tokens=args.new_tokens,
                         chunk_steps=args.chunk_steps,
@@ -370,6 +374,7 @@ def decode(args, bandwidth: dict) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "chunk_steps": args.chunk_steps,
+        "page_size": args.page_size,
         "models": out,
     }
 
@@ -571,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--chunk-steps", type=int, default=32)
+    p.add_argument("--page-size", type=int, default=16, help="decode: KV page size (tokens)")
+    p.add_argument(
+        "--decode-page-sizes",
+        default="",
+        help="decode: also run the first kernel with each of these page sizes (comma-separated)",
+    )
     p.add_argument(
         "--decode-unroll",
         action="store_true",
@@ -623,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kernels = args.kernels.split(",")
     args.models = args.models.split(",")
     args.decode_kernels = args.decode_kernels.split(",")
+    args.decode_page_sizes = [int(n) for n in args.decode_page_sizes.split(",") if n]
     args.train_attention = args.train_attention.split(",")
 
     import jax

@@ -12,6 +12,7 @@ from jrlhf.decode.kernels import (
     paged_attention_reference,
     select_kernel,
 )
+from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.models.attention import attention_mask, masked_attention
 
 L, P, PS, K, D, H = 2, 12, 16, 2, 32, 4
@@ -91,6 +92,17 @@ def test_blocked_kernel_block_sizes_short_batches_and_empty(block_pages, window)
     assert np.isfinite(np.asarray(got)).all()
 
 
+def test_blocked_kernel_blocks_follow_the_backend():
+    """CPU blocks stay cache-sized (32 positions); accelerators take 128-position blocks, which
+    decoded 1.4-1.6x faster than 32 on an H200 (docs/gpu.md, run 20); both clip to the table."""
+    assert pages_per_block(16, 24, backend="cpu") == 2
+    assert pages_per_block(8, 24, backend="cpu") == 4
+    assert pages_per_block(16, 24, backend="gpu") == pages_per_block(16, 24, backend="tpu") == 8
+    assert pages_per_block(16, 5, backend="tpu") == 5
+    assert pages_per_block(256, 24, backend="cpu") == 1
+    assert pages_per_block(16, 24) == pages_per_block(16, 24, backend=jax.default_backend())
+
+
 _GPU_ONLY = pytest.mark.skipif(
     jax.default_backend() != "gpu", reason="compiled Pallas kernel needs a GPU"
 )
@@ -141,3 +153,53 @@ def test_bf16_pools_within_output_rounding(kernel):
     # and element by element at most one bf16 step from the correctly rounded value
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
     assert (np.abs(got - rounded) <= ulp * 1.0001).all()
+
+
+def _pages_case(seed, page_size, dtype, head_dim=64):
+    """Pools of ``page_size``-token pages holding up to 100 positions a sequence, shuffled
+    table, lengths 1..100 (one a whole number of pages), 4 query heads per KV head."""
+    rng = np.random.default_rng(seed)
+    per_seq = -(-100 // page_size)
+    ks = jax.random.split(jax.random.key(seed), 3)
+    shape = (2, 4 * per_seq, page_size, 2, head_dim)
+    k_pool = jax.random.normal(ks[0], shape).astype(dtype)
+    v_pool = jax.random.normal(ks[1], shape).astype(dtype)
+    q = jax.random.normal(ks[2], (4, 8, head_dim)).astype(dtype)
+    table = jnp.asarray(rng.permutation(4 * per_seq).reshape(4, per_seq), jnp.int32)
+    lengths = jnp.asarray([1, 3 * page_size, 57, 100], jnp.int32)
+    return q, k_pool, v_pool, table, lengths
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(4, 64), (8, 64), (32, 64), (16, 8)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "kernel", ["blocked", "pallas_interpret", pytest.param("pallas", marks=_GPU_ONLY)]
+)
+def test_page_sizes_and_head_dims_match_the_reference(kernel, dtype, page_size, head_dim):
+    """Pages or heads narrower than Triton's smallest dot (16) take the Pallas kernel's vector
+    path: the compiled bf16 dot on 8-token pages returned garbage on an H200 (docs/gpu.md, runs
+    21-22)."""
+    q, k_pool, v_pool, table, lengths = _pages_case(3, page_size, jnp.dtype(dtype), head_dim)
+    f32 = [a.astype(jnp.float32) for a in (q, k_pool, v_pool)]
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(paged_attention_reference(*f32, jnp.int32(1), table, lengths))
+    _, fn = select_kernel(kernel)
+    got = np.asarray(fn(q, k_pool, v_pool, jnp.int32(1), table, lengths, 0), np.float32)
+    # float32: rounding only; bf16: the output's rounding (8 mantissa bits) at most
+    tol = 2e-5 if dtype == "float32" else 2.0**-8 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+
+
+def test_pallas_kernel_takes_only_shapes_triton_can_tile(monkeypatch):
+    """An explicit "pallas" refuses a page size or head_dim that is not a power of two before
+    any compilation, naming the setting; "auto" on a GPU takes the blocked kernel for them."""
+    with pytest.raises(ValueError, match="power-of-two page size.*got 24.*DecodeConfig.page_size"):
+        select_kernel("pallas", page_size=24)
+    with pytest.raises(ValueError, match="power-of-two head_dim.*got 80"):
+        select_kernel("pallas", page_size=16, head_dim=80)
+    assert select_kernel("pallas", page_size=8, head_dim=64)[0] == "pallas"
+    assert select_kernel("pallas_interpret", page_size=24)[0] == "pallas_interpret"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert select_kernel("auto", page_size=16, head_dim=128)[0] == "pallas"
+    assert select_kernel("auto", page_size=24, head_dim=128)[0] == "blocked"
+    assert select_kernel("auto", page_size=16, head_dim=80)[0] == "blocked"

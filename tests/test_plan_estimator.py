@@ -778,8 +778,8 @@ def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
     profile = DeviceProfile(name="t", memory_bytes=2**33, matmul_flops=1e15, memory_bandwidth=1e9)
     p = flatten(1)["actor_generate"]
     short, long = (
-        _workload(cfg, prompt_len=16, gen_len=2),
-        _workload(cfg, prompt_len=48, gen_len=2),
+        _workload(cfg, prompt_len=16, gen_len=2, decode_page_size=8),
+        _workload(cfg, prompt_len=48, gen_len=2, decode_page_size=8),
     )
     slow = profile.replace(decode_kv_efficiency=0.1)
 

@@ -312,7 +312,9 @@ class DecodeEngine:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self.mesh = mesh
         self.rules = get_rules(rules)
-        self.kernel_name, self._kernel = select_kernel(self.config.kernel)
+        self.kernel_name, self._kernel = select_kernel(
+            self.config.kernel, self.config.page_size, self.cfg.head_dim
+        )
         ec = self.config
 
         self.num_shards = data_shards(mesh, self.rules)

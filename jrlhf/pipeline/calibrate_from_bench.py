@@ -148,7 +148,12 @@ def _decode_points(report: dict, where: str) -> tuple[list[dict], list[dict]]:
         if not run or "error" in run:
             continue
         cfg = get_preset(name, param_dtype="bfloat16", dtype="bfloat16")
-        knobs = dict(decode_slots=rows, decode_page_size=16, decode_chunk_steps=dec["chunk_steps"])
+        # reports from before bench gpu's --page-size ran at 16
+        knobs = dict(
+            decode_slots=rows,
+            decode_page_size=dec.get("page_size", 16),
+            decode_chunk_steps=dec["chunk_steps"],
+        )
         first = _workload(cfg, rows, prompt, 1, **knobs)
         full = _workload(cfg, rows, prompt, new, **knobs)
         what = f"{where}: {name}, {rows} x {prompt} tokens"

@@ -438,11 +438,12 @@ def attended_context(prompt_len: int, gen_len: int, page_size: int) -> float:
 
     The decode kernels read the cache in whole pages: the CPU one (``paged_attention_blocked``)
     in blocks of ``pages_per_block`` pages, as many blocks as the longest sequence needs; the
-    GPU one each sequence's own pages, which is at most a block less. With uniform lengths the
-    sequences at step s hold prompt_len + s positions.
+    GPU one each sequence's own pages, which is at most a block less. Every profile is priced
+    with the CPU's blocks (the GPU profiles' KV read rates were fitted so). With uniform lengths
+    the sequences at step s hold prompt_len + s positions.
     """
     pages = -(-(prompt_len + gen_len - 1) // page_size)
-    block = pages_per_block(page_size, pages) * page_size
+    block = pages_per_block(page_size, pages, backend="cpu") * page_size
     steps = range(1, max(1, gen_len - 1) + 1)
     return sum(-(-(prompt_len + s) // block) * block for s in steps) / len(steps)
 

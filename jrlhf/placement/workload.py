@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 
+from jrlhf.config import DecodeConfig
 from jrlhf.models.config import FUSED_ATTENTION_DTYPES, ModelConfig
 
 
@@ -45,7 +46,7 @@ class Workload:
     decode_slots: int = 0
     # Tokens per KV page (DecodeConfig.page_size): the decode kernels read the cache in blocks of
     # pages, which sets how much of it a step reads.
-    decode_page_size: int = 8
+    decode_page_size: int = DecodeConfig.page_size
     # DecodeConfig.layer_loop: "unroll" (or "auto" on a shared-host CPU profile) holds a copy of
     # the layer weights while generating.
     decode_layer_loop: str = "auto"

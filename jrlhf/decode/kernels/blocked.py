@@ -14,8 +14,13 @@ Why this shape, measured on the 2-core CPU machine (BUILD.md, "Benchmarks": deco
   than indexing the 5-D pool by (layer, page).
 * Scores and the weighted sum of values are ``einsum`` contractions (XLA dots) rather than
   broadcast-multiply-and-reduce, which XLA:CPU fuses into slow reductions over a 5-D product.
-* Blocks of 32 positions: with fewer, the loop's fixed cost per step dominates; with more, each
-  step's temporaries fall out of cache (64 positions was 8-20% slower, 192 three times slower).
+* Blocks of 32 positions on CPU: with fewer, the loop's fixed cost per step dominates; with
+  more, each step's temporaries fall out of cache (64 positions was 8-20% slower, 192 three times
+  slower).
+* Blocks of 128 positions on accelerators: there each loop step costs kernel launches and the
+  temporaries live in HBM, so larger blocks win. On an H200 (docs/gpu.md, run 20) decode of a
+  Llama-3.2-1B / Llama-3-8B shape took 3.59 / 11.47 ms a step with 128-position blocks against
+  5.87 / 16.41 ms with 32. TPUs take the same blocks, unmeasured there.
 """
 
 from __future__ import annotations
@@ -25,17 +30,24 @@ import jax.numpy as jnp
 
 from jrlhf.models.attention import MASK_VALUE
 
-# Positions of K/V one loop step of the kernel reads per sequence (rounded to whole pages).
-BLOCK_TOKENS = 32
+# Positions of K/V one loop step of the kernel reads per sequence (rounded to whole pages), by
+# JAX backend; ACCELERATOR_BLOCK_TOKENS for any backend not listed.
+BLOCK_TOKENS = {"cpu": 32}
+ACCELERATOR_BLOCK_TOKENS = 128
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32 pools stay float32 on TPU too
 
 
-def pages_per_block(page_size: int, max_pages: int) -> int:
-    """Pages the kernel reads per sequence and loop step: ``BLOCK_TOKENS`` positions' worth
-    (at least one page, at most the table's width). The cost estimator prices decode attention
-    with the same blocks (jrlhf.placement.estimator.attended_context)."""
-    return max(1, min(max_pages, BLOCK_TOKENS // page_size))
+def block_tokens(backend: str | None = None) -> int:
+    """K/V positions per loop step on ``backend`` (default: JAX's default backend)."""
+    return BLOCK_TOKENS.get(backend or jax.default_backend(), ACCELERATOR_BLOCK_TOKENS)
+
+
+def pages_per_block(page_size: int, max_pages: int, backend: str | None = None) -> int:
+    """Pages the kernel reads per sequence and loop step on ``backend``: :func:`block_tokens`
+    positions' worth (at least one page, at most the table's width). The cost estimator prices
+    decode attention with the CPU blocks (jrlhf.placement.estimator.attended_context)."""
+    return max(1, min(max_pages, block_tokens(backend) // page_size))
 
 
 def paged_attention_blocked(

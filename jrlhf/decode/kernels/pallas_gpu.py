@@ -29,9 +29,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jrlhf.decode.kernels import tileable
 from jrlhf.models.attention import MASK_VALUE
 
 _MIN_ROWS = 16  # Triton's tl.dot needs at least 16 rows
+# ... and at least 16 along its other dimensions: pages of fewer tokens (the trainer's 8 before
+# 2026-11-27), or heads narrower than 16, multiply and sum on the vector units instead. On an
+# H200 the bf16 dot on 8-token pages compiled, ran and returned garbage (docs/gpu.md, runs 21-22).
+_MIN_DOT_COLS = 16
+
+
+def check_shapes(page_size: int, head_dim: int | None = None) -> None:
+    """The compiled kernel's block shapes are Triton's: powers of two. Raises a one-line error
+    naming the setting otherwise (``kernel='auto'`` picks the blocked kernel for such shapes)."""
+    if not tileable(page_size):
+        raise ValueError(
+            f"the Pallas paged-attention kernel needs a power-of-two page size (Triton block "
+            f"shapes), got {page_size}: set DecodeConfig.page_size (EngineConfig.page_size) to "
+            "16 or 32, or the engine's kernel to 'blocked' or 'auto'"
+        )
+    if head_dim is not None and not tileable(head_dim):
+        raise ValueError(
+            f"the Pallas paged-attention kernel needs a power-of-two head_dim (Triton block "
+            f"shapes), got {head_dim}: set the engine's kernel to 'blocked' or 'auto'"
+        )
 
 
 def _dot(a, b, trans_b: bool = False):
@@ -83,7 +104,12 @@ def _kernel(
         page = jnp.minimum(pages_ref[i], k_ref.shape[1] - 1)
         k = k_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)].astype(cdt)
         v = v_ref[layer, page, pl.ds(0, page_size), kv_head, pl.ds(0, head_dim)].astype(cdt)
-        s = _dot(q, k, trans_b=True) * scale  # (rows, page_size), float32
+        small = min(page_size, head_dim) < _MIN_DOT_COLS
+        if small:  # float32 products and sums: exact for bf16 operands too
+            qk = q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :]
+            s = jnp.sum(qk, axis=-1) * scale  # (rows, page_size)
+        else:
+            s = _dot(q, k, trans_b=True) * scale  # (rows, page_size), float32
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
         valid = pos < length
         if sliding_window:
@@ -93,7 +119,9 @@ def _kernel(
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = l * correction + p.sum(axis=-1)
-        if cdt == jnp.float32:
+        if small:
+            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+        elif cdt == jnp.float32:
             pv = _dot(p, v)
         else:  # p in two bf16 halves: ~16 mantissa bits, exact products
             hi, lo = _split_bf16(p)
@@ -125,6 +153,8 @@ def paged_attention_pallas(
     """Same contract as ``paged_attention_reference``; ``interpret=True`` runs it on CPU."""
     b, h, d = q_bhd.shape
     _, _, page_size, kv_heads, _ = k_pool.shape
+    if not interpret:
+        check_shapes(page_size, d)
     groups = h // kv_heads
     rows = max(_MIN_ROWS, pl.next_power_of_2(groups))
     q_bkgd = q_bhd.reshape(b, kv_heads, groups, d)
