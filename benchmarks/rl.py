@@ -230,6 +230,7 @@ def _matmul_peak(n: int, repeats: int) -> float:
 
 def measure(args, algorithm: str, peak_flops: float) -> dict:
     from jrlhf.reshard import backend_compile_count
+    from jrlhf.runtime.gc_freeze import WarmFreeze
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         trainer, loader, cfg = _trainer(args, algorithm, Path(tmp))
@@ -250,6 +251,10 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         t0 = time.perf_counter()
         iteration()  # warm-up: compiles every program of the iteration
         warmup_s = time.perf_counter() - t0
+        freezer = WarmFreeze(cfg.run.gc_freeze, "bench rl")  # as the training loop does
+        freezer.step_done()
+        frozen = freezer.frozen
+        stack.callback(freezer.release)
         peer_rows, peer_warmup = [], []
         if peer is not None:
             # TRL's warm-up steps: its first compiles nothing but still runs several times
@@ -286,6 +291,7 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         "roles": sorted(trainer.roles),
         "reward": "verifiable (synthetic_ground_truth)" if algorithm == "grpo" else "reward model",
         "warmup_iteration_s": round(warmup_s, 3),
+        "gc_frozen_objects": frozen,
         "phase_median_s": {k: round(v, 4) for k, v in phases.items()},
         "iteration_median_s": round(
             statistics.median(sum(r[f"time/{k}"] for k in PHASES) for r in rows), 4

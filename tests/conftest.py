@@ -107,6 +107,34 @@ def colocated_run(base_run, tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture
+def freezers(monkeypatch) -> list:
+    """Every WarmFreeze the code under test makes, recording what it froze and its release."""
+    from jrlhf.pipeline import run
+    from jrlhf.runtime import gc_freeze
+    from jrlhf.runtime.gc_freeze import WarmFreeze
+
+    made = []
+
+    class Recording(WarmFreeze):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.froze, self.released = 0, False
+            made.append(self)
+
+        def step_done(self):
+            super().step_done()
+            self.froze = max(self.froze, self.frozen)
+
+        def release(self):
+            super().release()
+            self.released = True
+
+    monkeypatch.setattr(gc_freeze, "WarmFreeze", Recording)
+    monkeypatch.setattr(run, "WarmFreeze", Recording)
+    return made
+
+
 def pytest_unconfigure(config):
     if _SESSION_CACHE_DIR is not None:
         shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)

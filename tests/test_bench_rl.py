@@ -30,6 +30,7 @@ def test_bench_rl_prints_json(capsys):
     assert step["flops_analytic"]["actor"] > 0 and step["fraction_of_matmul_peak"] > 0
     assert {"actor_flops_xla_cost_analysis", "achieved_flops_per_s"} <= set(step)
     assert grpo["compilations_during_timed_iterations"] == 0
+    assert grpo["gc_frozen_objects"] > 0  # frozen after the warm-up, as the training loop does
 
 
 def test_bench_rl_peers_fail_fast_without_trl(tmp_path):

@@ -1,5 +1,6 @@
 """The trainer end to end on the synthetic task: placements, exact resume, GRPO, CLIs, configs."""
 
+import gc
 import json
 
 import numpy as np
@@ -144,10 +145,13 @@ def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
 
 
 def test_grpo_without_kl_skips_the_reference_and_matches_the_run_with_it(
-    base_run, tmp_path, monkeypatch, capsys
+    base_run, tmp_path, monkeypatch, capsys, freezers
 ):
     """With RLConfig.kl_coef=0 the reference reaches no loss: it is not built or scored, no KL
-    metric is reported, and rewards and updates are bit-identical to a run that scores it."""
+    metric is reported, and rewards and updates are bit-identical to a run that scores it.
+    The first run freezes the objects of its first iteration for Python's collector
+    (RunConfig.gc_freeze, jrlhf.runtime.gc_freeze) and the second does not; neither changes a
+    number."""
     from jrlhf.ppo import core_algos, trainer
 
     built = []
@@ -172,14 +176,18 @@ def test_grpo_without_kl_skips_the_reference_and_matches_the_run_with_it(
     skipped = tmp_path / "skipped"
     assert train.main(["--run-dir", str(skipped), "--quiet", *bindings]) == 0
     assert built == []
+    (freezer,) = freezers
+    assert freezer.froze > 0 and freezer.released
     assert "KL to reference" not in capsys.readouterr().out
     assert "kl_to_ref" not in json.loads((skipped / "summary.json").read_text())["after"]
 
     with monkeypatch.context() as m:  # today's behaviour: the reference is scored regardless
         m.setattr(core_algos, "uses_reference", lambda rl: True)
         scored = tmp_path / "scored"
-        assert train.main(["--run-dir", str(scored), "--quiet", *bindings]) == 0
+        unfrozen = [*bindings, "RunConfig.gc_freeze=False"]
+        assert train.main(["--run-dir", str(scored), "--quiet", *unfrozen]) == 0
     assert len(built) == 1
+    assert freezers[1].froze == 0 and gc.get_freeze_count() == 0
 
     reference_kl = {"kl", "kl_token_mean", "train/kl_loss", "train/kl_clampfrac", "eval/kl_to_ref"}
     rows, reference_rows = metric_rows(skipped, "grpo"), metric_rows(scored, "grpo")

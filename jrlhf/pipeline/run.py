@@ -26,6 +26,7 @@ from jrlhf.pipeline.task_data import TaskData, build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.trainer import RLTrainer
+from jrlhf.runtime.gc_freeze import WarmFreeze
 from jrlhf.runtime.model_source import resolve_model, role_models, stage_start
 from jrlhf.runtime.roles import RoleSetup, setup_role
 from jrlhf.tasks import get_reward_fn
@@ -156,6 +157,7 @@ def run_rl(
         batch = loader.next_batch()
         return [r.prompt_ids for r in batch], [r.meta for r in batch]
 
+    freezer = WarmFreeze(cfg.run.gc_freeze, stage)
     try:
         while trainer.iteration < cfg.rl.iterations:
             if cfg.rl.max_staleness:
@@ -166,6 +168,7 @@ def run_rl(
                 metrics = trainer.run_iteration(*next_prompts(), refill=next_prompts)
             logger.log(trainer.iteration, metrics)
             bar.update(trainer.iteration, metrics)
+            freezer.step_done()
             every = cfg.rl.checkpoint_every
             if (every and trainer.iteration % every == 0) or trainer.iteration == cfg.rl.iterations:
                 trainer.save(loader.state_dict())
@@ -174,6 +177,7 @@ def run_rl(
         # checked finite before it started.
         bar.close()
         trainer.wait_for_checkpoints()
+        freezer.release()
     after = trainer.evaluate(data.heldout_prompts, samples=4, meta=data.heldout_meta)
     # A resumed run that had already finished evaluated this same checkpoint: its record stays
     # the only one for the step.

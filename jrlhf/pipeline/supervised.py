@@ -40,6 +40,7 @@ from jrlhf.ppo.core_algos import (
     sequence_logprobs,
     sft_loss,
 )
+from jrlhf.runtime.gc_freeze import warm_freeze
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.runtime.roles import RoleSetup, make_infer
@@ -176,27 +177,30 @@ def _supervised_stage(
     guard = UpdateGuard(cfg.run.max_nonfinite_updates, name)
     pending: list = []  # each step's "skipped" flag, fetched at the next log point
     start, start_step = time.perf_counter(), done
-    for i in range(done, steps):
-        state, metrics = step_fn(state, make_batch([records[j] for j in draw()]))
-        pending.append(metrics["skipped"])
-        step = i + 1
-        if os.environ.get(EXIT_AT_STEP_ENV) == f"{name}:{step}":
-            os._exit(137)  # test hook: a preempted job, no cleanup
-        if step % 25 == 0 or step == steps:
-            skipped = guard.record(role, to_host(pending), f"step {step}")
-            pending = []
-            values = {f"{name}/{k}": float(v) for k, v in to_host(metrics).items()}
-            values[f"{name}/skipped_updates"] = float(skipped)
-            del values[f"{name}/skipped"]
-            values[f"{name}/steps_per_s"] = (step - start_step) / (time.perf_counter() - start)
-            logger.log(step, values)
-        every = stage_cfg.checkpoint_every
-        if every and step % every == 0 and step < steps:
-            guard.record(role, to_host(pending), f"step {step}")
-            pending = []
-            check_finite(state, f"{name} {role} at step {step}")
-            meta = {"step": step, "stage": name, "seed": seed}
-            checkpoint.save_trainer_state(manager, step, meta, {role: state}, {role: setup.model})
+    with warm_freeze(cfg.run.gc_freeze, name) as freezer:
+        for i in range(done, steps):
+            state, metrics = step_fn(state, make_batch([records[j] for j in draw()]))
+            pending.append(metrics["skipped"])
+            freezer.step_done()
+            step = i + 1
+            if os.environ.get(EXIT_AT_STEP_ENV) == f"{name}:{step}":
+                os._exit(137)  # test hook: a preempted job, no cleanup
+            if step % 25 == 0 or step == steps:
+                skipped = guard.record(role, to_host(pending), f"step {step}")
+                pending = []
+                values = {f"{name}/{k}": float(v) for k, v in to_host(metrics).items()}
+                values[f"{name}/skipped_updates"] = float(skipped)
+                del values[f"{name}/skipped"]
+                values[f"{name}/steps_per_s"] = (step - start_step) / (time.perf_counter() - start)
+                logger.log(step, values)
+            every = stage_cfg.checkpoint_every
+            if every and step % every == 0 and step < steps:
+                guard.record(role, to_host(pending), f"step {step}")
+                pending = []
+                check_finite(state, f"{name} {role} at step {step}")
+                meta = {"step": step, "stage": name, "seed": seed}
+                models = {role: setup.model}
+                checkpoint.save_trainer_state(manager, step, meta, {role: state}, models)
     manager.wait_until_finished()
     check_finite(state.params, f"{name} {role} at step {steps}")
     checkpoint.save_model(_fresh(out), setup.model, state.params)
