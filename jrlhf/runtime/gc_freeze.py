@@ -2,9 +2,9 @@
 
 Tracing and compiling leave a trainer with hundreds of thousands of long-lived Python objects
 (jaxprs, lowering caches, the wrappers of compiled programs): the 4-layer GRPO trainer of
-``python -m jrlhf.bench rl`` tracks about 300,000, and one full collection of them took 170 ms
-on the 2-core CPU machine; with the eight trainers of ``bench plan`` in one process a full
-collection took up to 674 ms, and two of twelve landed inside timed phases (BUILD.md). The
+``python -m jrlhf.bench rl`` tracks about 300,000, and one full collection of them took 146-169
+ms on the 2-core CPU machine; with ``bench plan``'s trainers in one process a full collection
+took up to 0.67 s (three trainers) and 1.03 s (eight), some inside trainer phases (BUILD.md). The
 collector starts one whenever allocations cross its thresholds, in whichever phase is running,
 and in a multi-controller job a pause on one process holds every other one at its next
 collective.
