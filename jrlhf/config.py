@@ -162,8 +162,8 @@ class RunConfig:
     # Updates with a non-finite loss, gradient norm or result are skipped (counted in metrics);
     # more than this many in a row, in any stage, stop the run before anything is saved.
     max_nonfinite_updates: int = 8
-    # After a stage's first step or iteration, collect once and freeze what survives, so that
-    # Python's garbage collector stops re-scanning the compiled programs (runtime/gc_freeze.py).
+    # After a stage's first step or iteration, freeze the objects it holds, so that Python's
+    # garbage collector stops re-scanning the compiled programs (runtime/gc_freeze.py).
     gc_freeze: bool = True
 
     def validate(self) -> None:

@@ -9,11 +9,14 @@ collector starts one whenever allocations cross its thresholds, in whichever pha
 and in a multi-controller job a pause on one process holds every other one at its next
 collective.
 
-So once a stage's first step or iteration has compiled everything, the stage collects once and
-freezes what survives (``gc.freeze``): later collections look only at objects made since. The
-stage unfreezes when it ends, so that what it built can be collected once it is dropped. Objects
-that die by reference count are freed at once either way; only cycles among frozen objects wait
-for the unfreeze. ``RunConfig.gc_freeze = False`` leaves the collector alone.
+So once a stage's first step or iteration has compiled everything, the stage freezes what it
+holds (``gc.freeze``): later collections look only at objects made since. The stage unfreezes
+when it ends, so that what it built can be collected once it is dropped. Objects that die by
+reference count are freed at once either way; only cycles among frozen objects wait for the
+unfreeze. Only the young generations are collected before the freeze: after the GRPO trainer's
+first iteration a full collection found no garbage among its 303,000 objects (163 ms for
+nothing), and in a test process that had run many trainers it took 0.5-0.8 s a stage.
+``RunConfig.gc_freeze = False`` leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ log = logging.getLogger("jrlhf")
 
 
 class WarmFreeze:
-    """Call ``step_done()`` after every step or iteration of a loop: the first call collects and
-    freezes (when ``enabled``); ``release()`` unfreezes. ``frozen`` is how many objects the
+    """Call ``step_done()`` after every step or iteration of a loop: the first call freezes
+    (when ``enabled``); ``release()`` unfreezes. ``frozen`` is how many objects the
     freeze took (0 before it, or when disabled)."""
 
     def __init__(self, enabled: bool = True, what: str = "stage"):
@@ -41,7 +44,7 @@ class WarmFreeze:
         if self._done or not self.enabled:
             return
         self._done = True
-        gc.collect()
+        gc.collect(1)  # the young generations only: see the module docstring
         before = gc.get_freeze_count()
         gc.freeze()
         self.frozen = gc.get_freeze_count() - before
