@@ -313,6 +313,8 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
             "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
         },
         "compilations_during_timed_iterations": compiles,
+        # "alias": the generation layout is the training layout, nothing is copied
+        "reshard_paths": sorted({t.path for t in trainer.resharder.transitions}),
         **(_peer_summary(peer, peer_rows, statistics.median(walls), peer_warmup) if peer else {}),
     }
 

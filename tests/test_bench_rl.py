@@ -31,6 +31,8 @@ def test_bench_rl_prints_json(capsys):
     assert {"actor_flops_xla_cost_analysis", "achieved_flops_per_s"} <= set(step)
     assert grpo["compilations_during_timed_iterations"] == 0
     assert grpo["gc_frozen_objects"] > 0  # frozen after the warm-up, as the training loop does
+    # flatten on the tests' 8 devices: FSDP training, data-parallel generation
+    assert grpo["reshard_paths"] == ["jit"]
 
 
 def test_bench_rl_peers_fail_fast_without_trl(tmp_path):

@@ -4,6 +4,7 @@ plan bench, ``python -m jrlhf.bench plan``, checks the fitted profile against th
 
 import statistics
 
+import jax
 import pytest
 
 from jrlhf.pipeline import calibrate as cal
@@ -143,6 +144,14 @@ def test_plan_bench_scores_the_robust_median_and_keeps_the_plain_one(monkeypatch
     # the plain median is 10.1 ms, which the estimate misses by 1%
     assert summary["plain_median"]["phase_error"]["max_abs_rel"] == pytest.approx(0.1 / 10.1)
     assert results[0]["iteration"]["measured_s"] == pytest.approx(0.71, abs=1e-4)
+    # a phase the estimate says runs nothing (an aliasing reshard): out of the errors, listed
+    phases["reshard"] = 0.0
+    runs["reshard"] = [2e-4] * 5
+    results, summary = bench._compare({"p": (plan, None, [])}, {"p": runs}, None)
+    assert results[0]["phases"]["reshard"]["rel_error"] is None
+    assert summary["phase_error"]["count"] == 3
+    assert summary["phase_error"]["phases_without_work"]["phases"] == [("p", "reshard", 2e-4)]
+    assert bench._row(results[0]["phases"], results[0]["iteration"])["reshard"][2] is None
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -222,8 +231,6 @@ def test_fit_profile_recovers_a_known_profile(shared):
         # tell them from the FLOPs)
         forward_gather_efficiency=0.4,
     )
-    if shared:  # the target copy at its own rate
-        truth = truth.replace(reshard_copy_efficiency=2.5)
     if shared:  # per-layer costs paid once per call, apart from those every device pays
         truth = truth.replace(
             fixed_device_exponent=0.6,
@@ -254,6 +261,61 @@ def test_fit_profile_recovers_a_known_profile(shared):
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
     assert set(fits) - {"fixed_device_exponent"} == {"forward", "train", "generate", "reshard"}
+    # The calibration's reshards that move anything gather (nearly) their whole targets: the
+    # target copy's own rate is not fitted apart from the gathers' (0: the same rate).
+    assert fitted.reshard_copy_efficiency == 0.0
+
+
+def test_reshard_fit_prices_the_copy_apart_only_where_the_runs_tell_it_apart():
+    """On a shared host a reshard has two byte terms, the target copy and the gathered shards.
+    The calibration's reshards gather (nearly) every target byte, so the fit keeps one rate for
+    both; a run that copies without gathering lets it fit the copy's own rate. Moves between
+    the same layouts alias their source: left out of the fit."""
+    from jrlhf.meshes.mesh import MeshSpec
+    from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
+
+    base = DeviceProfile(
+        name="t", memory_bytes=2**33, matmul_flops=5e10, memory_bandwidth=3e9,
+        intra_node_bandwidth=6e9, inter_node_bandwidth=6e9, call_overhead_s=2e-5,
+        shared_host=True, host_cores=2,
+    )  # fmt: skip
+    truth = base.replace(
+        reshard_overhead_s=1e-3, reshard_efficiency=0.8, reshard_copy_efficiency=2.5
+    )
+
+    def measured(w, plan):
+        return est.reshard_seconds(w, plan.reshard_edges()[0], plan, truth)
+
+    cases = []
+    for index, devices in ((0, 8), (1, 8), (0, 4), (1, 4), (0, 1), (1, 1)):
+        _, plan, w = cal._calibration_setup(cal.CALIBRATION_MODELS[index], "float32", devices)
+        cases.append((w, plan, measured(w, plan)))
+    assert [c[2] for c in cases[-2:]] == [0.0, 0.0]  # one device: aliases
+    fitted, fits = cal.fit_reshard(base, cases)
+    assert fitted.reshard_copy_efficiency == 0.0 and fits["copy_efficiency"] == 0.0
+    # one rate between the two true ones prices the gathering runs within a percent
+    for w, plan, seconds in cases[:4]:
+        assert measured(w, plan) == pytest.approx(seconds)
+        got = est.reshard_seconds(w, plan.reshard_edges()[0], plan, fitted)
+        assert got == pytest.approx(seconds, rel=0.01)
+    # a replicated training layout split over a tensor axis for generation: every device
+    # holds its target shard already and only copies it
+    w = cases[0][0]
+    replicated = CallPlacement(MeshSpec((("data", 8), ("tensor", 1)), tuple(range(8))), "dp_tp")
+    split = CallPlacement(MeshSpec((("data", 4), ("tensor", 2)), tuple(range(8))), "dp_tp")
+    plan = ExecutionPlan.of(
+        "split", **{c: split if c == "actor_generate" else replicated for c in CALLS}
+    )
+    src, dst = plan["actor_train"], plan["actor_generate"]
+    assert est.reshard_gathered_bytes(w.actor, "lm", src, dst) == 0
+    fitted, _ = cal.fit_reshard(base, [*cases, (w, plan, measured(w, plan))])
+    for field in ("reshard_overhead_s", "reshard_efficiency", "reshard_copy_efficiency"):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    one = ExecutionPlan.of("one", **{c: CallPlacement(MeshSpec((("data", 1),), (0,)), "dp_tp")
+                                     for c in CALLS})  # fmt: skip
+    assert cal.fit_reshard(base, [(w, one, 1e-4)])[1] == {
+        "not_fitted": "every reshard measured aliases its source"
+    }
 
 
 def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
@@ -278,26 +340,39 @@ def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
         DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)
 
 
-def test_identity_reshard_still_pays_the_target_copy():
-    """The resharder's compiled transition writes a new copy even when training and generation
-    share a layout (nothing crosses devices): the estimate charges that copy."""
-    from jrlhf.meshes.mesh import MeshSpec
+def test_a_reshard_between_the_same_layouts_is_an_alias_priced_at_zero():
+    """Training and generation layouts that put the same slices on the same devices (here
+    ``fsdp=1,tensor=2`` under fsdp_tp and ``data=1,tensor=2`` under dp_tp) need no move: the
+    resharder aliases the training copy (its ``alias`` path), and the estimate charges no time
+    and no generation copy. A layout that differs is charged both."""
+    from jrlhf.meshes.mesh import MeshSpec, make_mesh
+    from jrlhf.models.model_def import ModelDef
     from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan
+    from jrlhf.reshard import Resharder
 
-    _, _, w = cal._calibration_setup(cal.CALIBRATION_MODELS[0], "float32", 8)
-    same = CallPlacement(MeshSpec((("data", 4), ("tensor", 2)), tuple(range(8))), "dp_tp")
-    plan = ExecutionPlan.of("dp", **{c: same for c in CALLS})
-    (edge,) = plan.reshard_edges()
-    assert est.reshard_bytes(w.actor, "lm", same, same) == 0
-    for shared in (True, False):
-        profile = DeviceProfile(
-            name="t",
-            memory_bytes=2**33,
-            matmul_flops=5e10,
-            memory_bandwidth=2e9,
-            intra_node_bandwidth=4e9,
-            shared_host=shared,
-        )
-        shard = est.shard_bytes(w.actor, "lm", same)
-        want = shard * 8 / 4e9 if shared else 2 * shard / 2e9
-        assert est.reshard_seconds(w, edge, plan, profile) == pytest.approx(want)
+    cfg, _, w = cal._calibration_setup(cal.CALIBRATION_MODELS[0], "float32", 2)
+    train = CallPlacement(MeshSpec((("fsdp", 1), ("tensor", 2)), (0, 1)), "fsdp_tp")
+    profile = DeviceProfile(
+        name="t", memory_bytes=2**33, matmul_flops=5e10, memory_bandwidth=2e9,
+        intra_node_bandwidth=4e9, shared_host=True, reshard_overhead_s=1e-3,
+    )  # fmt: skip
+    model = ModelDef(cfg, "lm")
+    tree = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        model.abstract_params,
+        model.shardings(make_mesh(train.mesh), train.rules),
+    )
+    cases = ((("data", 1), ("tensor", 2)), True), ((("data", 2), ("tensor", 1)), False)
+    for gen_axes, same in cases:
+        gen = CallPlacement(MeshSpec(gen_axes, (0, 1)), "dp_tp")
+        plan = ExecutionPlan.of("p", **{c: gen if c == "actor_generate" else train for c in CALLS})
+        (edge,) = plan.reshard_edges()
+        assert est.same_layout(cfg, "lm", train, gen) is same
+        transition = Resharder().plan(tree, model.shardings(make_mesh(gen.mesh), gen.rules))
+        assert (transition.path == "alias") is same
+        seconds = est.reshard_seconds(w, edge, plan, profile)
+        copy = dict((what, b) for what, _, _, b in est._resident_parts(w, plan, profile))
+        if same:
+            assert seconds == 0.0 and copy["actor generation copy"] == 0
+        else:
+            assert seconds > 1e-3 and copy["actor generation copy"] > 0

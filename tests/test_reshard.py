@@ -226,6 +226,46 @@ def test_donate_consumes_source_and_keep_does_not():
         resharder.switch(out2, gen_sh, keep="disk")
 
 
+def test_same_layout_is_an_alias_that_copies_nothing():
+    """fsdp=1,tensor=4 under fsdp_tp and data=1,tensor=4 under dp_tp put the same slice of every
+    parameter on the same device: the transition compiles nothing, moves nothing, takes no
+    memory of its own, and returns the source's own buffers under the target shardings. A step
+    that donates the source then deletes the alias too (the trainer rebuilds it after every
+    update); ``switch(keep="host")``, which frees the source, copies instead."""
+    params = _params(make_mesh("fsdp=1,tensor=4@0:4"), seed=4)
+    reference = jax.device_get(params)
+    gen_sh = MODEL.shardings(make_mesh("data=1,tensor=4@0:4"), "dp_tp")
+    assert jax.tree.leaves(gen_sh) != [x.sharding for x in jax.tree.leaves(params)]
+    resharder = Resharder()
+    before = backend_compile_count()
+    for donate in (False, True):
+        transition = resharder.plan(params, gen_sh, donate=donate)
+        assert transition.path == "alias" and transition.compiles == 0
+        assert transition.bytes_moved == 0
+        report = transition.memory_report()
+        assert report["peak_bytes"] == report["source_bytes_per_device"] > 0
+        out = transition.run(params)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+        for x, y, s in zip(jax.tree.leaves(params), jax.tree.leaves(out), jax.tree.leaves(gen_sh)):
+            assert y.sharding == s
+            for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True):
+                assert a.data.unsafe_buffer_pointer() == b.data.unsafe_buffer_pointer()
+        _assert_same(reference, out)
+    assert backend_compile_count() == before
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t), donate_argnums=0)
+    # fresh parameters: the ones above were read on the host, and NumPy views pin the buffers
+    fresh = _params(make_mesh("fsdp=1,tensor=4@0:4"), seed=4)
+    alias = resharder(fresh, gen_sh)
+    new = step(fresh)
+    assert all(x.is_deleted() for x in jax.tree.leaves(alias))
+    out, parked = resharder.switch(new, gen_sh, keep="host")
+    assert all(x.is_deleted() for x in jax.tree.leaves(new))
+    _assert_same(jax.tree.map(lambda x: x * 2, reference), out)
+    _assert_same(jax.device_get(out), restore_from_host(parked))
+    # an alias is never made between different layouts
+    assert Resharder().plan(out, MODEL.shardings(make_mesh("fsdp=4@0:4"), "fsdp_tp")).path == "jit"
+
+
 def test_run_rejects_a_tree_with_other_shardings():
     params = _params(make_mesh("fsdp=4,tensor=2"))
     other = _params(make_mesh("fsdp=8"))

@@ -247,3 +247,32 @@ def test_generation_with_replicated_kv_heads_runs_in_the_trainer(plain_rows, tmp
     for k, v in plain_rows[0].items():
         if k != "reshard/bytes":  # a property of the layouts
             np.testing.assert_allclose(row[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_a_generation_layout_equal_to_the_training_layout_is_not_copied(plain_rows, tmp_path):
+    """The actor trains on fsdp=1 x tensor=8 (fsdp_tp) and generates on data=1 x tensor=8
+    (dp_tp): the same slice of every weight on every device. The resharder aliases the training
+    parameters instead of copying them; each update donates them, and the reshard after it
+    hands generation the new ones. No generation copy is on the devices, and the metrics are
+    the plain run's."""
+    bindings = [
+        "actor/RoleConfig.train_mesh='fsdp=1,tensor=8'",
+        "actor/RoleConfig.generate_mesh='data=1,tensor=8'",
+    ]
+    trainer, loader = build_trainer(tmp_path, *bindings, placement="custom")
+    rows = run_iterations(trainer, loader)
+    paths = {t.describe(): t.path for t in trainer.resharder.transitions}
+    assert list(paths.values()) == ["alias"], paths
+    for gen, train in zip(
+        jax.tree.leaves(trainer.gen_params), jax.tree.leaves(trainer.states["actor"].params)
+    ):
+        assert gen.sharding.mesh.axis_names == ("data", "tensor")
+        assert gen.addressable_shards[0].data.unsafe_buffer_pointer() == (
+            train.addressable_shards[0].data.unsafe_buffer_pointer()
+        )
+    for a, b in zip(rows, plain_rows, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k != "reshard/bytes":  # a property of the layouts
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        assert a["reshard/bytes"] == 0

@@ -249,6 +249,21 @@ def reshard_gathered_bytes(
     return total
 
 
+@functools.lru_cache(maxsize=4096)
+def same_layout(cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement) -> bool:
+    """Whether every parameter has the same slice on every device under both placements (a
+    one-device plan, or data parallelism in both calls): the resharder then aliases the source
+    (its ``alias`` path), which takes no time and no memory of its own."""
+    if src.devices != dst.devices:
+        return False
+    for _path, logical, shape, _size in _param_table(cfg, head):
+        have = _device_bounds(shape, _dim_axes(logical, src.mesh, src.rules), src.mesh)
+        want = _device_bounds(shape, _dim_axes(logical, dst.mesh, dst.rules), dst.mesh)
+        if have != want:
+            return False
+    return True
+
+
 def reshard_bytes(cfg: ModelConfig, head: str, src: CallPlacement, dst: CallPlacement) -> int:
     """Total bytes crossing devices (equals ``layout.bytes_moved`` of the two shardings)."""
     return sum(reshard_bytes_per_device(cfg, head, src, dst).values())
@@ -571,11 +586,10 @@ def reshard_seconds(
     w: Workload, edge: ReshardEdge, plan: ExecutionPlan, profile: DeviceProfile
 ) -> float:
     """The resharder's compiled transition: it writes a new array on every target device, even
-    where nothing crosses devices (e.g. an identity when training and generation share a
-    layout), and the parameters of which a device needs parts held elsewhere arrive through
-    collectives. Between disjoint device sets of one size (the resharder's ``device_put+jit``
-    path), a twin copy of the source layout onto the target devices comes first
-    (``_twin_copy_seconds``), then all of this on the target.
+    where nothing crosses devices, and the parameters of which a device needs parts held
+    elsewhere arrive through collectives. Between disjoint device sets of one size (the
+    resharder's ``device_put+jit`` path), a twin copy of the source layout onto the target
+    devices comes first (``_twin_copy_seconds``), then all of this on the target.
 
     Off a shared host: the bytes each target device receives over the links the move spans,
     the target copy read and written at memory bandwidth, one collective's latency per
@@ -585,11 +599,14 @@ def reshard_seconds(
     at another: on one host a gathered shard costs about the same whatever part of it came
     from other threads. Refitted to three plan-bench runs' calibrations, this put their
     reshards within 22% in sample (the two-device run aside, -13% to -24%) where the bytes
-    from other devices plus a per-parameter latency missed by -37% to +45%."""
+    from other devices plus a per-parameter latency missed by -37% to +45%. Where the two
+    layouts are the same (``same_layout``) the resharder aliases the source: no time."""
     cfg, head = w.models()[edge.role]
     # the layouts do not depend on the remat policy: one cache entry for every policy
     cfg = replace(cfg, remat_policy="none") if cfg.remat_policy != "none" else cfg
     src, dst = plan[edge.src], plan[edge.dst]
+    if same_layout(cfg, head, src, dst):  # the resharder aliases the training copy
+        return 0.0
     twin_s = 0.0
     if src.devices != dst.devices and src.mesh.size == dst.mesh.size:
         # the resharder's device_put+jit path: the source layout copied shard for shard onto
@@ -689,11 +706,14 @@ def _resident_parts(
             out.append((f"{role} params", role, p.devices, shard_bytes(cfg, head, p)))
     gen = plan["actor_generate"]
     # the generation copy is the resharder's output: the "shadow" copy when generation has its
-    # own devices
-    copy = shard_bytes(w.actor, "lm", gen)
+    # own devices, none when it aliases the training copy (the same layout)
+    same = same_layout(w.actor, "lm", plan.for_role("actor", "train"), gen)
+    copy = 0 if same else shard_bytes(w.actor, "lm", gen)
     out.append(("actor generation copy", "generation_copy", gen.devices, copy))
     out.append(("kv pool", None, gen.devices, _kv_pool_bytes(w, _geometry(gen, profile))))
-    if "critic" in models and plan["critic_infer"] != plan["critic_train"]:
+    if "critic" in models and not same_layout(
+        w.critic, "value", plan["critic_train"], plan["critic_infer"]
+    ):
         p = plan["critic_infer"]
         out.append(("critic inference copy", None, p.devices, shard_bytes(w.critic, "value", p)))
     return out

@@ -122,8 +122,8 @@ class ExecutionPlan:
 
     def reshard_edges(self) -> list[ReshardEdge]:
         """Where trained parameters move after each update: the actor to its generation layout
-        (always; an identity when the layouts agree), the critic to its inference layout when
-        that differs from its training layout."""
+        (always; the resharder aliases the training copy when the layouts agree), the critic to
+        its inference layout when that differs from its training layout."""
         edges = [ReshardEdge("actor", "actor_train", "actor_generate")]
         if self["critic_infer"] != self["critic_train"]:
             edges.append(ReshardEdge("critic", "critic_train", "critic_infer"))

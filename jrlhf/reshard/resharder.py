@@ -6,6 +6,13 @@ only runs; ``Resharder`` keeps them in a dict under exactly that key.
 
 How a transition runs depends on the device sets:
 
+* ``alias``: every leaf's target sharding puts the same slice on the same device as its source
+  (``Sharding.is_equivalent_to``: a one-device plan, or data parallelism in both phases, whatever
+  the mesh's axis names). Nothing is copied: the output is the source's own device buffers
+  under the target shardings. It lives as long as the source does, so a training step that
+  donates the source also deletes it, and the trainer rebuilds it after every update (its
+  reshard phase), as it rebuilds any generation copy. ``Resharder.switch(keep="host")``, which
+  frees the source, copies instead.
 * ``jit``: same devices (any mesh shape or device order). One jitted identity with
   ``out_shardings``, compiled ahead of time, so XLA emits the collectives. jit wants one device
   order for all operands, so a source whose mesh lists the devices in another order is first
@@ -124,9 +131,18 @@ class TransitionKey:
     treedef: Any
     leaves: tuple[LeafKey, ...]
     donate: bool
+    alias: bool = True  # whether an equivalent layout may share the source's buffers
 
 
-def transition_key(tree: Any, dst_shardings: Any, donate: bool) -> TransitionKey:
+def same_layout(src: Sharding, dst: Sharding, ndim: int) -> bool:
+    """Whether ``dst`` holds the same slice of an ``ndim``-dimensional array on the same device
+    (and memory kind) as ``src``: moving between them needs no copy."""
+    return src == dst or src.is_equivalent_to(dst, ndim)
+
+
+def transition_key(
+    tree: Any, dst_shardings: Any, donate: bool, alias: bool = True
+) -> TransitionKey:
     """Key for moving ``tree`` (arrays or ShapeDtypeStructs with ``.sharding``) to ``dst``."""
     leaves, treedef = jax.tree.flatten(tree)
     dst = treedef.flatten_up_to(dst_shardings)
@@ -137,7 +153,7 @@ def transition_key(tree: Any, dst_shardings: Any, donate: bool) -> TransitionKey
             raise ValueError(f"leaf of shape {tuple(x.shape)} has no sharding; cannot plan a move")
         # the dtype's name: bfloat16's array-protocol string is a void type ('<V2')
         keys.append(LeafKey(tuple(x.shape), np.dtype(x.dtype).name, src, d))
-    return TransitionKey(treedef, tuple(keys), bool(donate))
+    return TransitionKey(treedef, tuple(keys), bool(donate), bool(alias))
 
 
 class Transition:
@@ -187,6 +203,10 @@ class Transition:
     def _choose_path(self) -> str:
         if not self.src:
             return "empty"
+        if self.key.alias and all(
+            same_layout(s, d, len(a.shape)) for s, d, a in zip(self.src, self.dst, self.avals)
+        ):
+            return "alias"
         named = all(isinstance(s, NamedSharding) for s in self.src + self.dst)
         if not named:
             return "device_put"
@@ -249,8 +269,9 @@ class Transition:
         src_b = layout.bytes_per_device(self.src, self.avals)
         dst_b = layout.bytes_per_device(self.dst, self.avals)
         twin_b = layout.bytes_per_device(self._twins, self.avals) if self._twins else {}
+        new_b = {} if self.path == "alias" else dst_b  # an alias's target is the source
         devices = set(src_b) | set(dst_b)
-        per_device = {d: src_b.get(d, 0) + dst_b.get(d, 0) + twin_b.get(d, 0) for d in devices}
+        per_device = {d: src_b.get(d, 0) + new_b.get(d, 0) + twin_b.get(d, 0) for d in devices}
         report: dict[str, Any] = {
             "path": self.path,
             "donate": self.donate,
@@ -325,6 +346,15 @@ class Transition:
         before = backend_compile_count()
         if self.path == "empty":
             out = leaves
+        elif self.path == "alias":
+            out = [
+                x
+                if x.sharding == d
+                else jax.make_array_from_single_device_arrays(
+                    x.shape, d, [shard.data for shard in x.addressable_shards]
+                )
+                for x, d in zip(leaves, self.dst)
+            ]
         elif self.path == "jit":
             args = [
                 x
@@ -357,7 +387,7 @@ class Transition:
             out = self._compiled(twins)
         else:
             out = jax.device_put(leaves, self.dst, donate=self.donate)
-        if self.donate:
+        if self.donate and self.path != "alias":
             # Relabelled views share buffers with the inputs; make the consumed inputs unusable.
             for x in leaves:
                 if not x.is_deleted():
@@ -378,10 +408,14 @@ class Resharder:
         self.budget_bytes = budget_bytes
         self._cache: dict[TransitionKey, Transition] = {}
 
-    def plan(self, tree: Any, dst_shardings: Any, *, donate: bool = False) -> Transition:
+    def plan(
+        self, tree: Any, dst_shardings: Any, *, donate: bool = False, alias: bool = True
+    ) -> Transition:
         """The (cached) transition for ``tree`` -> ``dst_shardings``; ``tree`` may be abstract
-        (ShapeDtypeStructs with ``sharding``). Raises MemoryBudgetError before anything runs."""
-        key = transition_key(tree, dst_shardings, donate)
+        (ShapeDtypeStructs with ``sharding``). Raises MemoryBudgetError before anything runs.
+        ``alias=False``: a copy even where the layouts are the same (an output that must
+        outlive the source)."""
+        key = transition_key(tree, dst_shardings, donate, alias)
         t = self._cache.get(key)
         if t is None:
             t = Transition(key, budget_bytes=self.budget_bytes)
@@ -403,8 +437,8 @@ class Resharder:
             return self(tree, dst_shardings, donate=True), None
         if keep == "device":
             return self(tree, dst_shardings, donate=False), tree
-        if keep == "host":
-            out = self(tree, dst_shardings, donate=False)
+        if keep == "host":  # parking frees the source: the output must not share its buffers
+            out = self.plan(tree, dst_shardings, alias=False).run(tree)
             parked: ParkedTree = park_to_host(tree)
             return out, parked
         raise ValueError(f"keep={keep!r} unknown (use 'none', 'device' or 'host')")
