@@ -820,3 +820,35 @@ def test_fused_attention_keeps_no_probabilities_in_training_memory():
         assert einsum_e.memory_bytes[call] - fused_e.memory_bytes[call] == pytest.approx(saved)
     assert fused_e.memory_bytes["actor_generate"] < einsum_e.memory_bytes["actor_generate"]
     assert est.estimate(plan, w, cpu).memory_bytes == est.estimate(plan, einsum, cpu).memory_bytes
+
+
+def test_data_parallel_training_pays_a_gradient_all_reduce_per_micro_batch(monkeypatch):
+    """Weights replicated over the axes that split the batch (data parallelism) have partial
+    gradients on every replica: one combined all-reduce per micro-batch, 2 (r - 1) / r times
+    each device's shard over r replicas. FSDP shards the weights over the batch's axes and
+    reduce-scatters instead, so only the small weights it leaves whole (the norms) are
+    all-reduced; with data x fsdp (HSDP) the fsdp shards are all-reduced over data."""
+    from jrlhf.meshes.mesh import MeshSpec
+
+    cfg = tiny_config(num_kv_heads=4)
+    profile = DeviceProfile(
+        name="t", memory_bytes=2**33, matmul_flops=5e10, memory_bandwidth=2e9,
+        intra_node_bandwidth=4e9, collective_latency_s=1e-5,
+    )  # fmt: skip
+    dp = CallPlacement(MeshSpec.parse("data=4,tensor=2"), "dp_tp")
+    fsdp = CallPlacement(MeshSpec.parse("fsdp=4,tensor=2"), "fsdp_tp")
+    hsdp = CallPlacement(MeshSpec.parse("data=2,fsdp=4"), "fsdp_tp")
+    assert est._replicated_grad_bytes(cfg, "lm", dp) == pytest.approx(
+        2 * est.shard_bytes(cfg, "lm", dp) * 3 / 4
+    )
+    assert 0 < est._replicated_grad_bytes(cfg, "lm", fsdp) < 0.05 * est.shard_bytes(cfg, "lm", fsdp)
+    assert est._replicated_grad_bytes(cfg, "lm", hsdp) == pytest.approx(
+        est.shard_bytes(cfg, "lm", hsdp), rel=0.01
+    )
+    one = est._replicated_grad_bytes(cfg, "lm", dp) / 4e9 + 1e-5  # bytes, one latency
+    w = {m: _workload(cfg, actor_microbatches=m) for m in (1, 2)}
+    priced = {m: est.train_seconds(w[m], "actor", dp, profile) for m in w}
+    monkeypatch.setattr(est, "_replicated_grad_bytes", lambda *a: 0.0)
+    for m in w:
+        extra = priced[m] - est.train_seconds(w[m], "actor", dp, profile)
+        assert extra == pytest.approx(w[m].train_steps * m * one, rel=1e-6), m

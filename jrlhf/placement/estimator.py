@@ -12,7 +12,8 @@ Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
   ``max(compute, weight shard bytes / bandwidth) / decode_efficiency``, and its attention reads
   the KV pages the kernel visits (``attended_context``) at ``decode_kv_efficiency`` x the
   bandwidth;
-* collectives: FSDP all-gathers of weights (and reduce-scatter of gradients), tensor-parallel
+* collectives: FSDP all-gathers of weights (and reduce-scatter of gradients), the all-reduce of
+  the gradients of weights replicated over the batch (data parallelism), tensor-parallel
   all-reduces of activations (two per layer forward, four forward + backward), priced by bytes per
   device over the intra- or inter-node bandwidth (whichever the call's device span needs);
 * fixed costs: per jitted call, per layer (kernel launches / small ops), per decode step.
@@ -31,7 +32,8 @@ exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks t
 against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between disjoint
 device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout onto
 the target devices (so only the source's bytes cross the links between the two sets), then the
-same-devices reshard there.
+same-devices reshard there. Between the same layouts the resharder aliases the source: no time,
+and no generation copy in memory.
 
 Memory per device is what lives there during the call's phase (train states with fp32 AdamW
 moments, the actor's generation copy, frozen models, the KV pool; the memory knobs take some of
@@ -364,6 +366,26 @@ def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
 
 
+@functools.lru_cache(maxsize=4096)
+def _replicated_grad_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> float:
+    """Bytes into each device for one step's gradient all-reduce: every parameter a device
+    holds whole along mesh axes that split the batch (data parallelism, and the small weights
+    FSDP does not shard) has partial gradients on its ``r`` replicas, which a ring all-reduce
+    sums (2 (r - 1) / r times its shard). FSDP-sharded weights reduce-scatter instead, priced
+    with their gathers."""
+    spec = placement.mesh
+    batch_axes = _dim_axes(("batch",), spec, placement.rules)[0]
+    total = 0.0
+    for _path, logical, shape, size in _param_table(cfg, head):
+        axes = _dim_axes(logical, spec, placement.rules)
+        split = {a for dim in axes for a in dim}
+        r = math.prod(spec.shape[a] for a in batch_axes if a not in split)
+        if r > 1:
+            shard = math.prod(-(-d // axis_size(spec, a)) for d, a in zip(shape, axes)) * size
+            total += 2 * shard * (r - 1) / r
+    return total
+
+
 def _gather_write_s(
     cfg, head: str, p: CallPlacement, g: _Geometry, efficiency: float, profile: DeviceProfile
 ) -> float:
@@ -553,8 +575,9 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
 def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfile) -> float:
     """epochs x minibatches steps; each step accumulates gradients over ``microbatches``
     micro-batches (fwd + bwd (+ recompute), FSDP gathers and gradient reduce-scatter and
-    per-layer overheads per micro-batch) and ends with one optimizer update. A remat policy
-    adds the profile's ``remat_forward_cost`` forward passes."""
+    per-layer overheads, and the all-reduce of the gradients of weights replicated over the
+    batch (``_replicated_grad_bytes``), per micro-batch) and ends with one optimizer update.
+    A remat policy adds the profile's ``remat_forward_cost`` forward passes."""
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
@@ -577,6 +600,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     act = -(-micro // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
     tp = _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
     step += m * tp
+    # the gradients of weights replicated over the batch's axes: XLA combines them into one
+    # all-reduce per micro-batch (inside the accumulation loop, in the compiled step's HLO)
+    step += m * _comm_s(_replicated_grad_bytes(cfg, head, p), 1, g, profile)
     elems = shard_bytes(cfg, head, p) / itemsize(cfg.param_dtype)
     step += _work_s(elems * profile.optimizer_bytes_per_param, g, profile.memory_bandwidth, profile)
     return w.train_steps * step
