@@ -199,6 +199,15 @@ def _measure_interleaved(
     return out, probes
 
 
+def _device_peak_bytes() -> int | None:
+    """The allocator's peak bytes in use over this process's devices, or None where the
+    backend reports no memory statistics (CPU)."""
+    import jax
+
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    return max(peaks) if peaks and None not in peaks else None
+
+
 def _searched(args, n: int, profile) -> tuple[ExecutionPlan, dict[str, int], dict]:
     """The planner's best plan (and its batch knobs) for the bench's workload under
     ``profile``, searched as ``python -m jrlhf.plan`` does but with shorter annealing chains
@@ -361,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         run_s = time.perf_counter() - t0
         # (mean, longest) generated length per timed iteration (the compiling one dropped)
         response_lens = {name: run.response_lens[1:] for name, run in runs.items()}
+        peak = _device_peak_bytes()
         del runs
     first_profile = profile
     if timings is not None:
@@ -388,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
             "searched_knobs": by_name["searched"]["knobs"],
             **(search_info or {}),
         }
+    summary["device_peak_bytes"] = {
+        "what": "the allocator's peak bytes in use on the busiest device since the process "
+        "started (every plan's trainer, the calibration's too; null where the backend keeps no "
+        "statistics, as on CPU), against the largest per-device call memory the estimate gives "
+        "any plan",
+        "measured": peak,
+        "estimated_max": max(max(r["estimated_memory_bytes"].values(), default=0) for r in results),
+    }
     summary["probe_slowdown"] = {
         "what": "time of a fixed matmul probe at the start of each measuring round over its "
         "time right after calibration: far from 1 means the machine's load changed between them",

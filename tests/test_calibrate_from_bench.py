@@ -38,8 +38,8 @@ PROFILE_REPORTS = {
         "h200_run13_remat_none.json",
         "h200_run13_remat_dots_no_batch.json",
         "h200_run13_remat_full.json",
-        "h200_run19_plan_bf16_1b.json",
-        "h200_run19_plan_bf16_300m.json",
+        "h200_run23_plan_bf16_1b.json",
+        "h200_run23_plan_bf16_300m.json",
     ],
 }
 
