@@ -159,7 +159,8 @@ class RunConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     resume: bool = False
-    # Updates with a non-finite loss, gradient norm or result are skipped (counted in metrics);
+    # Updates with a non-finite loss or gradient norm are skipped, and overflowing ones counted
+    # with them (metrics: skipped_updates);
     # more than this many in a row, in any stage, stop the run before anything is saved.
     max_nonfinite_updates: int = 8
     # After a stage's first step or iteration, freeze the objects it holds, so that Python's

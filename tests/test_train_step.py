@@ -2,12 +2,14 @@
 to the minibatch's loss."""
 
 import chex
+import jax
 import numpy as np
 import optax
 import pytest
 
 from jrlhf.config import DPOConfig, RLConfig
 from jrlhf.meshes import make_mesh
+from jrlhf.meshes.batch import shard_batch
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.models.config import AUTO_UNROLL_LAYERS
 from jrlhf.ppo.core_algos import AGG_MODES, sft_loss
@@ -94,6 +96,38 @@ def test_state_is_donated_and_step_compiles_once():
     for i in range(3):
         state, _ = step(state, make_batch(i + 1))
     assert step.jitted._cache_size() == 1
+
+
+def test_a_non_finite_update_is_skipped_and_a_finite_one_is_applied_in_place():
+    """The guard keeps the state exactly on a non-finite loss (and gradient), and decides before
+    the update, so the update needs no second copy of the state: the compiled step's scratch
+    memory stays under the state's size (params and both AdamW moments), where keeping the old
+    state beside the new one for a select took more."""
+    model = ModelDef(tiny_config(num_kv_heads=4))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    mesh = make_mesh("fsdp=1")
+
+    def scaled_loss(module, batch):
+        loss, metrics = sft_loss_fn(module, batch)
+        return loss * batch["scale"][0], metrics
+
+    def batch(scale):
+        b = make_batch(0, b=2, t=4)  # its first row is all masked out, the second is not
+        return dict(b, scale=np.full((2,), scale, np.float32))
+
+    state = init_train_state(model, optimizer, mesh, "fsdp_tp")
+    step = make_train_step(model, optimizer, scaled_loss, mesh, "fsdp_tp")
+    before = jax.tree.map(np.asarray, state)
+    state, metrics = step(state, batch(np.nan))
+    assert float(metrics["skipped"]) == 1.0
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, state), before)
+    state, metrics = step(state, batch(1.0))
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+    moved = jax.tree.map(lambda a, b: bool((np.asarray(a) != b).any()), state.params, before.params)
+    assert all(jax.tree.leaves(moved["layers"]))
+    compiled = step.jitted.lower(state, shard_batch(batch(1.0), mesh, "fsdp_tp")).compile()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    assert compiled.memory_analysis().temp_size_in_bytes < 3 * param_bytes
 
 
 def test_indivisible_batch_is_one_line():

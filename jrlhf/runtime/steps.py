@@ -153,8 +153,9 @@ def make_train_step(
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Jitted ``step(state, batch) -> (state, metrics)`` with the state donated.
 
-    An update whose loss, gradient norm or new parameters are not finite is skipped (the state
-    returned unchanged) and ``metrics["skipped"]`` is 1: callers count skips with
+    An update whose loss or gradient norm is not finite is skipped (the state returned
+    unchanged) and ``metrics["skipped"]`` is 1; one whose new parameters overflow is reported
+    as skipped too, but applied (see the guard's comment below): callers count skips with
     jrlhf.runtime.guard.UpdateGuard.
 
     With ``microbatches > 1`` the batch's leading axis is split and gradients are accumulated
@@ -193,14 +194,22 @@ def make_train_step(
                 (*total, weight), _ = jax.lax.scan(body, zero, split)
                 weight = jnp.maximum(weight, 1e-9)
                 value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        # The guard (jrlhf.runtime.guard): an update whose loss, gradient norm or result is not
-        # finite is skipped, the state kept as it was; the caller counts skips in a row.
-        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & tree_is_finite(params)
-        updated = TrainState(state.step + 1, params, opt_state)
+        # The guard (jrlhf.runtime.guard): an update whose loss or gradient norm is not finite
+        # is skipped, the state kept as it was; the caller counts skips in a row. The decision
+        # is taken before the update, so the keep-or-replace select fuses into the update's
+        # own elementwise passes and the donated state is updated in place. Deciding on the
+        # new parameters' finiteness too would need the old and the new state side by side
+        # and three more passes over them (docs/plans.md, "the optimizer update's compiled
+        # passes"); with finite gradients AdamW's step is bounded by a few learning rates, so
+        # only an absurd learning rate overflows it. That case is still caught (``skipped``)
+        # but not undone: the following updates see a non-finite loss, are skipped, and the
+        # guard stops the run; nothing non-finite is saved (check_finite).
+        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updated = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
         new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+        ok = ok & tree_is_finite(new_state.params)
         metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
         return new_state, metrics
 
