@@ -130,6 +130,24 @@ def test_a_non_finite_update_is_skipped_and_a_finite_one_is_applied_in_place():
     assert compiled.memory_analysis().temp_size_in_bytes < 3 * param_bytes
 
 
+def test_an_overflowing_update_is_reported_skipped_and_so_is_every_one_after_it():
+    """Finite loss and gradients, an update that makes the parameters non-finite (an infinite
+    learning rate): the guard decided before the update, so it is applied, but reported
+    skipped, and so is the next update (its parameters stay non-finite), so UpdateGuard stops
+    the run."""
+    model = ModelDef(tiny_config(num_kv_heads=4))
+    optimizer = optax.sgd(float("inf"))
+    mesh = make_mesh("fsdp=1")
+    state = init_train_state(model, optimizer, mesh, "fsdp_tp")
+    step = make_train_step(model, optimizer, sft_loss_fn, mesh, "fsdp_tp")
+    state, metrics = step(state, make_batch(0))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["skipped"]) == 1.0
+    assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    state, metrics = step(state, make_batch(1))
+    assert float(metrics["skipped"]) == 1.0
+
+
 def test_indivisible_batch_is_one_line():
     model = ModelDef(tiny_config())
     optimizer = make_optimizer(OptimizerConfig())

@@ -1,11 +1,11 @@
-"""Nothing non-finite is kept or saved.
+"""Nothing non-finite is saved, and a run whose updates stop being finite stops.
 
 The train step (jrlhf.runtime.steps) skips an update whose loss or gradient norm is not finite,
 and reports ``skipped`` in its metrics for it and for an update whose resulting parameters are
-not finite (an overflow, applied: the next updates are then skipped); :class:`UpdateGuard` counts
-skipped updates in a row per role and stops the run, in one line naming the role and the step,
-when there are more than ``RunConfig.max_nonfinite_updates``. :func:`check_finite` is the last
-line of defence before a save.
+not finite (an overflow: applied, so every later update is reported skipped too);
+:class:`UpdateGuard` counts skipped updates in a row per role and stops the run, in one line
+naming the role and the step, when there are more than ``RunConfig.max_nonfinite_updates``.
+:func:`check_finite` is the last line of defence before a save.
 """
 
 from __future__ import annotations

@@ -201,10 +201,12 @@ def make_train_step(
         # own elementwise passes and the donated state is updated in place. Deciding on the
         # new parameters' finiteness too would need the old and the new state side by side
         # and three more passes over them (docs/plans.md, "the optimizer update's compiled
-        # passes"); with finite gradients AdamW's step is bounded by a few learning rates, so
-        # only an absurd learning rate overflows it. That case is still caught (``skipped``)
-        # but not undone: the following updates see a non-finite loss, are skipped, and the
-        # guard stops the run; nothing non-finite is saved (check_finite).
+        # passes"). With finite gradients an AdamW step overflows only where the settings are
+        # absurd (a learning rate near the float range, learning rate x weight decay above 2,
+        # float16 parameters whose eps and squared gradients round to zero). That case is
+        # still caught but not undone: it and every update after it (the parameters stay
+        # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
+        # refuses to save such a state.
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         updated = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
