@@ -201,7 +201,14 @@ def test_score_prices_the_runs_without_fitting(tmp_path, capsys):
     report = _report(TRUTH)
     exact = score_profile([("a.json", report)], TRUTH)
     counts = {k: len(v) for k, v in exact.items()}
-    assert counts == {"prefill": 2, "decode_step": 2, "train_step": 1, "trainer_generate": 0}
+    assert counts == {
+        "prefill": 2,
+        "decode_step": 2,
+        "train_step": 1,
+        "trainer_generate": 0,
+        "trainer_score": 0,
+        "trainer_train": 0,
+    }
     assert all(abs(p["rel_error"]) < 1e-9 for rows in exact.values() for p in rows)
     # a profile with half the train efficiency prices the train step higher, the rest the same
     slower = score_profile([("a.json", report)], TRUTH.replace(train_efficiency=0.225))
@@ -217,8 +224,8 @@ def test_score_prices_the_runs_without_fitting(tmp_path, capsys):
 
 
 def _plan_report(truth: DeviceProfile, device: str = "1 x gpu") -> dict:
-    """A bench plan report of one device whose trainer generates exactly as ``truth`` prices
-    it: three timed iterations, the last one's responses all stopping after 3 tokens."""
+    """A bench plan report of one device whose trainer runs exactly as ``truth`` prices it:
+    three timed iterations, the last one's responses all stopping after 3 tokens."""
     from jrlhf.pipeline.plan_bench import trainer_bindings, trainer_workload
     from jrlhf.placement.plan import strategy
 
@@ -232,11 +239,18 @@ def _plan_report(truth: DeviceProfile, device: str = "1 x gpu") -> dict:
         w = trainer_workload(trainer_bindings(model, fields, 1, plan, {}))
         runs.append(est.generate_seconds(w, plan["actor_generate"], truth))
     runs[-1] *= 3  # the dropped iteration: anything
+    # scoring and training run on batches padded to the full lengths, whatever the responses
+    full = est.estimate(
+        plan, trainer_workload(trainer_bindings(model, workload, 1, plan, {})), truth
+    )
     result = {
         "plan": "flatten",
         "placements": {call: str(p) for call, p in plan.placements},
         "knobs": {},
-        "phases": {"generate": {"runs": runs}},
+        "phases": {
+            "generate": {"runs": runs},
+            **{k: {"runs": [full.phase_seconds[k]] * len(runs)} for k in ("score", "train")},
+        },
         "response_len_mean_max": lengths,
     }
     return {
@@ -246,6 +260,34 @@ def _plan_report(truth: DeviceProfile, device: str = "1 x gpu") -> dict:
         "workload": workload,
         "results": [result],
     }
+
+
+def test_bench_plan_reports_fit_the_call_and_train_step_overheads():
+    """The trainer's score phases fit the call overhead with the forward efficiency (prefills
+    alone cannot tell them apart), its train phases the per-step overhead with the train
+    efficiency; the residuals of every phase go to zero on reports of an exact device."""
+    truth = TRUTH.replace(
+        call_overhead_s=2e-3, train_step_overhead_s=5e-3, decode_layer_overhead_s=9e-5
+    )
+    template = DeviceProfile.load("h100").replace(call_overhead_s=1e-4, train_step_overhead_s=0.0)
+    fitted = profile_from_bench(
+        [("a.json", _report(truth)), ("p.json", _plan_report(truth))], template
+    )
+    for field in (
+        "call_overhead_s",
+        "train_step_overhead_s",
+        "forward_efficiency",
+        "train_efficiency",
+        "decode_layer_overhead_s",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    fits = fitted.measured["fits"]
+    assert sum("score of timed iteration" in p["what"] for p in fits["prefill"]["points"]) == 3
+    assert sum("train of timed iteration" in p["what"] for p in fits["train_step"]["points"]) == 3
+    assert all(abs(p["rel_error"]) < 1e-6 for fit in fits.values() for p in fit["points"])
+    # without the trainer's phases, the overheads stay the template's
+    alone = profile_from_bench([("a.json", _report(truth))], template)
+    assert alone.call_overhead_s == 1e-4 and alone.train_step_overhead_s == 0.0
 
 
 def test_bench_plan_reports_fit_the_decode_layer_overhead():

@@ -26,7 +26,11 @@ PPO trainer) add ``decode_layer_overhead_s``, fitted last with everything else h
 trainer's generate phase of each timed iteration, priced at that iteration's longest response (a
 synchronous rollout decodes until it ends). At tens of rows per step a decode step is bound by
 per-layer launches and latencies there, which ``bench gpu``'s weight-bound decode shapes cannot
-tell apart from the weight reads.
+tell apart from the weight reads. Their score phases add ``call_overhead_s`` (fitted with the
+forward efficiency, to the prefills and the score phases together) and their train phases
+``train_step_overhead_s`` (with the train efficiency, to bench gpu's steps and the train phases
+together): the fixed costs of a scoring call and of a training step in the trainer, which
+dominate small models' phases (docs/gpu.md, run 23).
 
 What one device cannot show stays as the template profile has it (the built-in profile of the
 same name: its links, devices per node, memory, fixed overheads), and the notes say which fields
@@ -106,34 +110,79 @@ def _fit(points: list[dict], fields: tuple[str, ...], profile: DeviceProfile):
     return values, {"values": values, "points": _scored(points, profile.replace(**values))}
 
 
-def _fit_train(points: list[dict], profile: DeviceProfile) -> tuple[dict, dict]:
-    """``train_efficiency`` and, where some run used a remat policy, ``remat_forward_cost``.
+def _fit_train(
+    points: list[dict], profile: DeviceProfile, trainer_points: Sequence[dict] = ()
+) -> tuple[dict, dict]:
+    """``train_efficiency``, where some run used a remat policy ``remat_forward_cost``, and
+    with the whole trainer's train phases (``trainer_points``) ``train_step_overhead_s``.
 
-    A step's price is a + b1 / e + b2 r / e: b1 its 3 passes at efficiency 1, b2 the one
-    forward a remat policy adds (0 without remat), r the remat cost. Linear in (1 / e, r / e),
-    so the same least squares of relative errors finds both."""
+    A step's price is a + b1 / e + b2 r / e + k o: b1 its 3 passes at efficiency 1, b2 the one
+    forward a remat policy adds (0 without remat), r the remat cost, k the steps paying the
+    per-step overhead o. Linear in (1 / e, r / e, o), so the same least squares of relative
+    errors finds them all. bench gpu's steps alone cannot tell o from 1 / e (one shape's
+    steps), so o is fitted only with the trainer's phases, which have several models and
+    several steps each."""
     if not points:
         raise BenchReportError("no measurement to fit train_efficiency to")
+    overhead, unit = "train_step_overhead_s", 1e-3
     base = profile.replace(train_efficiency=1.0, remat_forward_cost=0.0)
+    if trainer_points:  # fitted; otherwise the template's stays in every price
+        base = base.replace(**{overhead: 0.0})
     rows, rhs = [], []
-    for p in points:
+    for p in [*points, *trainer_points]:
         t0 = p["price"](base)
         b1 = p["price"](base.replace(train_efficiency=0.5)) - t0
         b2 = p["price"](base.replace(remat_forward_cost=1.0)) - t0
+        k = p["price"](base.replace(**{overhead: unit})) - t0
         m = p["measured_s"]
-        rows.append([b1 / m, b2 / m])
+        rows.append([b1 / m, b2 / m, k / m])
         rhs.append(1 - (t0 - b1) / m)
     lhs = np.array(rows)
-    remat = bool((lhs[:, 1] > 0).any())
-    x = _nnls(lhs if remat else lhs[:, :1], np.array(rhs))
+    used = [True, bool((lhs[:, 1] > 0).any()), bool(trainer_points)]
+    x = np.zeros(3)
+    x[used] = _nnls(lhs[:, used], np.array(rhs))
     if not x[0] > 0:
         raise BenchReportError(
             "train_efficiency: the measurements leave no time for this cost (fit at zero)"
         )
     values = {"train_efficiency": float(1 / x[0])}
-    if remat:
+    if used[1]:
         values["remat_forward_cost"] = float(min(2.0, x[1] / x[0]))
-    return values, {"values": values, "points": _scored(points, profile.replace(**values))}
+    if used[2]:
+        values[overhead] = float(x[2] * unit)
+    fitted = profile.replace(**values)
+    return values, {"values": values, "points": _scored([*points, *trainer_points], fitted)}
+
+
+def _fit_forward(
+    points: list[dict], profile: DeviceProfile, trainer_points: Sequence[dict] = ()
+) -> tuple[dict, dict]:
+    """``forward_efficiency`` from the prefills and, with the whole trainer's score phases
+    (``trainer_points``), ``call_overhead_s`` with it: a price is a + b / e + k c (k the calls
+    and host syncs it makes), linear in (1 / e, c). Without the trainer's phases the call
+    overhead stays the template's (a prefill makes one call, its cost lost in the forward)."""
+    if not trainer_points:
+        return _fit(points, ("forward_efficiency",), profile)
+    if not points:
+        raise BenchReportError("no measurement to fit forward_efficiency to")
+    overhead, unit = "call_overhead_s", 1e-3
+    base = profile.replace(forward_efficiency=1.0, **{overhead: 0.0})
+    rows, rhs = [], []
+    for p in [*points, *trainer_points]:
+        t0 = p["price"](base)
+        b = p["price"](base.replace(forward_efficiency=0.5)) - t0
+        k = p["price"](base.replace(**{overhead: unit})) - t0
+        m = p["measured_s"]
+        rows.append([b / m, k / m])
+        rhs.append(1 - (t0 - b) / m)
+    x = _nnls(np.array(rows), np.array(rhs))
+    if not x[0] > 0:
+        raise BenchReportError(
+            "forward_efficiency: the measurements leave no time for this cost (fit at zero)"
+        )
+    values = {"forward_efficiency": float(1 / x[0]), overhead: float(x[1] * unit)}
+    fitted = profile.replace(**values)
+    return values, {"values": values, "points": _scored([*points, *trainer_points], fitted)}
 
 
 def _decode_points(report: dict, where: str) -> tuple[list[dict], list[dict]]:
@@ -240,6 +289,33 @@ def _trainer_generate_points(report: dict, where: str) -> list[dict]:
     return points
 
 
+def _trainer_phase_points(report: dict, where: str, phase: str) -> list[dict]:
+    """A ``bench plan`` report's ``phase`` ("score" or "train") of every timed iteration of
+    every plan as fit points, priced as the estimator prices that phase of the plan. The
+    trainer scores and trains on batches padded to the task's full prompt and response
+    lengths, so every iteration is priced at the workload's, whatever its responses."""
+    if not _is_plan_report(report):
+        return []
+    model, workload = report["model"], report["workload"]
+    devices = int(str(report.get("device", "1")).split(" x ")[0])
+    points = []
+    for result in report.get("results", []):
+        plan = plan_from_placements(result["plan"], result["placements"])
+        w = trainer_workload(trainer_bindings(model, workload, devices, plan, result["knobs"]))
+        for i, seconds in enumerate(result["phases"].get(phase, {}).get("runs", []), start=1):
+            points.append(
+                {
+                    "what": f"{where}: {result['plan']}, {model['layers']} x {model['hidden']}, "
+                    f"{phase} of timed iteration {i}",
+                    "measured_s": seconds,
+                    "price": lambda p, w=w, plan=plan: est.estimate(plan, w, p).phase_seconds[
+                        phase
+                    ],
+                }
+            )
+    return points
+
+
 def _fit_decode_with_overhead(
     points: list[dict], fields: tuple[str, ...], profile: DeviceProfile
 ) -> tuple[dict, dict]:
@@ -298,13 +374,22 @@ def _median(values: list[float], field: str) -> float:
 
 def _points(reports: Sequence[tuple[str, dict]]) -> dict[str, list[dict]]:
     """Every report's measurements as fit points, by kind."""
-    out = {"prefill": [], "decode_step": [], "train_step": [], "trainer_generate": []}
+    out = {
+        "prefill": [],
+        "decode_step": [],
+        "train_step": [],
+        "trainer_generate": [],
+        "trainer_score": [],
+        "trainer_train": [],
+    }
     for label, report in reports:
         prefill, steps = _decode_points(report, label)
         out["prefill"] += prefill
         out["decode_step"] += steps
         out["train_step"] += _train_points(report, label)
         out["trainer_generate"] += _trainer_generate_points(report, label)
+        out["trainer_score"] += _trainer_phase_points(report, label, "score")
+        out["trainer_train"] += _trainer_phase_points(report, label, "train")
     return out
 
 
@@ -354,7 +439,7 @@ def profile_from_bench(
                 min(x["to_host_gbps"], x["from_host_gbps"]) * 1e9 for x in links
             )
         )
-    prefill, steps, train, generate = _points(reports).values()
+    prefill, steps, train, generate, scores, trains = _points(reports).values()
     fits = {}
     # A decode step's KV reads run at the paged-attention kernel's own measured rate where a
     # report has it (the kernel section, on random pools of a decode shape). Fitting that rate
@@ -370,9 +455,12 @@ def profile_from_bench(
         profile = profile.replace(decode_kv_efficiency=float(statistics.median(kernel)))
     else:
         decode_fields += ("decode_kv_efficiency",)
-    # the prefill first: a decode step's price (a difference of two generations) does not
-    # depend on the forward's efficiency
-    values, fits["prefill"] = _fit(prefill, ("forward_efficiency",), profile)
+    # the prefill first (with the trainer's score phases, the call overhead with it): a decode
+    # step's price (a difference of two generations) does not depend on the forward's
+    # efficiency, and training's next does not depend on any decode field
+    values, fits["prefill"] = _fit_forward(prefill, profile, scores)
+    profile = profile.replace(**values)
+    values, fits["train_step"] = _fit_train(train, profile, trains)
     profile = profile.replace(**values)
     if any(_is_plan_report(r) for _, r in reports):
         if not generate:
@@ -388,8 +476,6 @@ def profile_from_bench(
         )
     else:
         values, fits["decode_step"] = _fit(steps, decode_fields, profile)
-    profile = profile.replace(**values)
-    values, fits["train_step"] = _fit_train(train, profile)
     profile = profile.replace(**values)
     devices = sorted({r.get("device", "?") for _, r in reports if not _is_plan_report(r)})
     measured = ["matmul_flops", "memory_bandwidth"]

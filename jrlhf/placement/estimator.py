@@ -586,7 +586,11 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     passes = 3.0 + (profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0)
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     step = _fixed_s(
-        profile.call_overhead_s + m * cfg.num_layers * profile.train_layer_overhead_s, g, profile
+        profile.call_overhead_s
+        + profile.train_step_overhead_s
+        + m * cfg.num_layers * profile.train_layer_overhead_s,
+        g,
+        profile,
     )
     step += m * cfg.num_layers * profile.train_layer_overhead_once_s
     step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)

@@ -71,6 +71,9 @@ class DeviceProfile:
     call_overhead_s: float = 0.0  # one jitted call: dispatch + host sync
     forward_layer_overhead_s: float = 0.0  # per layer of a forward (kernel launches, small ops)
     train_layer_overhead_s: float = 0.0  # per layer of a training step (fwd + bwd)
+    # per training step besides its call and its layers: the trainer's per-minibatch host work
+    # and the update's dispatch (fitted to the whole trainer on GPUs, docs/gpu.md run 23)
+    train_step_overhead_s: float = 0.0
     decode_layer_overhead_s: float = 0.0  # per layer of one decode step
     # The same per-layer costs' part a call pays once whatever its device count. On a shared host
     # the ``*_layer_overhead_s`` above are paid by every device program (n / min(n, host_cores)
