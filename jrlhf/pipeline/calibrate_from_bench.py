@@ -256,21 +256,35 @@ def _is_plan_report(report: dict) -> bool:
     return report.get("benchmark") == "plan_estimator"
 
 
+def _plan_results(report: dict) -> list[tuple[dict, dict, int, dict, Any]]:
+    """(model, workload, devices, result, plan) for every plan of a ``bench plan`` report; none
+    for another report."""
+    if not _is_plan_report(report):
+        return []
+    model, workload = report["model"], report["workload"]
+    devices = int(str(report.get("device", "1")).split(" x ")[0])
+    return [
+        (
+            model,
+            workload,
+            devices,
+            result,
+            plan_from_placements(result["plan"], result["placements"]),
+        )
+        for result in report.get("results", [])
+    ]
+
+
 def _trainer_generate_points(report: dict, where: str) -> list[dict]:
     """A ``bench plan`` report's generate phases as fit points: every timed iteration of every
     plan whose report lists the responses' lengths, priced at its longest response. Iterations
     whose longest response is under half the limit are left out: their generate is mostly the
     prompts' forward, and their policy has collapsed to stopping at once."""
-    if not _is_plan_report(report):
-        return []
-    model, workload = report["model"], report["workload"]
-    devices = int(str(report.get("device", "1")).split(" x ")[0])
     points = []
-    for result in report.get("results", []):
+    for model, workload, devices, result, plan in _plan_results(report):
         lengths = result.get("response_len_mean_max")
         if not lengths:
             continue  # reports before lengths were recorded
-        plan = plan_from_placements(result["plan"], result["placements"])
         at = plan["actor_generate"]
         runs = result["phases"]["generate"]["runs"]
         for i, (seconds, (_, longest)) in enumerate(zip(runs, lengths), start=1):
@@ -294,13 +308,8 @@ def _trainer_phase_points(report: dict, where: str, phase: str) -> list[dict]:
     every plan as fit points, priced as the estimator prices that phase of the plan. The
     trainer scores and trains on batches padded to the task's full prompt and response
     lengths, so every iteration is priced at the workload's, whatever its responses."""
-    if not _is_plan_report(report):
-        return []
-    model, workload = report["model"], report["workload"]
-    devices = int(str(report.get("device", "1")).split(" x ")[0])
     points = []
-    for result in report.get("results", []):
-        plan = plan_from_placements(result["plan"], result["placements"])
+    for model, workload, devices, result, plan in _plan_results(report):
         w = trainer_workload(trainer_bindings(model, workload, devices, plan, result["knobs"]))
         for i, seconds in enumerate(result["phases"].get(phase, {}).get("runs", []), start=1):
             points.append(
