@@ -238,9 +238,9 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         batches = []
         step = trainer.steps["actor"]
 
-        def recording_step(state, batch):
+        def recording_step(state, batch, *split):
             batches.append(batch)
-            return step(state, batch)
+            return step(state, batch, *split)
 
         trainer.steps["actor"] = recording_step
 

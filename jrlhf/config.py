@@ -256,6 +256,14 @@ class RoleConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     microbatches: int = 1
+    # > 0: micro-batches sized by tokens instead of counted (verl's ppo_max_token_len_per_gpu):
+    # each train step of this role splits its minibatch into the fewest equal micro-batches
+    # that leave no device more than this many token columns (rows x (max_prompt_len +
+    # max_response_len)) per micro-batch (jrlhf.data.batch.fit_microbatches). With
+    # RLConfig.pack_samples the packed rows count, so a minibatch of short samples takes fewer
+    # micro-batches than a full-length one; each count compiles once. Exclusive with
+    # microbatches > 1; 0 (default) uses microbatches.
+    microbatch_tokens: int = 0
 
     def validate(self, role: str) -> None:
         f = f"{role}/RoleConfig"
@@ -295,6 +303,12 @@ class RoleConfig:
         _check(self.weight_decay >= 0, f"{f}.weight_decay", "must be >= 0")
         _check(self.grad_clip >= 0, f"{f}.grad_clip", "must be >= 0 (0 disables clipping)")
         _check(self.microbatches >= 1, f"{f}.microbatches", "must be >= 1")
+        _check(self.microbatch_tokens >= 0, f"{f}.microbatch_tokens", "must be >= 0")
+        _check(
+            not (self.microbatch_tokens and self.microbatches > 1),
+            f"{f}.microbatch_tokens",
+            f"set either it or {f}.microbatches={self.microbatches}, not both",
+        )
 
     def placement(self, phase: str) -> tuple[str, str] | None:
         """(mesh, rules) this role's config fixes for ``phase``, or None to follow the plan."""
@@ -783,6 +797,14 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
             f"{name}.batch_size",
             f"{section.batch_size} pairs do not split into {role}/RoleConfig.microbatches={m} "
             "microbatches of whole pairs",
+        )
+    row_len = cfg.task.max_prompt_len + cfg.task.max_response_len
+    for role, rc in cfg.roles.items():
+        _check(
+            not rc.microbatch_tokens or rc.microbatch_tokens >= row_len,
+            f"{role}/RoleConfig.microbatch_tokens",
+            f"{rc.microbatch_tokens} is less than one row of TaskConfig.max_prompt_len + "
+            f"max_response_len = {row_len} tokens",
         )
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:

@@ -77,7 +77,9 @@ def _built_once(tmp_path_factory, name: str):
 
 @pytest.fixture(scope="session")
 def base_run(tmp_path_factory):
-    """A short SFT + reward-model run whose outputs the RL tests start from."""
+    """A short SFT + reward-model run whose outputs the RL tests start from. The reward model
+    trains in micro-batches sized by tokens (RoleConfig.microbatch_tokens: 4 rows of 22 tokens
+    a device, whole preference pairs), which must not change what it learns."""
     from run_helpers import SMALL
 
     from jrlhf.cli import train
@@ -87,7 +89,7 @@ def base_run(tmp_path_factory):
             rc = train.main([
                 "--run-dir", str(build), "--quiet",
                 "RunConfig.stages=('sft', 'rm')", "SFTConfig.steps=60",
-                "RewardModelConfig.steps=60", *SMALL,
+                "RewardModelConfig.steps=60", "reward/RoleConfig.microbatch_tokens=88", *SMALL,
             ])  # fmt: skip
             assert rc == 0
     return run_dir

@@ -8,8 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from jrlhf.config import RLConfig
+from jrlhf.config import ConfigError, RLConfig, load_config
+from jrlhf.data.batch import fit_microbatches, microbatch_splits
 from jrlhf.meshes import make_mesh
+from jrlhf.meshes.batch import batch_shards
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.trainer import actor_loss, critic_loss
@@ -124,6 +126,65 @@ def test_packed_step_equals_padded_step(head, mesh_spec="data=2,fsdp=2", microba
     for k in m_pad:
         np.testing.assert_allclose(m_pk[k], m_pad[k], rtol=1e-5, atol=1e-6, err_msg=k)
     chex.assert_trees_all_close(p_pk, p_pad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_token_budget_gives_packed_short_samples_fewer_microbatches_and_the_same_update():
+    """RoleConfig.microbatch_tokens (data.batch.fit_microbatches): at most 48 token columns per
+    device and micro-batch over 2 data shards. The padded batch (8 rows of 16 columns) needs 2
+    micro-batches (2 rows a device each), the packed one 1 (its 6 packed rows, 3 a device), the
+    fewest that fit; every split is of whole rows per shard (and of whole pairs where asked).
+    The update, with the split passed per call to a step built for one micro-batch, is the
+    padded one-micro-batch update within 1e-5."""
+    batch, _, _ = padded_batch()
+    rows, row_len = batch["tokens"].shape
+    mesh = make_mesh("data=2,tensor=2")
+    shards, budget = batch_shards(mesh, "fsdp_tp"), 48
+    assert shards == 2
+    assert microbatch_splits(rows, shards) == [1, 2, 4]
+    assert microbatch_splits(rows, 1, unit=2) == [1, 2, 4]
+    assert microbatch_splits(6, 4) == []  # 6 rows never split over 4 shards
+    m_pad, same = fit_microbatches(batch, budget, shards, P)
+    assert (m_pad, same) == (2, batch)
+    m_pk, packed = fit_microbatches(batch, budget, shards, P, pack=True)
+    assert m_pk == 1 and packed["tokens"].shape == (6, row_len)
+    assert fit_microbatches(batch, row_len, shards, P)[0] == 4  # the finest: a row a device
+    assert fit_microbatches(batch, 1, shards, P)[0] == 4  # nothing fits: the finest too
+
+    rl = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
+    loss_fn = actor_loss(P, rl, kl_in_loss=True)
+    model = ModelDef(tiny_config())
+    results = []
+    for b, m in ((batch, 1), (batch, m_pad), (packed, m_pk)):
+        opt = optax.sgd(0.5)
+        state = init_train_state(model, opt, mesh, "fsdp_tp", seed=0)
+        step = make_train_step(model, opt, loss_fn, mesh, "fsdp_tp")
+        state, metrics = step(state, b, m)
+        results.append(({k: float(v) for k, v in metrics.items()}, state.params))
+    (m_ref, p_ref), *others = results
+    for m_got, p_got in others:
+        for k in m_ref.keys() - {"weight"}:  # a split's weight is the micro-batches' weighted mean
+            np.testing.assert_allclose(m_got[k], m_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        chex.assert_trees_all_close(p_got, p_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bindings,message",
+    [
+        (
+            ["actor/RoleConfig.microbatch_tokens=512", "actor/RoleConfig.microbatches=2"],
+            "actor/RoleConfig.microbatch_tokens: set either it or actor/RoleConfig.microbatches=2",
+        ),
+        (["critic/RoleConfig.microbatch_tokens=-1"], "critic/RoleConfig.microbatch_tokens: must"),
+        (
+            ["critic/RoleConfig.microbatch_tokens=3"],
+            "critic/RoleConfig.microbatch_tokens: 3 is less than one row",
+        ),
+    ],
+)
+def test_bad_token_budgets_are_refused_in_one_line(bindings, message):
+    with pytest.raises(ConfigError) as err:
+        load_config([], bindings)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
 def test_chunked_logprobs_equal_whole(lm_model):

@@ -452,6 +452,45 @@ def test_from_config_reads_slots_chunks_and_microbatches():
     assert default.microbatches("actor") == default.microbatches("critic") == 1
 
 
+def test_a_token_budget_sets_the_priced_split_and_is_written_back_not_tuned():
+    """RoleConfig.microbatch_tokens: the estimator prices the split the trainer takes for
+    full-length rows on each plan's batch shards, the batch search leaves it alone, and the
+    plan's bindings carry the budget instead of a micro-batch count."""
+    import dataclasses
+
+    from jrlhf.config import load_config
+
+    cfg = load_config(
+        [],
+        [
+            "actor/RoleConfig.microbatch_tokens = 64",
+            "TaskConfig.max_prompt_len = 10",
+            "TaskConfig.max_response_len = 12",
+            "RLConfig.minibatch_size = 16",
+        ],
+    )
+    w = Workload.from_config(cfg, {"actor": tiny_config()})
+    assert (w.actor_microbatch_tokens, w.critic_microbatch_tokens) == (64, 0)
+    # 16-row minibatches of seq_len-token rows, 64 tokens a device: rows a device <= 64 / seq
+    assert w.seq_len == 22 and w.minibatch_size == 16
+    assert [w.microbatches("actor", shards) for shards in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert w.microbatch_rows("actor", 4) == 8 and w.microbatches("critic", 4) == 1
+    h100 = DeviceProfile.load("h100")
+    w7 = _llama7b_workload(actor_microbatch_tokens=4 * 512)  # 4 rows of 512 tokens a device
+    plan = flatten(8, tensor=2)  # fsdp=4: 32-row minibatches, 8 rows a device, so 2 splits
+    assert w7.microbatches("actor", 4) == 2
+    same = dataclasses.replace(w7, actor_microbatch_tokens=0, actor_microbatches=2)
+    ea, eb = est.estimate(plan, w7, h100), est.estimate(plan, same, h100)
+    assert ea.memory_bytes == eb.memory_bytes and ea.iteration_seconds == eb.iteration_seconds
+    tight = h100.replace(memory_bytes=10**9)  # nothing fits: the search still keeps the budget
+    tuned = est.tune_batches(plan, w7, tight)
+    assert (tuned.actor_microbatch_tokens, tuned.actor_microbatches) == (2048, 1)
+    lines = est.batch_bindings(tuned)
+    assert "actor/RoleConfig.microbatch_tokens = 2048" in lines
+    assert not any(line.startswith("actor/RoleConfig.microbatches") for line in lines)
+    assert f"critic/RoleConfig.microbatches = {tuned.critic_microbatches}" in lines
+
+
 def test_absent_scoring_calls_do_not_break_overlap():
     """GRPO has no critic: its placeholder slot (here on every device) must not stop the
     reference and reward calls, on disjoint devices, from counting as concurrent."""

@@ -18,7 +18,12 @@ from jrlhf import checkpoint, config
 from jrlhf.cli import train
 
 
-def test_colocated_run_outputs(colocated_run):
+def test_colocated_run_outputs(colocated_run, base_run):
+    # The base run's reward model trained in micro-batches of 4 rows (2 pairs) a device
+    # (RoleConfig.microbatch_tokens=88, rows of 22 tokens) and learned to rank the pairs.
+    rm = [json.loads(line) for line in (base_run / "logs" / "rm" / "metrics.jsonl").open()]
+    assert {r["rm/microbatches"] for r in rm} == {4.0} and "rm/weight" not in rm[-1]
+    assert np.mean([r["rm/accuracy"] for r in rm]) > 0.6  # on its training pairs; chance 0.5
     rows = metric_rows(colocated_run)
     assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
     # the longest response of each rollout: at least the mean, at most the task's limit (12)
@@ -31,15 +36,22 @@ def test_colocated_run_outputs(colocated_run):
     assert checkpoint.latest_step_dir(colocated_run).name == "4"
 
 
+SPLITS = ("train/microbatches", "train/critic/microbatches")
+
+
 @pytest.mark.parametrize("placement", ["separate", "interleave", "search"])
 def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
     """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
     numbers. The searched plan's run also scores in chunks of 8 rows
     (RLConfig.infer_batch_size), and the separated one fuses scoring into generation in calls of
     4 rows (RLConfig.fusion) and migrates its last 4 decoding rows onto one of the generation
-    mesh's replicas (RLConfig.migrate_rows), which must not change a number either."""
+    mesh's replicas (RLConfig.migrate_rows), which must not change a number either. The
+    interleaved one trains actor and critic in micro-batches sized by tokens
+    (RoleConfig.microbatch_tokens: one 22-token row per device), likewise."""
     run_dir = tmp_path / placement
+    budget = "RoleConfig.microbatch_tokens=22"  # TaskConfig.max_prompt_len + max_response_len
     extra = {
+        "interleave": [f"actor/{budget}", f"critic/{budget}"],
         "search": ["RLConfig.infer_batch_size=8"],
         "separate": [
             "RLConfig.fusion=True", "RLConfig.fusion_score_rows=4", "RLConfig.migrate_rows=4",
@@ -54,7 +66,12 @@ def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, t
     else:
         assert f"execution plan '{placement}'" in plan_text
     rows = metric_rows(run_dir)
-    assert_rows_close(rows, metric_rows(colocated_run))
+    # what a fused run counts of its fusion and a budgeted one of its splits: in theirs alone
+    assert_rows_close(rows, metric_rows(colocated_run), only_in_a=("fusion/", *SPLITS))
+    if placement == "interleave":  # minibatches of 16 rows, one row a device: 16 / shards
+        for key in SPLITS:
+            splits = [r[key] for r in rows if "reward" in r]
+            assert len(splits) == 4 and min(splits) > 1, (key, splits)
     if placement == "separate":  # the fused rollouts did migrate their tails
         migrated = [r["fusion/migrated_rows"] for r in rows if "reward" in r]
         assert len(migrated) == 4 and 0 < max(migrated) <= 4, migrated

@@ -147,3 +147,38 @@ def pack_segments(
             pack_index[i, j] = row * row_len + col + (P - 1 + j - s)
     out["pack_index"] = pack_index
     return out
+
+
+def microbatch_splits(rows: int, shards: int, unit: int = 1) -> list[int]:
+    """Micro-batch counts ``m``, ascending, that split ``rows`` rows into equal micro-batches
+    whose rows divide over ``shards`` devices and into whole units of ``unit`` rows (the two
+    rows of a preference pair)."""
+    return [
+        m
+        for m in range(1, rows + 1)
+        if rows % m == 0 and (rows // m) % shards == 0 and (rows // m) % unit == 0
+    ]
+
+
+def fit_microbatches(
+    batch: dict[str, np.ndarray],
+    budget: int,
+    shards: int,
+    max_prompt_len: int,
+    pack: bool = False,
+    unit: int = 1,
+) -> tuple[int, dict[str, np.ndarray]]:
+    """(m, batch): the fewest micro-batches ``m`` (of :func:`microbatch_splits`) in which no
+    device holds more than ``budget`` token columns (rows x row length) per micro-batch; with
+    ``pack``, the batch packed into ``m`` blocks (:func:`pack_segments`), counted by its packed
+    rows, so a batch of short samples takes fewer micro-batches than a full-length one (verl's
+    dynamic batch size). The finest split when none fits; ``(1, batch)`` when the rows do not
+    split over ``shards`` at all (the train step then refuses the batch in one line)."""
+    rows, row_len = batch["tokens"].shape
+    splits = microbatch_splits(rows, shards, unit)
+    out = batch
+    for m in splits or [1]:
+        out = pack_segments(batch, max_prompt_len, row_len, m, shards) if pack else batch
+        if out["tokens"].shape[0] // (m * shards) * row_len <= budget:
+            return m, out
+    return (splits or [1])[-1], out

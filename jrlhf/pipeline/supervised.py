@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrlhf import checkpoint
-from jrlhf.meshes.batch import to_host
+from jrlhf.data.batch import fit_microbatches
+from jrlhf.meshes.batch import batch_shards, to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.model_def import ModelDef, Params
@@ -56,6 +57,10 @@ log = logging.getLogger("jrlhf")
 
 # Test hook: exit abruptly (like a preempted job) right after this step, e.g. "sft:40".
 EXIT_AT_STEP_ENV = "JRLHF_DEBUG_EXIT_AT_STEP"
+
+
+# Stages whose batches are preference pairs (a chosen row, then its rejected row).
+PAIR_STAGES = ("rm", "dpo")
 
 
 def sft_loss_fn(max_prompt_len: int):
@@ -174,12 +179,24 @@ def _supervised_stage(
     step_fn = make_train_step(
         setup.model, optimizer, loss_fn, mesh, rules, microbatches=setup.config.microbatches
     )
+    # RoleConfig.microbatch_tokens: the fewest micro-batches within the budget, of whole pairs
+    # in the pair stages (every batch has the same shape, so one split and one compile).
+    budget, unit = setup.config.microbatch_tokens, 2 if name in PAIR_STAGES else 1
+    shards = batch_shards(mesh, rules)
+
+    def split(batch):
+        if not budget:
+            return batch, setup.config.microbatches
+        m, batch = fit_microbatches(batch, budget, shards, cfg.task.max_prompt_len, unit=unit)
+        return batch, m
+
     guard = UpdateGuard(cfg.run.max_nonfinite_updates, name)
     pending: list = []  # each step's "skipped" flag, fetched at the next log point
     start, start_step = time.perf_counter(), done
     with warm_freeze(cfg.run.gc_freeze, name) as freezer:
         for i in range(done, steps):
-            state, metrics = step_fn(state, make_batch([records[j] for j in draw()]))
+            batch, m = split(make_batch([records[j] for j in draw()]))
+            state, metrics = step_fn(state, batch, m)
             pending.append(metrics["skipped"])
             freezer.step_done()
             step = i + 1
@@ -191,6 +208,9 @@ def _supervised_stage(
                 values = {f"{name}/{k}": float(v) for k, v in to_host(metrics).items()}
                 values[f"{name}/skipped_updates"] = float(skipped)
                 del values[f"{name}/skipped"]
+                if budget:  # the split a token budget chose; the accumulated weight means nothing
+                    values[f"{name}/microbatches"] = float(m)
+                    del values[f"{name}/weight"]
                 values[f"{name}/steps_per_s"] = (step - start_step) / (time.perf_counter() - start)
                 logger.log(step, values)
             every = stage_cfg.checkpoint_every

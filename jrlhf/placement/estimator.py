@@ -581,8 +581,8 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
-    m = w.microbatches(role)
-    micro = w.microbatch_rows(role)
+    m = w.microbatches(role, g.batch)
+    micro = w.microbatch_rows(role, g.batch)
     passes = 3.0 + (profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0)
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     step = _fixed_s(
@@ -864,9 +864,9 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
         return act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=False)
     # train: gradients (and their accumulator with micro-batches), saved activations of one
     # micro-batch per the remat policy, logits and their gradient
-    rows = -(-w.microbatch_rows(role) // g.batch)
+    rows = -(-w.microbatch_rows(role, g.batch) // g.batch)
     tokens = rows * w.seq_len
-    grads = shard_bytes(cfg, head, p) * (2 if w.microbatches(role) > 1 else 1)
+    grads = shard_bytes(cfg, head, p) * (2 if w.microbatches(role, g.batch) > 1 else 1)
     saved_layer = activation_bytes_per_token(
         cfg, w.seq_len, g.tensor, saved=True, fused_attention=fused
     )
@@ -889,7 +889,7 @@ def batch_problem(w: Workload, call: str, p: CallPlacement) -> str | None:
     role, phase = CALLS[call]
     shards = axis_size(p.mesh, _dim_axes(("batch",), p.mesh, p.rules)[0])
     if phase == "train":
-        rows, what = w.microbatch_rows(role), "micro-batch"
+        rows, what = w.microbatch_rows(role, shards), "micro-batch"
     elif phase == "infer":
         rows, what = w.infer_chunk, "scoring chunk"
     else:
@@ -1290,8 +1290,10 @@ def tune_batches(
         variants = []
         for policy in policies:
             rcfg = replace(cfg, remat_policy=policy) if policy != cfg.remat_policy else cfg
-            for m in _divisors(min(w.minibatch_size, w.rows)):
-                change = {f"{role}_microbatches": m, role: rcfg}
+            # A token budget fixes the split (RoleConfig.microbatch_tokens): not a knob here.
+            budget = w.microbatch_tokens(role)
+            for m in [None] if budget else _divisors(min(w.minibatch_size, w.rows)):
+                change = {role: rcfg} if m is None else {f"{role}_microbatches": m, role: rcfg}
                 variants.append((change, replace(w, **change)))
         groups.append(([call], priced([call], variants)))
 
@@ -1358,11 +1360,14 @@ def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfi
 def batch_bindings(workload: Workload) -> list[str]:
     """Gin bindings that make the trainer use ``workload``'s batch and memory knobs."""
     lines = [f"RLConfig.infer_batch_size = {workload.infer_batch_size}"]
-    lines.append(f"actor/RoleConfig.microbatches = {workload.actor_microbatches}")
-    lines.append(f"actor/RoleConfig.remat_policy = {workload.actor.remat_policy!r}")
-    if workload.critic is not None:
-        lines.append(f"critic/RoleConfig.microbatches = {workload.critic_microbatches}")
-        lines.append(f"critic/RoleConfig.remat_policy = {workload.critic.remat_policy!r}")
+    for role in ("actor", "critic") if workload.critic is not None else ("actor",):
+        budget = workload.microbatch_tokens(role)
+        if budget:  # the split follows the budget, as in the config the plan was made for
+            lines.append(f"{role}/RoleConfig.microbatch_tokens = {budget}")
+        else:
+            m = getattr(workload, f"{role}_microbatches")
+            lines.append(f"{role}/RoleConfig.microbatches = {m}")
+        lines.append(f"{role}/RoleConfig.remat_policy = {getattr(workload, role).remat_policy!r}")
     lines.append(f"RLConfig.generation_copy = {workload.generation_copy!r}")
     lines.append(f"RLConfig.offload = {tuple(workload.offload)!r}")
     return lines

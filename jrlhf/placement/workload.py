@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from jrlhf.config import DecodeConfig
+from jrlhf.data.batch import microbatch_splits
 from jrlhf.models.config import FUSED_ATTENTION_DTYPES, ModelConfig
 
 
@@ -56,6 +57,10 @@ class Workload:
     # Gradient-accumulation micro-batches per minibatch (RoleConfig.microbatches of each role).
     actor_microbatches: int = 1
     critic_microbatches: int = 1
+    # RoleConfig.microbatch_tokens of each role (> 0: micro-batches sized by tokens per device,
+    # which then replace the counts above; priced for full-length rows).
+    actor_microbatch_tokens: int = 0
+    critic_microbatch_tokens: int = 0
     # RLConfig.max_staleness: with >= 1, generation of the next batch may overlap the rest of
     # the iteration (jrlhf.placement.estimator.iteration_seconds).
     max_staleness: int = 0
@@ -76,15 +81,29 @@ class Workload:
             return self.rows
         return min(self.infer_batch_size, self.rows)
 
-    def microbatches(self, role: str) -> int:
-        """Micro-batches per minibatch of a trained role (1 for frozen roles)."""
+    def microbatch_tokens(self, role: str) -> int:
+        """The role's token budget per device and micro-batch (0: none)."""
+        return {"actor": self.actor_microbatch_tokens, "critic": self.critic_microbatch_tokens}.get(
+            role, 0
+        )
+
+    def microbatches(self, role: str, shards: int = 1) -> int:
+        """Micro-batches per minibatch of a trained role (1 for frozen roles). Under a token
+        budget, the split the trainer takes (jrlhf.data.batch.fit_microbatches) for a minibatch
+        of full-length rows over ``shards`` batch shards: an upper bound when it packs."""
+        budget = self.microbatch_tokens(role)
+        if budget:
+            mb = min(self.minibatch_size, self.rows)
+            splits = microbatch_splits(mb, shards) or [1]
+            fits = [m for m in splits if mb // (m * shards) * self.seq_len <= budget]
+            return fits[0] if fits else splits[-1]
         m = {"actor": self.actor_microbatches, "critic": self.critic_microbatches}.get(role, 1)
         return max(1, m)
 
-    def microbatch_rows(self, role: str) -> int:
-        """Rows of one training micro-batch."""
+    def microbatch_rows(self, role: str, shards: int = 1) -> int:
+        """Rows of one training micro-batch (``shards``: see ``microbatches``)."""
         mb = min(self.minibatch_size, self.rows)
-        return -(-mb // self.microbatches(role))
+        return -(-mb // self.microbatches(role, shards))
 
     @property
     def rows(self) -> int:
@@ -141,16 +160,22 @@ class Workload:
             infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
+            actor_microbatch_tokens=_microbatches(cfg, "actor", "microbatch_tokens"),
+            critic_microbatch_tokens=(
+                _microbatches(cfg, "critic", "microbatch_tokens") if critic is not None else 0
+            ),
             max_staleness=getattr(cfg.rl, "max_staleness", 0) or 0,
             generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
             offload=tuple(getattr(cfg.rl, "offload", ())),
         )
 
 
-def _microbatches(cfg, role: str) -> int:
+def _microbatches(cfg, role: str, field: str = "microbatches") -> int:
+    """The role's RoleConfig ``field`` (microbatches, or microbatch_tokens: 0 when unset)."""
     roles = getattr(cfg, "roles", None) or {}
     rc = roles.get(role)
-    return int(getattr(rc, "microbatches", 1) or 1) if rc is not None else 1
+    unset = 1 if field == "microbatches" else 0
+    return int(getattr(rc, field, unset) or unset) if rc is not None else unset
 
 
 # ------------------------------------------------------------------------------ counting helpers

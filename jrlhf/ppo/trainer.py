@@ -37,6 +37,7 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
+from jrlhf.data.batch import fit_microbatches
 from jrlhf.meshes.batch import batch_shards, process_local, to_host
 from jrlhf.meshes.mesh import mesh_devices
 from jrlhf.meshes.processes import fetch, post
@@ -770,19 +771,23 @@ class RLTrainer:
         }
         return {k: v[rows] for k, v in arrays.items()}, metrics
 
-    def _pack(self, batch: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
-        """With ``RLConfig.pack_samples``, the minibatch's samples packed into rows without
-        padding (jrlhf.ppo.batch.pack_segments), one block per micro-batch of the role."""
-        if not self.rl.pack_samples:
-            return batch
+    def _pack(self, batch: dict[str, np.ndarray], role: str) -> tuple[dict[str, np.ndarray], int]:
+        """(batch, micro-batches) for the role's train step. With ``RLConfig.pack_samples``,
+        the minibatch's samples packed into rows without padding (jrlhf.ppo.batch.pack_segments),
+        one block per micro-batch. With ``RoleConfig.microbatch_tokens``, the fewest
+        micro-batches within that many tokens per device (jrlhf.data.batch.fit_microbatches),
+        else ``RoleConfig.microbatches``."""
         setup = self.roles[role]
-        return rl_batch.pack_segments(
-            batch,
-            self.P,
-            self.P + self.R,
-            groups=setup.config.microbatches,
-            row_multiple=batch_shards(setup.meshes["train"], setup.rules["train"]),
-        )
+        shards = batch_shards(setup.meshes["train"], setup.rules["train"])
+        budget = setup.config.microbatch_tokens
+        if budget:
+            m, batch = fit_microbatches(batch, budget, shards, self.P, pack=self.rl.pack_samples)
+            return batch, m
+        m = setup.config.microbatches
+        if not self.rl.pack_samples:
+            return batch, m
+        packed = rl_batch.pack_segments(batch, self.P, self.P + self.R, m, shards)
+        return packed, m
 
     def update(self, arrays: dict[str, np.ndarray], kl_coef) -> dict[str, float]:
         rows = arrays["mask"].shape[0]
@@ -802,16 +807,21 @@ class RLTrainer:
         # Metrics stay on device until the end, so actor and critic steps (which may run on
         # different devices) are dispatched back to back without a host sync in between.
         collected: list[dict] = []
+        splits: dict[str, list[int]] = collections.defaultdict(list)
         for _ in range(self.rl.epochs):
             order = rng.permutation(rows)
             for start in range(0, rows, mb):
                 idx = order[start : start + mb]
-                batch = self._pack({k: arrays[k][idx] for k in fields}, "actor")
+                batch, split = self._pack({k: arrays[k][idx] for k in fields}, "actor")
                 batch["kl_coef"] = np.full((len(idx),), kl_coef, np.float32)
-                self.states["actor"], m = self.steps["actor"](self.states["actor"], batch)
+                step = self.steps["actor"]
+                self.states["actor"], m = step(self.states["actor"], batch, split)
+                splits["train/microbatches"].append(split)
                 if self.use_critic:
-                    cbatch = self._pack({k: arrays[k][idx] for k in critic_fields}, "critic")
-                    self.states["critic"], cm = self.steps["critic"](self.states["critic"], cbatch)
+                    cbatch, split = self._pack({k: arrays[k][idx] for k in critic_fields}, "critic")
+                    step = self.steps["critic"]
+                    self.states["critic"], cm = step(self.states["critic"], cbatch, split)
+                    splits["train/critic/microbatches"].append(split)
                     m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
                 collected.append(m)
         stacked = to_host({k: [m[k] for m in collected] for k in collected[0]})
@@ -826,6 +836,10 @@ class RLTrainer:
         if not self.use_reference:  # the KL loss term against the stand-in is 0 by construction
             skip |= {"kl_loss", "kl_clampfrac"}
         out.update({f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip})
+        # With a token budget the split varies with the batch: its mean over the minibatches.
+        for role, key in (("actor", "train/microbatches"), ("critic", "train/critic/microbatches")):
+            if key in splits and self.roles[role].config.microbatch_tokens:
+                out[key] = float(np.mean(splits[key]))
         return out
 
     # -- evaluation ------------------------------------------------------------------------

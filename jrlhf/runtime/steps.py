@@ -159,7 +159,9 @@ def make_train_step(
     jrlhf.runtime.guard.UpdateGuard.
 
     With ``microbatches > 1`` the batch's leading axis is split and gradients are accumulated
-    under ``lax.scan`` (one optimizer update), trading time for activation memory.
+    under ``lax.scan`` (one optimizer update), trading time for activation memory. A call may
+    pass its own ``microbatches`` (``step(state, batch, microbatches=m)``: the split a token
+    budget chose for this batch, jrlhf.data.batch.fit_microbatches); each count compiles once.
     """
     rules = get_rules(rules)
     shardings = state_shardings(model, optimizer, mesh, rules)
@@ -171,60 +173,72 @@ def make_train_step(
         (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
         return value, metrics, grads
 
-    def step(state: TrainState, batch):
-        with activation_sharding(mesh, rules):
-            if microbatches == 1:
-                value, metrics, grads = grads_of(state.params, batch)
-            else:
-                split = jax.tree.map(
-                    lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]),
-                    batch,
-                )
+    def build(microbatches: int):
+        def step(state: TrainState, batch):
+            with activation_sharding(mesh, rules):
+                if microbatches == 1:
+                    value, metrics, grads = grads_of(state.params, batch)
+                else:
+                    split = jax.tree.map(
+                        lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]),
+                        batch,
+                    )
 
-                # Each microbatch counts by its metrics["weight"] (e.g. its number of loss
-                # tokens), so a token-mean loss accumulates to the full batch's token mean.
-                def body(acc, mb):
-                    value, metrics, grads = grads_of(state.params, mb)
-                    w = metrics.get("weight", jnp.float32(1.0))
-                    scaled = jax.tree.map(lambda x: x * w, (value, metrics, grads))
-                    return jax.tree.map(jnp.add, acc, (*scaled, w)), None
+                    # Each microbatch counts by its metrics["weight"] (e.g. its number of loss
+                    # tokens), so a token-mean loss accumulates to the full batch's token mean.
+                    def body(acc, mb):
+                        value, metrics, grads = grads_of(state.params, mb)
+                        w = metrics.get("weight", jnp.float32(1.0))
+                        scaled = jax.tree.map(lambda x: x * w, (value, metrics, grads))
+                        return jax.tree.map(jnp.add, acc, (*scaled, w)), None
 
-                shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], split))
-                zero = jax.tree.map(jnp.zeros_like, (*shapes, jnp.float32(0.0)))
-                (*total, weight), _ = jax.lax.scan(body, zero, split)
-                weight = jnp.maximum(weight, 1e-9)
-                value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
-        grad_norm = optax.tree.norm(grads)
-        # The guard (jrlhf.runtime.guard): an update whose loss or gradient norm is not finite
-        # is skipped, the state kept as it was; the caller counts skips in a row. The decision
-        # is taken before the update, so the keep-or-replace select fuses into the update's
-        # own elementwise passes and the donated state is updated in place. Deciding on the
-        # new parameters' finiteness too would need the old and the new state side by side
-        # and three more passes over them (docs/plans.md, "the optimizer update's compiled
-        # passes"). With finite gradients an AdamW step overflows only where the settings are
-        # absurd (a learning rate near the float range, learning rate x weight decay above 2,
-        # float16 parameters whose eps and squared gradients round to zero). That case is
-        # still caught but not undone: it and every update after it (the parameters stay
-        # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
-        # refuses to save such a state.
-        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        updated = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-        new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
-        ok = ok & tree_is_finite(new_state.params)
-        metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
-        return new_state, metrics
+                    shapes = jax.eval_shape(
+                        grads_of, state.params, jax.tree.map(lambda x: x[0], split)
+                    )
+                    zero = jax.tree.map(jnp.zeros_like, (*shapes, jnp.float32(0.0)))
+                    (*total, weight), _ = jax.lax.scan(body, zero, split)
+                    weight = jnp.maximum(weight, 1e-9)
+                    value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
+            grad_norm = optax.tree.norm(grads)
+            # The guard (jrlhf.runtime.guard): an update whose loss or gradient norm is not finite
+            # is skipped, the state kept as it was; the caller counts skips in a row. The decision
+            # is taken before the update, so the keep-or-replace select fuses into the update's
+            # own elementwise passes and the donated state is updated in place. Deciding on the
+            # new parameters' finiteness too would need the old and the new state side by side
+            # and three more passes over them (docs/plans.md, "the optimizer update's compiled
+            # passes"). With finite gradients an AdamW step overflows only where the settings are
+            # absurd (a learning rate near the float range, learning rate x weight decay above 2,
+            # float16 parameters whose eps and squared gradients round to zero). That case is
+            # still caught but not undone: it and every update after it (the parameters stay
+            # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
+            # refuses to save such a state.
+            ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            updated = TrainState(
+                state.step + 1, optax.apply_updates(state.params, updates), opt_state
+            )
+            new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+            ok = ok & tree_is_finite(new_state.params)
+            metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
+            return new_state, metrics
 
-    jitted = jax.jit(
-        step,
-        in_shardings=(shardings, None),
-        out_shardings=(shardings, _replicated(mesh)),
-        donate_argnums=(0,) if donate else (),
-    )
+        return jax.jit(
+            step,
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, _replicated(mesh)),
+            donate_argnums=(0,) if donate else (),
+        )
 
-    def run(state, batch):
+    compiled: dict[int, Callable] = {}
+
+    def jitted_for(m: int) -> Callable:
+        if m not in compiled:
+            compiled[m] = build(m)
+        return compiled[m]
+
+    def run(state, batch, microbatches: int = microbatches):
         check_batch_divides(batch, mesh, rules, microbatches)
-        return jitted(state, shard_batch(batch, mesh, rules))
+        return jitted_for(microbatches)(state, shard_batch(batch, mesh, rules))
 
-    run.jitted = jitted  # exposed for compile-count checks and AOT lowering
+    run.jitted = jitted_for(microbatches)  # the default split's, for compile counts and AOT
     return run
