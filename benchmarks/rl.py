@@ -149,6 +149,8 @@ def _bindings(args, algorithm: str) -> list[str]:
         f"RLConfig.kl_coef={args.kl_coef}",
         f"RLConfig.pack_samples={args.pack}",
         f"RLConfig.logprob_chunk={args.logprob_chunk}",
+        f"actor/RoleConfig.microbatch_tokens={args.microbatch_tokens}",
+        f"critic/RoleConfig.microbatch_tokens={args.microbatch_tokens}",
         "RLConfig.checkpoint_every=0",
         "RLConfig.async_checkpoint=False",
     ]
@@ -312,6 +314,8 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
             "achieved_flops_per_s": round(achieved, 1),
             "fraction_of_matmul_peak": round(achieved / peak_flops, 4),
         },
+        # the micro-batches each train step took (a token budget chooses them per batch)
+        "actor_microbatches": [r.get("train/microbatches", 1.0) for r in rows],
         "compilations_during_timed_iterations": compiles,
         # "alias": the generation layout is the training layout, nothing is copied
         "reshard_paths": sorted({t.path for t in trainer.resharder.transitions}),
@@ -367,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ModelConfig.layer_loop (auto: unrolled on CPU)",
     )
     p.add_argument("--logprob-chunk", type=int, default=0, help="RLConfig.logprob_chunk")
+    p.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=0,
+        help="RoleConfig.microbatch_tokens of actor and critic (0: one micro-batch)",
+    )
     p.add_argument(
         "--pack", action="store_true", help="RLConfig.pack_samples: train on packed rows"
     )
@@ -424,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             "kl_coef": args.kl_coef,
             "pack_samples": args.pack,
             "logprob_chunk": args.logprob_chunk,
+            "microbatch_tokens": args.microbatch_tokens,
             "timed_iterations": args.iterations,
         },
         "matmul_peak": {"size": n, "dtype": "float32", "flops_per_s": round(peak, 1)},

@@ -30,6 +30,7 @@ def test_bench_rl_prints_json(capsys):
     assert step["flops_analytic"]["actor"] > 0 and step["fraction_of_matmul_peak"] > 0
     assert {"actor_flops_xla_cost_analysis", "achieved_flops_per_s"} <= set(step)
     assert grpo["compilations_during_timed_iterations"] == 0
+    assert grpo["actor_microbatches"] == [1.0]  # no --microbatch-tokens: one a step
     assert grpo["gc_frozen_objects"] > 0  # frozen after the warm-up, as the training loop does
     # flatten on the tests' 8 devices: FSDP training, data-parallel generation
     assert grpo["reshard_paths"] == ["jit"]
