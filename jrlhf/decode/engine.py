@@ -288,6 +288,12 @@ def _own_kv_heads(q_local, k_pool, v_pool, cfg, q_axis):
     return take(k_pool), take(v_pool)
 
 
+# Engines built so far, by (model, mesh, rules, config): see DecodeEngine.__init__. Bounded, so a
+# long-lived process that builds many differently shaped engines does not keep every program.
+_TEMPLATES: collections.OrderedDict[tuple, DecodeEngine] = collections.OrderedDict()
+_MAX_TEMPLATES = 16
+
+
 class DecodeEngine:
     """Continuous-batching generator for one model on one generation mesh.
 
@@ -303,15 +309,34 @@ class DecodeEngine:
         rules: Rules | str = "dp_tp",
         config: EngineConfig | None = None,
     ):
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        key = (model_def, mesh, get_rules(rules), config or EngineConfig())
+        template = _TEMPLATES.get(key)
+        if template is None:
+            template = object.__new__(DecodeEngine)
+            template._build(*key)
+            _TEMPLATES[key] = template
+            while len(_TEMPLATES) > _MAX_TEMPLATES:
+                _TEMPLATES.popitem(last=False)
+        else:
+            _TEMPLATES.move_to_end(key)
+        # The jitted programs are the template's bound methods: jax.jit caches traces and
+        # executables per function object, so an engine built again with the same model, mesh,
+        # rules and config (the trainer rebuilt in one process, evaluation after training) reuses
+        # them instead of tracing, lowering and compiling again. The template never holds a
+        # decode state; the programs read only what _build derives from the key.
+        self.__dict__.update(template.__dict__)
+        self.state: DecodeState | None = None
+
+    def _build(self, model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineConfig):
         if model_def.head != "lm":
             raise ValueError("DecodeEngine needs a language-model head (head='lm')")
         self.model_def = model_def
         self.cfg = model_def.config
-        self.config = config or EngineConfig()
-        if mesh is None:
-            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        self.config = config
         self.mesh = mesh
-        self.rules = get_rules(rules)
+        self.rules = rules
         self.kernel_name, self._kernel = select_kernel(
             self.config.kernel, self.config.page_size, self.cfg.head_dim
         )
@@ -386,7 +411,6 @@ class DecodeEngine:
         self._adopt = jax.jit(
             self._adopt_fn, donate_argnums=(0,), out_shardings=self.state_shardings
         )
-        self.state: DecodeState | None = None
 
     # ------------------------------------------------------------------------------ device code
     def _init_state(self) -> DecodeState:

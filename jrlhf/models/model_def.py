@@ -27,6 +27,15 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+@functools.lru_cache(maxsize=64)
+def _abstract_split(config: ModelConfig, head: str):
+    """The abstract module's (graphdef, state), shared by every ModelDef of one config and head:
+    tracing the module takes a noticeable fraction of a second, and a run builds several
+    ModelDefs of one config (actor and reference; critic and reward)."""
+    module = nnx.eval_shape(lambda: Transformer(config, head=head, rngs=nnx.Rngs(0)))
+    return nnx.split(module)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
     """A model's config and head kind; everything else is derived from them."""
@@ -34,10 +43,9 @@ class ModelDef:
     config: ModelConfig
     head: str = "lm"
 
-    @functools.cached_property
+    @property
     def _split(self):
-        module = nnx.eval_shape(lambda: Transformer(self.config, head=self.head, rngs=nnx.Rngs(0)))
-        return nnx.split(module)
+        return _abstract_split(self.config, self.head)
 
     @property
     def graphdef(self):
