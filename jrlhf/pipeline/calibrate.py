@@ -300,7 +300,7 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
     mesh = make_mesh(train_p.mesh)
     params = model.init_sharded(mesh, train_p.rules)
 
-    infer = make_infer(model, mesh, train_p.rules, lambda m, b: rl_batch.response_logprobs(m, b, P))
+    infer = make_infer(model, mesh, train_p.rules, rl_batch.logprobs_fn(P))
     fields = ("tokens", "positions", "segment_ids", "response_tokens")
     fwd_batch = {k: arrays[k] for k in fields}
 

@@ -65,9 +65,7 @@ def evaluate_checkpoint(
         cfg.task.max_response_len,
         data.pad_id,
         # As the run did: without a KL term it had no reference, and reports no KL.
-        frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, P))
-        if algos.uses_reference(cfg.rl)
-        else None,
+        frozen("reference", rl_batch.logprobs_fn(P)) if algos.uses_reference(cfg.rl) else None,
         reward_model=None if reward_fn else frozen("reward", rl_batch.sequence_scores),
         reward_fn=reward_fn,
         reward_scale=cfg.rl.reward_scale,

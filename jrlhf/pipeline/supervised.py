@@ -45,6 +45,7 @@ from jrlhf.runtime.gc_freeze import warm_freeze
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.runtime.roles import RoleSetup, make_infer
+from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import (
     OptimizerConfig,
     init_train_state,
@@ -63,6 +64,7 @@ EXIT_AT_STEP_ENV = "JRLHF_DEBUG_EXIT_AT_STEP"
 PAIR_STAGES = ("rm", "dpo")
 
 
+@shared_program()
 def sft_loss_fn(max_prompt_len: int):
     def loss_fn(module, batch):
         logits = module.logits(rl_batch.response_hidden(module, batch, max_prompt_len))
@@ -88,6 +90,7 @@ def reward_loss_fn(module, batch):
     return loss, dict(metrics, weight=jnp.float32(scores.shape[0] // 2))
 
 
+@shared_program()
 def dpo_loss_fn(max_prompt_len: int, dpo):
     """DPO (``core_algos.dpo_loss``) on a batch of pair rows (``pack_pairs``) carrying each
     row's reference log-prob, computed once before training (``batch["ref_logprobs"]``, in the

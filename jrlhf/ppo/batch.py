@@ -13,14 +13,17 @@ import jax.numpy as jnp
 from jrlhf.data.batch import pack, pack_segments
 from jrlhf.models.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
 from jrlhf.models.transformer import Transformer
+from jrlhf.runtime.shared_programs import shared_program
 
 __all__ = [
+    "logprobs_fn",
     "pack",
     "pack_segments",
     "response_hidden",
     "response_logprobs",
     "response_values",
     "sequence_scores",
+    "values_fn",
 ]
 
 
@@ -77,3 +80,18 @@ def sequence_scores(module: Transformer, batch: dict) -> jax.Array:
     )
     last = jnp.take_along_axis(hidden, batch["last_index"][:, None, None], axis=1)[:, 0]
     return module.values(last)
+
+
+@shared_program()
+def logprobs_fn(max_prompt_len: int):
+    """``(module, batch) -> response_logprobs(module, batch, max_prompt_len)``: one function
+    object per prompt length, so the inference calls built on it share their programs
+    (jrlhf.runtime.shared_programs)."""
+    return lambda module, batch: response_logprobs(module, batch, max_prompt_len)
+
+
+@shared_program()
+def values_fn(max_prompt_len: int):
+    """``(module, batch) -> response_values(module, batch, max_prompt_len)``, one object per
+    prompt length (see :func:`logprobs_fn`)."""
+    return lambda module, batch: response_values(module, batch, max_prompt_len)

@@ -62,6 +62,7 @@ from jrlhf.reshard import Resharder
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import load_weights
 from jrlhf.runtime.roles import RoleSetup, frozen_infer, make_infer
+from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import (
     OptimizerConfig,
     init_train_state,
@@ -86,6 +87,7 @@ _EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
 _KL_NEXT = "_kl_coef_next"
 
 
+@shared_program()
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     """The actor's training loss on a minibatch: the configured policy loss
     (``RLConfig.policy_loss``, core_algos' registry), minus the entropy bonus, plus the KL term
@@ -130,6 +132,7 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     return loss_fn
 
 
+@shared_program()
 def critic_loss(P: int, rl):
     """The critic's clipped value loss on a minibatch (``weight`` as in :func:`actor_loss`)."""
 
@@ -245,7 +248,7 @@ class RLTrainer:
                 actor.model,
                 actor.meshes["train"],
                 actor.rules["train"],
-                lambda m, b: rl_batch.response_logprobs(m, b, self.P),
+                rl_batch.logprobs_fn(self.P),
                 batch_size,
             )
 
@@ -256,7 +259,7 @@ class RLTrainer:
                 critic.model,
                 critic.meshes["infer"],
                 critic.rules["infer"],
-                lambda m, b: rl_batch.response_values(m, b, self.P),
+                rl_batch.values_fn(self.P),
                 batch_size,
             )
             critic_fn = lambda arrays: critic_values(self.critic_infer_params, arrays)  # noqa: E731
@@ -264,9 +267,7 @@ class RLTrainer:
             self.P,
             self.R,
             data.pad_id,
-            frozen("reference", lambda m, b: rl_batch.response_logprobs(m, b, self.P))
-            if self.use_reference
-            else None,
+            frozen("reference", rl_batch.logprobs_fn(self.P)) if self.use_reference else None,
             reward_model=None if reward_fn else frozen("reward", rl_batch.sequence_scores),
             reward_fn=reward_fn,
             critic=critic_fn,

@@ -22,6 +22,7 @@ from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.placement.plan import ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
 from jrlhf.runtime.model_source import ModelSource, load_weights
+from jrlhf.runtime.shared_programs import shared_program
 
 
 @dataclasses.dataclass
@@ -109,6 +110,7 @@ class ChunkedOutput(list):
         return out if dtype is None else out.astype(dtype)
 
 
+@shared_program()
 def make_infer(
     model: ModelDef,
     mesh: Mesh,

@@ -23,6 +23,7 @@ from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 from jrlhf.runtime.guard import tree_is_finite
+from jrlhf.runtime.shared_programs import shared_program
 
 # loss_fn(module, batch) -> (loss, metrics). metrics may carry "weight": how much this batch
 # counts when microbatches are accumulated (the number of tokens a token-mean loss averages).
@@ -51,6 +52,7 @@ class OptimizerConfig:
     grad_clip: float = 1.0
 
 
+@shared_program()
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     if cfg.total_steps > 0:
         schedule = optax.warmup_cosine_decay_schedule(
@@ -141,6 +143,7 @@ def init_train_state(
     return jax.jit(lambda p: init(None, p), out_shardings=shardings)(params)
 
 
+@shared_program()
 def make_train_step(
     model: ModelDef,
     optimizer: optax.GradientTransformation,
