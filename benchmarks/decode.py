@@ -262,14 +262,19 @@ def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
-def _matmul_bound(model_def, batch: int, steps: int = 64, repeats: int = 3) -> dict:
-    """The decode step's matmuls alone, at its shapes: a jitted loop of ``steps`` steps of the
-    per-layer projections (q, k, v, o, gate, up, down) and the LM head on ``batch`` rows, with
-    fresh weights of the model's shapes and no attention, norms or sampling. Its time per step is
+def _matmul_bound(
+    model_def, batch: int, out_major: bool, steps: int = 64, repeats: int = 3
+) -> dict:
+    """The decode step's matmuls alone, at its shapes and in the engine's weight layout
+    (``out_major``: see ``LayerWeights``): a jitted loop of ``steps`` steps of the per-layer
+    projections (q, k, v, o, gate, up, down) and the LM head on ``batch`` rows, with fresh
+    weights of the model's shapes and no attention, norms or sampling. Its time per step is
     what the step would cost if everything but the matmuls were free; its FLOP/s are this
     machine's matmul throughput at decode shapes."""
     import jax
     import jax.numpy as jnp
+
+    from jrlhf.models.transformer import left_matmul
 
     c = model_def.config
     e, q, kv, f = (
@@ -279,13 +284,16 @@ def _matmul_bound(model_def, batch: int, steps: int = 64, repeats: int = 3) -> d
         c.intermediate_size,
     )
     dt = c.jnp_dtype
-    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e)]
-    keys = iter(jax.random.split(jax.random.key(1), len(shapes) * c.num_layers + 1))
-    layers = [
-        [(0.02 * jax.random.normal(next(keys), s)).astype(dt) for s in shapes]
-        for _ in range(c.num_layers)
-    ]
-    head = (0.02 * jax.random.normal(next(keys), (e, c.vocab_size))).astype(dt)
+    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e), (e, c.vocab_size)]
+    if out_major:
+        shapes = [(n, k) for k, n in shapes]
+        mm = lambda x, w: left_matmul(w, x)  # noqa: E731
+    else:
+        mm = jnp.matmul
+    keys = iter(jax.random.split(jax.random.key(1), len(shapes) * c.num_layers))
+    weight = lambda shape: (0.02 * jax.random.normal(next(keys), shape)).astype(dt)  # noqa: E731
+    layers = [[weight(s) for s in shapes[:-1]] for _ in range(c.num_layers)]
+    head = weight(shapes[-1])
     reps = q // kv
 
     @jax.jit
@@ -293,10 +301,11 @@ def _matmul_bound(model_def, batch: int, steps: int = 64, repeats: int = 3) -> d
         def body(_, carry):
             x, acc = carry
             for wq, wk, wv, wo, wg, wu, wd in layers:
-                a = x @ wq + jnp.tile(x @ wk + x @ wv, (1, reps))
-                x = x + a @ wo
-                x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
-            return 0.5 * x, acc + (x @ head)[:, 0].astype(jnp.float32).sum()
+                a = mm(x, wq) + jnp.tile(mm(x, wk) + mm(x, wv), (1, reps))
+                x = x + mm(a, wo)
+                x = x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
+            # every logit is read, so no part of the head's product can be dropped
+            return 0.5 * x, acc + mm(x, head).astype(jnp.float32).max()
 
         return jax.lax.fori_loop(0, steps, body, (x, jnp.float32(0)))
 
@@ -307,9 +316,10 @@ def _matmul_bound(model_def, batch: int, steps: int = 64, repeats: int = 3) -> d
         t0 = time.perf_counter()
         jax.block_until_ready(run(x, layers, head))
         best = min(best, time.perf_counter() - t0)
-    flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes) + e * c.vocab_size)
+    flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes[:-1]) + e * c.vocab_size)
     step = best / steps
     return {
+        "matmul_weight_layout": "out_major" if out_major else "in_major",
         "matmul_flops_per_step": flops,
         "matmul_only_step_ms": round(step * 1e3, 3),
         "matmul_gflops_at_decode_shapes": round(flops / step / 1e9, 1),
@@ -569,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             res["fraction_of_weight_read_limit"] = round(res["tokens_per_s"] / limit, 3)
             # What the step's matmuls alone cost here: if this limit is below the weight-read
             # one, the step is bound by matmul throughput at batch ``batch``, not by bandwidth.
-            res.update(_matmul_bound(md, args.batch))
+            res.update(_matmul_bound(md, args.batch, engine.weights_out_major()))
             res["fraction_of_matmul_limit"] = round(
                 res["tokens_per_s"] / res["matmul_limit_tokens_per_s"], 3
             )

@@ -379,6 +379,49 @@ def test_auto_layer_loop_unrolls_where_the_copies_fit():
     assert again.completion_ids == out.completion_ids
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_out_major_weights_decode_the_same(tied):
+    """EngineConfig.out_major_weights (the CPU default): the per-layer copies hold every
+    projection kernel output-major and the LM head as (vocab, embed) (the tied embedding itself,
+    no copy); greedy tokens equal the input-major engine's and log-probs agree within 1e-5, on
+    a tensor-parallel mesh too."""
+    from jrlhf.models.transformer import PROJECTIONS, decode_weights
+
+    cfg = tiny_config(tie_word_embeddings=tied, eos_token_id=None, initializer_range=0.2)
+    model = ModelDef(cfg)
+    mesh = make_mesh("data=1,tensor=2", devices=jax.devices()[:2])
+    params = model.init_sharded(mesh, "dp_tp", seed=0)
+    weights = decode_weights(params, out_major=True)
+    assert weights.out_major and len(weights.layers) == cfg.num_layers
+    layer0 = jax.tree.map(lambda a: a[0], params["layers"])
+    for group in ("attn", "mlp"):
+        for name, leaf in weights.layers[0][group].items():
+            n_in = PROJECTIONS.get(name)
+            want = np.asarray(layer0[group][name])
+            if n_in is not None:
+                want = np.transpose(want, (*range(n_in, want.ndim), *range(n_in)))
+            np.testing.assert_array_equal(np.asarray(leaf), want)
+    if tied:
+        assert weights.head is params["embedding"]
+    else:
+        np.testing.assert_array_equal(np.asarray(weights.head), np.asarray(params["lm_head"]).T)
+    assert decode_weights(params, out_major=False).head is None
+
+    prompts = _prompts((3, 9, 5), vocab=cfg.vocab_size)
+    sp = SamplingParams(greedy=True, stop_ids=())
+    outs = []
+    for out_major in (False, True):
+        engine_cfg = EngineConfig(
+            num_slots=2, page_size=4, max_prompt_len=12, max_new_tokens=6, chunk_steps=3,
+            unroll_layers=True, out_major_weights=out_major,
+        )  # fmt: skip
+        outs.append(DecodeEngine(model, mesh, "dp_tp", engine_cfg).generate(params, prompts, sp))
+    assert outs[0].completion_ids == outs[1].completion_ids
+    for a, b in zip(outs[0].raw_logprobs, outs[1].raw_logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert max(len(set(c)) for c in outs[1].completion_ids) > 1  # not a constant token
+
+
 def test_fused_prefill_takes_the_causal_call(monkeypatch):
     """With fused attention the prefill's rows (prompts at columns 0..n-1, padding after) go
     through cuDNN's causal call, no bias (run through JAX's XLA implementation here): the first
