@@ -702,7 +702,8 @@ def test_memory_knobs_lower_each_phase_peak_by_the_bytes_they_move():
 
 def test_unrolled_decode_holds_the_layer_weights_once_more_while_generating():
     """DecodeConfig.layer_loop='unroll' adds each layer weight's generation shard to the generate
-    call's peak and nothing elsewhere; 'auto' does so only on CPU, where the engine unrolls."""
+    call's peak and nothing elsewhere; 'auto' does so only on CPU, where the engine unrolls, and
+    where its copies are output-major with the untied LM head's shard copied too."""
     import dataclasses
 
     h100, cpu = DeviceProfile.load("h100"), DeviceProfile.load("cpu")
@@ -710,18 +711,25 @@ def test_unrolled_decode_holds_the_layer_weights_once_more_while_generating():
     w = _llama7b_workload()
     cfg = _llama7b()
     # the layer weights' shards under the generation layout, re-derived from the model's shapes
-    layers = _llama7b_params_bytes(plan["actor_generate"], "lm") - sum(
+    shard = lambda shape, ways: (  # noqa: E731
         math.prod(-(-d // k) for d, k in zip(shape, ways)) * wl.itemsize(cfg.param_dtype)
-        for shape, ways in (
-            ((cfg.vocab_size, cfg.hidden_size), (2, 1)),  # embedding: vocab over tensor
-            ((cfg.hidden_size, cfg.vocab_size), (1, 2)),  # lm head
-            ((cfg.hidden_size,), (1,)),  # final norm
+    )
+    lm_head = shard((cfg.hidden_size, cfg.vocab_size), (1, 2))  # vocab over tensor
+    layers = (
+        _llama7b_params_bytes(plan["actor_generate"], "lm")
+        - lm_head
+        - sum(
+            shard(shape, ways)
+            for shape, ways in (
+                ((cfg.vocab_size, cfg.hidden_size), (2, 1)),  # embedding: vocab over tensor
+                ((cfg.hidden_size,), (1,)),  # final norm
+            )
         )
     )
-    assert layers > 0
-    for profile, auto in ((h100, 0), (cpu, layers)):
+    assert layers > 0 and not cfg.tie_word_embeddings
+    for profile, unroll, auto in ((h100, layers, 0), (cpu, layers + lm_head, layers + lm_head)):
         base = est.estimate(plan, dataclasses.replace(w, decode_layer_loop="scan"), profile)
-        for loop, extra in (("unroll", layers), ("auto", auto)):
+        for loop, extra in (("unroll", unroll), ("auto", auto)):
             e = est.estimate(plan, dataclasses.replace(w, decode_layer_loop=loop), profile)
             d = {c: e.memory_bytes[c] - base.memory_bytes[c] for c in base.memory_bytes}
             assert d.pop("actor_generate") == extra, (profile.name, loop)

@@ -171,13 +171,14 @@ def _device_bounds(shape, dim_axes, spec: MeshSpec) -> dict[int, tuple[tuple[int
 # per-placement arithmetic below is cached (configs and placements are frozen, hashable).
 @functools.lru_cache(maxsize=4096)
 def shard_bytes(
-    cfg: ModelConfig, head: str, placement: CallPlacement, layers_only: bool = False
+    cfg: ModelConfig, head: str, placement: CallPlacement, only: tuple[str, ...] = ()
 ) -> int:
     """Parameter bytes one device holds under ``placement`` (the largest shard, ceil-divided);
-    of the stacked decoder-layer weights alone with ``layers_only``."""
+    with ``only``, of the parameters under those top-level names alone (``("layers",)``: the
+    stacked decoder-layer weights)."""
     total = 0
-    for _path, logical, shape, size in _param_table(cfg, head):
-        if layers_only and not (logical and logical[0] == "layers"):
+    for path, logical, shape, size in _param_table(cfg, head):
+        if only and path.split("/")[0] not in only:
             continue
         axes = _dim_axes(logical, placement.mesh, placement.rules)
         total += (
@@ -823,12 +824,15 @@ def _unrolled_layer_bytes(
 ) -> int:
     """Per-device bytes of the per-layer weight copies a generate call holds when its decode steps
     run the layers unrolled (DecodeConfig.layer_loop 'unroll', or 'auto' on CPU, where the
-    engine unrolls by default): every layer weight's shard once more. 'auto' on accelerators
-    unrolls only into memory the plan leaves free (``layer_copies_fit``): nothing here."""
+    engine unrolls by default): every layer weight's shard once more, and on CPU, where the
+    copies are output-major (``EngineConfig.out_major_weights``), an untied LM head's shard too
+    (a tied embedding serves as it is). 'auto' on accelerators unrolls only into memory the plan
+    leaves free (``layer_copies_fit``): nothing here."""
     loop = w.decode_layer_loop
     if not (loop == "unroll" or (loop == "auto" and profile.shared_host)):
         return 0
-    return shard_bytes(cfg, "lm", p, layers_only=True)
+    copied = ("layers", "lm_head") if profile.shared_host else ("layers",)
+    return shard_bytes(cfg, "lm", p, only=copied)
 
 
 def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProfile) -> float:
