@@ -24,7 +24,9 @@ Per algorithm, one JSON object on stdout reports:
 * the machine's matmul peak (the best of a few large fp32 ``jnp.dot`` in this process, default
   precision like the model) and the train phase's achieved FLOP/s (all trained roles' FLOPs /
   its median time, which includes the host sync for the metrics) as a fraction of it;
-* the XLA compilations during the timed iterations (0 when warm-up compiled everything).
+* the XLA compilations during the timed iterations (0 when warm-up compiled everything), and
+  the minor page faults of each (memory touched for the first time: ``host_memory_kept`` says
+  whether the C allocator keeps freed memory for reuse, jrlhf.runtime.devices.keep_host_memory).
 
 ``--peers`` adds TRL's ``GRPOTrainer`` on the GRPO setting (benchmarks/rl_trl.py), in a child
 process run with ``--peer-python`` (a scratch environment with trl; it is no jrlhf dependency),
@@ -41,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -264,12 +267,14 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
             # settling), so one is not enough to time a steady step
             for _ in range(max(args.peer_warmup, 1)):
                 peer_warmup.append(round(peer()["seconds"], 4))
-        rows, walls, compiles = [], [], 0
+        rows, walls, compiles, faults = [], [], 0, []
         for _ in range(args.iterations):
             compiles_before = backend_compile_count()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             rows.append(iteration())
             walls.append(time.perf_counter() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
             compiles += backend_compile_count() - compiles_before
             if peer is not None:  # alternating, so both see the same machine load
                 peer_rows.append(peer())
@@ -317,6 +322,9 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         # the micro-batches each train step took (a token budget chooses them per batch)
         "actor_microbatches": [r.get("train/microbatches", 1.0) for r in rows],
         "compilations_during_timed_iterations": compiles,
+        # pages this process touched for the first time per iteration (fresh memory costs about
+        # 4 us a page on the 2-core CPU machine; see jrlhf.runtime.devices.keep_host_memory)
+        "minor_page_faults_per_iteration": faults,
         # "alias": the generation layout is the training layout, nothing is copied
         "reshard_paths": sorted({t.path for t in trainer.resharder.transitions}),
         **(_peer_summary(peer, peer_rows, statistics.median(walls), peer_warmup) if peer else {}),
@@ -405,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         args.peer_python = _peer_python(args)
     from jrlhf.runtime.devices import ensure_host_devices
 
-    ensure_host_devices(args.devices)
+    ensure_host_devices(args.devices)  # and keep_host_memory, before the backend starts
     import jax
+
+    from jrlhf.runtime.devices import keep_host_memory
 
     gpu = jax.default_backend() == "gpu"
     n = args.matmul_size or (4096 if gpu else 2048)
@@ -415,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "rl",
         "backend": jax.default_backend(),
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "host_memory_kept": keep_host_memory(),
         "model": {
             "hidden": args.hidden,
             "layers": args.layers,

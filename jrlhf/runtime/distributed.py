@@ -60,7 +60,7 @@ import jax
 # without starting the backends, and its coordination-service client (key-value store).
 from jax._src import distributed as _jax_distributed
 
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.runtime.devices import ensure_host_devices, keep_host_memory
 from jrlhf.runtime.job_env import (
     COORDINATOR,
     INIT_TIMEOUT,
@@ -294,6 +294,7 @@ def initialize(
     timeouts = Timeouts.from_env(env) if timeouts is None else timeouts
     if jax.distributed.is_initialized():
         return _process_info(spec)
+    keep_host_memory()
     if host_devices is not None:
         ensure_host_devices(host_devices)
     _use_cpu_collectives()
