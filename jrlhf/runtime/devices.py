@@ -83,7 +83,10 @@ def keep_host_memory() -> bool:
     _kept = False
     if choice == "1" and platform.libc_ver()[0] == "glibc" and _cpu_backend_only():
         mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
-        settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+        # A trim threshold of -1 never trims (mallopt(3)); any finite one (at most 2 GB, an int)
+        # is crossed once a process has peaked higher: the free top of the heap is then given
+        # back after every call and the next call faults it in again.
+        settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
         _kept = all(mallopt(param, value) == 1 for param, value in settings)
     return _kept
 
