@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from jrlhf.runtime import distributed
+from jrlhf.runtime.devices import keep_host_memory
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (CHECKOUT / "benchmarks" / f"{argv[0]}.py").is_file():
         print(f"error: no benchmarks/ beside {CHECKOUT / 'jrlhf'}: run from a source checkout")
         return 2
+    # As every entry point does, before a benchmark starts JAX's backend (the peers the
+    # benchmarks run, transformers and TRL, are processes of their own and left alone).
+    keep_host_memory()
     if join:
         try:
             # Each benchmark asks for its own device count (before JAX's backends start).
