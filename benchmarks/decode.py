@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 
@@ -346,6 +347,7 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
     import tempfile
 
     from jrlhf.models.hf import save_hf
+    from jrlhf.runtime.devices import allocator_defaults
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     save_hf(model_def, params, tmp, overwrite=True)
@@ -353,7 +355,9 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
         json.dump(prompts, f)
     cmd = [sys.executable, "-m", "benchmarks.decode", "--peer-worker", tmp, str(new_tokens)]
     cmd += ["--peer-threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # glibc's allocator as a transformers user has it (jrlhf.runtime.devices.keep_host_memory)
+    env = allocator_defaults(os.environ)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     stack.callback(proc.wait)
     stack.callback(proc.stdin.close)
 

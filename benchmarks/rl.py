@@ -77,6 +77,7 @@ def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
     from benchmarks import rl_trl
     from jrlhf.data import PromptLoader
     from jrlhf.models.hf import save_hf
+    from jrlhf.runtime.devices import allocator_defaults
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     save_hf(trainer.roles["actor"].model, trainer.states["actor"].params, tmp, overwrite=True)
@@ -97,10 +98,9 @@ def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
         "threads": args.peer_threads,
     }
     Path(tmp, "peer.json").write_text(json.dumps(spec))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    # The peer keeps glibc's allocator as a TRL user has it (jrlhf.runtime.devices).
+    env = allocator_defaults(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env.pop("XLA_FLAGS", None)
     cmd = [_peer_python(args), "-m", "benchmarks.rl_trl", tmp]
     proc = subprocess.Popen(

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import platform
 import re
+from collections.abc import Mapping
 
 HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # The flag with its value, as XLA accepts it (``--flag=N``; a space before the value is not read).
@@ -51,6 +52,15 @@ KEEP_HOST_MEMORY_ENV = "JRLHF_KEEP_HOST_MEMORY"
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _kept: bool | None = None
+# The same settings as glibc tunables (read by glibc at a process's start), for child processes.
+# mallopt's -1 trim threshold is SIZE_MAX as a tunable.
+_TUNABLES_ENV = "GLIBC_TUNABLES"
+KEPT_TUNABLES = (
+    ("glibc.malloc.arena_max", "1"),
+    ("glibc.malloc.mmap_max", "0"),
+    ("glibc.malloc.trim_threshold", str(2**64 - 1)),
+)
+_inherited_tunables = ""  # the user's GLIBC_TUNABLES, before keep_host_memory exported its own
 
 
 def keep_host_memory() -> bool:
@@ -71,10 +81,18 @@ def keep_host_memory() -> bool:
     Only with glibc, and only when no accelerator can be JAX's backend (``JAX_PLATFORMS`` is
     ``cpu``, or no accelerator plugin is installed): there the temporaries live in device
     memory, and one arena would serialize the host threads' allocations for nothing.
-    ``JRLHF_KEEP_HOST_MEMORY=0`` opts out. Call it before JAX's backends start (threads that
-    already have an arena keep it); calling it again does nothing.
+    ``JRLHF_KEEP_HOST_MEMORY=0`` opts out. Calling it again does nothing.
+
+    Call it before any other thread starts: a thread that has allocated before keeps an arena
+    of its own, and XLA's threads created later share the arenas round-robin, so some of them
+    would still get fresh pages (importing JAX starts a thread; so does a test runner's worker).
+    ``jrlhf.cli`` calls it on import, before any entry point imports JAX. The same settings are
+    exported as ``GLIBC_TUNABLES`` for the processes this one starts (test workers, trainer
+    subprocesses, the launcher's processes), which glibc then applies before their first
+    thread; :func:`allocator_defaults` gives an environment without them (the benchmarks' peers
+    keep glibc's defaults).
     """
-    global _kept
+    global _kept, _inherited_tunables
     if _kept is not None:
         return _kept
     choice = os.environ.get(KEEP_HOST_MEMORY_ENV) or "1"
@@ -88,7 +106,31 @@ def keep_host_memory() -> bool:
         # back after every call and the next call faults it in again.
         settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
         _kept = all(mallopt(param, value) == 1 for param, value in settings)
+        if _kept:
+            found = os.environ.get(_TUNABLES_ENV, "")
+            # what a parent that kept its memory exported is not the user's own setting
+            ours = {f"{name}={v}" for name, v in KEPT_TUNABLES}
+            _inherited_tunables = ":".join(i for i in found.split(":") if i and i not in ours)
+            os.environ[_TUNABLES_ENV] = _with_tunables(found)
     return _kept
+
+
+def _with_tunables(value: str) -> str:
+    """A GLIBC_TUNABLES value with :data:`KEPT_TUNABLES` set (replacing the same names)."""
+    ours = dict(KEPT_TUNABLES)
+    rest = [item for item in value.split(":") if item and item.split("=")[0] not in ours]
+    return ":".join(rest + [f"{name}={v}" for name, v in KEPT_TUNABLES])
+
+
+def allocator_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``environ`` for a child process that keeps glibc's allocator as it is: with
+    ``GLIBC_TUNABLES`` as it was before :func:`keep_host_memory` exported its settings."""
+    env = dict(environ)
+    if _kept:
+        env.pop(_TUNABLES_ENV, None)
+        if _inherited_tunables:
+            env[_TUNABLES_ENV] = _inherited_tunables
+    return env
 
 
 def _cpu_backend_only() -> bool:
