@@ -20,15 +20,21 @@ def test_the_first_step_freezes_and_release_unfreezes():
         return sum(id(x) in tracked for x in kept)
 
     assert visited() == len(kept)
-    freezer.step_done()
-    assert freezer.frozen >= len(kept) and gc.get_freeze_count() == freezer.frozen
-    assert visited() == 0
-    freezer.step_done()  # later steps change nothing
-    assert gc.get_freeze_count() == freezer.frozen
-    freezer.release()
-    assert freezer.frozen == 0 and gc.get_freeze_count() == 0
-    assert visited() == len(kept)
-    freezer.release()  # idempotent
+    try:
+        freezer.step_done()
+        # Frozen objects can still be freed (by the runtime's other threads, after the tests
+        # before this one in a worker), so the count may fall below what the freeze took.
+        assert freezer.frozen >= len(kept) and 0 < gc.get_freeze_count() <= freezer.frozen
+        assert visited() == 0
+        count = gc.get_freeze_count()
+        freezer.step_done()  # later steps freeze nothing more
+        assert gc.get_freeze_count() <= count and visited() == 0
+        freezer.release()
+        assert freezer.frozen == 0 and gc.get_freeze_count() == 0
+        assert visited() == len(kept)
+        freezer.release()  # idempotent
+    finally:
+        gc.unfreeze()  # a failed check leaves no freeze behind for the next test
 
 
 def test_disabled_or_failing_loops_leave_nothing_frozen():
