@@ -74,6 +74,43 @@ def test_model_timings_take_rounds_on_demand(monkeypatch):
     assert calls == []  # nothing rebuilt or re-run by a reset
 
 
+def test_model_timings_time_a_pair_after_the_kinds_of_its_run(monkeypatch):
+    """A one-device run's pair of training steps on disjoint devices is timed after the run's
+    other calls, and reported per step like its train time; runs without one report none."""
+    calls = []
+    per_call = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
+
+    def tasks(overrides, dtype, devices):
+        out = dict(per_call)
+        if devices == 1:
+            out[cal.PAIR_KIND] = 1.2
+        return {k: (lambda k=k, v=v: calls.append((devices, k)) or v) for k, v in out.items()}
+
+    monkeypatch.setattr(cal, "model_tasks", tasks)
+    monkeypatch.setattr(cal, "_samples", lambda fn, repeat: [fn() for _ in range(repeat)])
+    timings = cal.ModelTimings([({}, 8), ({}, 1)], "float32", repeat=1)
+    calls.clear()
+    timings.round()
+    iteration = ["generate", "forward", "train", "reshard"]
+    assert calls == [(8, k) for k in iteration] + [(1, k) for k in (*iteration, cal.PAIR_KIND)]
+    (_, _, all_devices, _), (_, _, one, _) = timings.results()
+    assert cal.PAIR_KIND not in all_devices
+    assert one[cal.PAIR_KIND] == pytest.approx(1.2 / cal.TRAIN_STEPS)
+    # two steps of 0.2 s alone took 0.3 s at once: 0.75 of their sum
+    measured = [({}, 8, all_devices), ({}, 1, one)]
+    assert cal.fit_call_core_share(measured) == (pytest.approx(0.75), [0.75])
+    assert cal.fit_call_core_share(measured[:1]) == (1.0, [])
+
+
+def test_call_core_share_stays_between_one_call_and_both():
+    """A pair measured faster than one call alone (or slower than both in turn) is noise: the
+    share is kept within [0.5, 1], and the median of the pairs decides."""
+    runs = [({}, 1, {"train": 1.0, cal.PAIR_KIND: t}) for t in (0.7, 1.5, 2.6)]
+    assert cal.fit_call_core_share(runs)[0] == pytest.approx(0.75)
+    assert cal.fit_call_core_share(runs[:1])[0] == 0.5
+    assert cal.fit_call_core_share(runs[2:])[0] == 1.0
+
+
 def test_plan_bench_takes_a_calibration_round_before_each_round_of_iterations():
     from benchmarks import plan as bench
 
@@ -193,6 +230,8 @@ def _truth_measurements(truth: DeviceProfile, dtype: str):
             "generate": est.generate_seconds(w, plan["actor_generate"], truth),
             "reshard": est.reshard_seconds(w, edge, plan, truth),
         }
+        if devices == 1:  # and its step on another device at the same time
+            seconds[cal.PAIR_KIND] = est.concurrent_seconds([seconds["train"]] * 2, truth)
         out.append((overrides, devices, seconds))
     return out
 
@@ -237,6 +276,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
             forward_layer_overhead_once_s=1e-4,
             train_layer_overhead_once_s=6e-4,
             decode_layer_overhead_once_s=5e-5,
+            # two one-device calls at once take 0.8 x their sum
+            call_core_share=0.8,
         )
     fitted, fits = cal.fit_profile(base, _truth_measurements(truth, "float32"), "float32")
     for field in (
@@ -258,9 +299,17 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "train_activation_efficiency",
         "decode_kv_efficiency",
         "forward_gather_efficiency",
+        "call_core_share",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
-    assert set(fits) - {"fixed_device_exponent"} == {"forward", "train", "generate", "reshard"}
+    assert set(fits) - {"fixed_device_exponent", "call_core_share"} == {
+        "forward",
+        "train",
+        "generate",
+        "reshard",
+    }
+    # off a shared host calls on disjoint devices simply run at once: nothing to fit
+    assert ("call_core_share" in fits) == shared
     # The calibration's reshards that move anything gather (nearly) their whole targets: the
     # target copy's own rate is not fitted apart from the gathers' (0: the same rate).
     assert fitted.reshard_copy_efficiency == 0.0

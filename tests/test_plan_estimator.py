@@ -267,7 +267,7 @@ def test_estimate_reports_every_call_and_phase():
     assert g.memory_bytes["critic_infer"] == 0
 
 
-def test_interleaved_score_phase_is_the_max_on_accelerators_and_the_sum_on_a_shared_host():
+def test_interleaved_score_phase_is_the_max_on_accelerators_and_shares_the_cores_on_a_host():
     cfg = tiny_config()
     w = _workload(cfg)
     gpu = DeviceProfile.load("h100")
@@ -278,11 +278,48 @@ def test_interleaved_score_phase_is_the_max_on_accelerators_and_the_sum_on_a_sha
     f = est.estimate(flatten(8), w, gpu)  # same devices: the calls queue up
     infer_f = [f.call_seconds[c] for c in ("reference_infer", "reward_infer", "critic_infer")]
     assert f.phase_seconds["score"] == pytest.approx(sum(infer_f) + fixed)
+    # A shared host: the calls on disjoint devices take call_core_share of their sum, and
+    # never less than the longest one; 1 is the sum.
     cpu = DeviceProfile.load("cpu")
     assert cpu.shared_host
-    c = est.estimate(interleave(8), w, cpu)
-    infer_c = [c.call_seconds[k] for k in ("reference_infer", "reward_infer", "critic_infer")]
-    assert c.phase_seconds["score"] == pytest.approx(sum(infer_c) + 2 * cpu.call_overhead_s)
+    for share in (1.0, 0.8, 0.5):
+        prof = cpu.replace(call_core_share=share)
+        c = est.estimate(interleave(8), w, prof)
+        infer_c = [c.call_seconds[k] for k in ("reference_infer", "reward_infer", "critic_infer")]
+        expected = max(max(infer_c), share * sum(infer_c)) + 2 * cpu.call_overhead_s
+        assert c.phase_seconds["score"] == pytest.approx(expected)
+        flat = est.estimate(flatten(8), w, prof)  # same devices: the sum, whatever the share
+        infer_flat = [flat.call_seconds[k] for k in ("reference_infer", "reward_infer")]
+        infer_flat.append(flat.call_seconds["critic_infer"])
+        assert flat.phase_seconds["score"] == pytest.approx(
+            sum(infer_flat) + 2 * cpu.call_overhead_s
+        )
+
+
+def test_training_on_disjoint_devices_overlaps_as_far_as_the_host_allows():
+    """Actor and critic training steps on one device each (the plan bench's searched plan):
+    at once on accelerators (the longer one), call_core_share of their sum on a shared host,
+    in turn where they share a device."""
+    cfg = tiny_config()
+    w = _workload(cfg)
+    one = {c: CallPlacement("fsdp=1@0", "fsdp_tp") for c in CALLS}
+    apart = ExecutionPlan(
+        "apart", tuple({**one, "critic_train": CallPlacement("fsdp=1@3", "fsdp_tp")}.items())
+    )
+    together = ExecutionPlan("together", tuple(one.items()))
+    for profile, share in (("h100", None), ("cpu", 0.75), ("cpu", 1.0)):
+        prof = DeviceProfile.load(profile)
+        if share is not None:
+            prof = prof.replace(call_core_share=share)
+        e = est.estimate(apart, w, prof)
+        trains = [e.call_seconds["actor_train"], e.call_seconds["critic_train"]]
+        expected = max(trains) if share is None else max(max(trains), share * sum(trains))
+        assert e.phase_seconds["train"] == pytest.approx(expected)
+        t = est.estimate(together, w, prof)
+        assert t.phase_seconds["train"] == pytest.approx(
+            t.call_seconds["actor_train"] + t.call_seconds["critic_train"]
+        )
+    assert est.concurrent_seconds([], DeviceProfile.load("cpu")) == 0.0
 
 
 def test_memory_model_rejects_an_impossible_plan_with_a_reason():

@@ -18,7 +18,9 @@ Two kinds of short measurements, a minute or two in all:
    (on a shared host the layer overhead in two parts: one every device program pays, one the
    call pays once; the runs on all, half and one device tell them apart),
    solved by non-negative least squares over the runs (relative errors, so the small model
-   counts as much as the large one).
+   counts as much as the large one). On a machine with several devices, the one-device runs
+   also time their training step on two disjoint devices at once: on a shared host that tells
+   how far calls on disjoint devices overlap (``call_core_share``).
 
 Robust to a shared, noisy machine: every measurement is taken in several rounds, and the rounds
 interleave all the measurements of a kind (round 1 of every model, then round 2, ...), so a burst
@@ -45,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jrlhf.config import RLConfig
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
-from jrlhf.meshes.mesh import make_mesh
+from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
 from jrlhf.placement import estimator as est
@@ -102,6 +104,9 @@ CALIBRATION_RUNS = (
 # weights): each kind is timed in the machine state the previous one leaves, as in the trainer,
 # e.g. the reshard's fresh copy right after a train step has evicted the caches
 MODEL_KINDS = ("generate", "forward", "train", "reshard")
+# and after them, in one-device runs on a machine with more devices: the run's train steps on
+# its device and on the last device at once (``fit_call_core_share``)
+PAIR_KIND = "train_pair"
 # bytes the memory-bandwidth microbenchmark streams (read and written in place): above the
 # last-level caches of the hosts we run on (32 MiB here), so DRAM's rate is measured
 MEMORY_MBYTES = 256
@@ -288,7 +293,9 @@ def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
 def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str, Callable]:
     """Blocking calls (already compiled) of one forward, one train step, one generation and one
     reshard (train to generation layout) for a small model on the first ``devices`` devices,
-    keyed by ``MODEL_KINDS``; time them with ``measure_interleaved``."""
+    keyed by ``MODEL_KINDS``, and for a one-device run on a machine with more, ``PAIR_KIND``:
+    its train steps on its device and on the last one at once; time them with
+    ``measure_interleaved``."""
     cfg, plan, w = _calibration_setup(overrides, dtype, devices)
     P, R = w.prompt_len, w.gen_len
     rng = np.random.default_rng(0)
@@ -310,9 +317,6 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
         outs = [infer(params, fwd_batch) for _ in range(3)]
         return [np.asarray(o) for o in outs]
 
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
-    state = init_train_state(model, opt, mesh, train_p.rules, params=params)
-    step = make_train_step(model, opt, actor_loss(P, RLConfig(), False), mesh, train_p.rules)
     mb = w.minibatch_size
     tb = {k: arrays[k][:mb] for k in (*fields, "mask")}
     tb.update(
@@ -321,23 +325,34 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
         ref_logprobs=np.zeros((mb, R), np.float32),
         kl_coef=np.zeros((mb,), np.float32),
     )
-    holder = {"state": state}
+    trainers = [_Trainer(model, mesh, train_p.rules, P, tb, params)]
+    holder = {}
 
     # as the trainer's update runs them: TRAIN_STEPS steps dispatched back to back and one host
     # sync for their metrics, so each step's dispatch overlaps the previous step's work (the
     # estimator prices one step: the fit divides by TRAIN_STEPS)
     def train_steps():
-        metrics = []
-        for _ in range(TRAIN_STEPS):
-            holder["state"], m = step(holder["state"], tb)
-            metrics.append(m)
-        jax.device_get(metrics)
+        jax.device_get([trainers[0].step() for _ in range(TRAIN_STEPS)])
+
+    tasks = {}
+    n = jax.device_count()
+    if devices == 1 and n > 1:
+        # The same steps on the last device too, dispatched in turn with the first device's as
+        # the trainer's update dispatches actor and critic steps: how far two calls on disjoint
+        # devices run at the same time (fit_call_core_share).
+        spec = MeshSpec(train_p.mesh.axes, (n - 1,))
+        trainers.append(_Trainer(model, make_mesh(spec), train_p.rules, P, tb))
+
+        def train_pair():
+            jax.device_get([t.step() for _ in range(TRAIN_STEPS) for t in trainers])
+
+        tasks[PAIR_KIND] = train_pair
 
     gen_p = plan["actor_generate"]
     gen_mesh = make_mesh(gen_p.mesh)
     resharder = Resharder()
     gen_shardings = model.shardings(gen_mesh, gen_p.rules)
-    holder["gen"] = resharder(holder["state"].params, gen_shardings)
+    holder["gen"] = resharder(trainers[0].state.params, gen_shardings)
     engine = DecodeEngine(
         model,
         gen_mesh,
@@ -359,18 +374,36 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
         # Where the layouts agree the generation copy aliases the training parameters, which
         # a train step since the last reshard has donated: rebuild it, as the trainer does.
         if any(x.is_deleted() for x in jax.tree.leaves(holder["gen"])):
-            holder["gen"] = resharder(holder["state"].params, gen_shardings)
+            holder["gen"] = resharder(trainers[0].state.params, gen_shardings)
         return engine.generate(holder["gen"], prompts, sp)
 
     def reshard():
-        holder["gen"] = jax.block_until_ready(resharder(holder["state"].params, gen_shardings))
+        holder["gen"] = jax.block_until_ready(resharder(trainers[0].state.params, gen_shardings))
 
     return {
         "forward": three_forwards,
         "train": train_steps,
         "generate": generate,
         "reshard": reshard,
+        **tasks,
     }
+
+
+class _Trainer:
+    """A calibration model's PPO actor step with AdamW on ``mesh``, stepping its own state on
+    one fixed batch: ``step()`` dispatches one step and returns its metrics (not fetched)."""
+
+    def __init__(self, model: ModelDef, mesh, rules: str, prompt_len: int, batch, params=None):
+        opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
+        self.state = init_train_state(model, opt, mesh, rules, params=params)
+        self._step = make_train_step(
+            model, opt, actor_loss(prompt_len, RLConfig(), False), mesh, rules
+        )
+        self._batch = batch
+
+    def step(self):
+        self.state, metrics = self._step(self.state, self._batch)
+        return metrics
 
 
 class ModelTimings:
@@ -398,26 +431,32 @@ class ModelTimings:
         (an iteration's), one run after another."""
         for i in range(len(self.runs)):
             for _ in range(self.repeat):
-                for kind in MODEL_KINDS:
-                    self.samples[(i, kind)] += _samples(self.tasks[(i, kind)], 1)
+                for kind in (*MODEL_KINDS, PAIR_KIND):
+                    if (i, kind) in self.tasks:
+                        self.samples[(i, kind)] += _samples(self.tasks[(i, kind)], 1)
 
     def reset(self) -> None:
         self.samples = {k: [] for k in self.tasks}
 
     def results(self) -> list[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]]:
         """(overrides, devices, robust seconds per kind, spread per kind) for each run, the
-        forward and train times per call of the estimator (one forward, one step)."""
+        forward and train times per call of the estimator (one forward, one step; a pair's
+        two steps at once)."""
         out = []
         for i, (overrides, devices) in enumerate(self.runs):
             seconds, spread = {}, {}
-            for kind in MODEL_KINDS:
+            for kind in (*MODEL_KINDS, PAIR_KIND):
+                if (i, kind) not in self.tasks:
+                    continue
                 xs = self.samples[(i, kind)]
                 if not xs:
                     raise RuntimeError("no calibration round was timed")
                 seconds[kind] = robust_seconds(xs)
                 spread[kind] = (max(xs) - min(xs)) / seconds[kind]
             seconds["forward"] /= 3  # three forwards per call
-            seconds["train"] /= TRAIN_STEPS
+            for kind in ("train", PAIR_KIND):
+                if kind in seconds:
+                    seconds[kind] /= TRAIN_STEPS
             out.append((overrides, devices, seconds, spread))
         return out
 
@@ -490,7 +529,24 @@ def fit_profile(
     ]
     profile, fits, _ = min(fitted, key=lambda f: f[2])
     fits["fixed_device_exponent"] = profile.fixed_device_exponent
+    share, pairs = fit_call_core_share(measurements)
+    if pairs:
+        profile = profile.replace(call_core_share=share)
+        fits["call_core_share"] = {"value": share, "pairs": pairs}
     return profile, fits
+
+
+def fit_call_core_share(
+    measurements: Sequence[tuple[dict, int, dict[str, float]]],
+) -> tuple[float, list[float]]:
+    """The shared host's ``call_core_share`` from the runs that timed a training step alone and
+    two of them at once on disjoint devices (``PAIR_KIND``): each pair's time over the sum of
+    its two steps alone, and their median, kept within [0.5, 1] (two equal calls at once take
+    at least one's time and at most both's). 1.0 and no ratios where no run timed a pair."""
+    ratios = [m[PAIR_KIND] / (2 * m["train"]) for _, _, m in measurements if PAIR_KIND in m]
+    if not ratios:
+        return 1.0, []
+    return float(min(1.0, max(0.5, statistics.median(ratios)))), [round(r, 4) for r in ratios]
 
 
 def _fit_linear(
@@ -742,8 +798,9 @@ def measure_base(device_kind: str | None = None, quick: bool = False) -> DeviceP
         notes += (
             " These are XLA's fake CPU devices: all of them are threads on the same cores and "
             "memory, so rates are for the whole machine (shared_host=true), work on n devices "
-            "costs n x the per-device work, and calls on disjoint devices do not overlap "
-            "usefully - interleaving is not faster here. memory_bytes is host RAM / devices. "
+            "costs n x the per-device work, and calls on disjoint devices run at the same time "
+            "only as far as one call leaves the cores idle (call_core_share, fitted from "
+            "one-device training steps run in pairs). memory_bytes is host RAM / devices. "
             "The machine is shared with other jobs, so rates vary by tens of percent run to run."
             " host_bandwidth (not calibrated): the fake devices and pinned_host are both host "
             "RAM, so parking is a memcpy, priced at memory_bandwidth."

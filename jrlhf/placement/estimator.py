@@ -24,7 +24,9 @@ ceil(rows / slots) waves of gen_len - 1 steps, each step reading the weights onc
 one call per ``infer_batch_size`` rows (each paying dispatch and FSDP gathers; memory for one
 chunk); training accumulates gradients over the role's micro-batches (activations of one
 micro-batch, FSDP gathers and gradient reduce-scatter per micro-batch) with one optimizer update
-per minibatch.
+per minibatch. Calls of one phase on pairwise disjoint devices (scoring calls, actor and
+critic training) run at the same time (``concurrent_seconds``; on a shared host only as far as
+one call leaves the cores idle, ``call_core_share``); on shared devices they run in turn.
 
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
 and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
@@ -926,6 +928,22 @@ def iteration_seconds(
     return sum(phases.values())
 
 
+def concurrent_seconds(seconds: Sequence[float], profile: DeviceProfile) -> float:
+    """Time of calls dispatched together on pairwise disjoint devices: the longest one where
+    devices have their own compute; on a shared host, where they take turns on the same cores,
+    the longest one or ``call_core_share`` of their sum, whichever is more."""
+    if not seconds:
+        return 0.0
+    if not profile.shared_host:
+        return max(seconds)
+    return max(max(seconds), profile.call_core_share * sum(seconds))
+
+
+def _calls_seconds(seconds: Sequence[float], disjoint: bool, profile: DeviceProfile) -> float:
+    """Calls of one phase: at the same time where their devices are ``disjoint``, else in turn."""
+    return concurrent_seconds(seconds, profile) if disjoint else sum(seconds)
+
+
 def generation_separated(plan: ExecutionPlan, calls: list[str]) -> bool:
     """Whether no call of ``calls`` but actor_generate uses a device of actor_generate."""
     gen = plan["actor_generate"].devices
@@ -962,17 +980,17 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         if edge.role in w.models():
             reshard[edge.role] = reshard_seconds(w, edge, plan, profile)
 
-    infer = [call_seconds[c] for c in INFERENCE_CALLS]
     # Only the calls this workload makes can overlap (no critic in GRPO, no reward model with a
     # verifiable reward): an absent call's placeholder slot must not break the overlap.
     scoring = [c for c in INFERENCE_CALLS if c in active]
-    overlap = plan.overlapping_inference(scoring) and not profile.shared_host
+    infer = [call_seconds[c] for c in scoring]
     # host work of the score phase besides the model calls: packing, the advantage function and
     # fetching its results (a few synchronizing calls)
-    score = (max(infer) if overlap else sum(infer)) + 2 * profile.call_overhead_s
+    score = _calls_seconds(infer, plan.overlapping_inference(scoring), profile)
+    score += 2 * profile.call_overhead_s
     disjoint_train = not (plan["actor_train"].devices & plan["critic_train"].devices)
     trains = [call_seconds["actor_train"], call_seconds["critic_train"]]
-    train = max(trains) if disjoint_train and not profile.shared_host else sum(trains)
+    train = _calls_seconds(trains, disjoint_train, profile)
     phases = {
         "generate": call_seconds["actor_generate"],
         "score": score,
@@ -1106,12 +1124,12 @@ def fused_rollout_seconds(
     ready = [prefill + step * s for s in handed]
 
     scoring = [c for c in INFERENCE_CALLS if c in _active_calls(w)]
-    overlap_calls = plan.overlapping_inference(scoring) and not profile.shared_host
+    overlap_calls = plan.overlapping_inference(scoring)
 
     def score(n: int) -> float:
         wk = dataclasses.replace(w, prompts=n, samples_per_prompt=1)
         t = [infer_seconds(wk, CALLS[c][0], plan[c], profile) for c in scoring]
-        return (max(t) if overlap_calls and t else sum(t)) + profile.call_overhead_s
+        return _calls_seconds(t, overlap_calls, profile) + profile.call_overhead_s
 
     unfused = generate + score(rows)
     per_call = score(score_rows)

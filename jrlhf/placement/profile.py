@@ -14,7 +14,8 @@ Two regimes:
 * ``shared_host=True`` (XLA's fake CPU devices): all "devices" are threads on the same cores and
   memory, so rates are for the whole machine, work on n devices costs n times the per-device
   work at that aggregate rate, fixed per-device costs are paid n times over on ``host_cores``
-  cores, and calls on disjoint devices do not speed each other up.
+  cores, and calls on disjoint devices run at the same time only as far as one call leaves
+  the cores idle (``call_core_share``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class DeviceProfile:
     # (n / host_cores) ** fixed_device_exponent. 1 = in proportion (every program's ops queue
     # for the cores); below 1 when the runtime overlaps some of them (fitted by the calibration).
     fixed_device_exponent: float = 1.0
+    # shared_host: the share of the host's cores one call keeps busy. Calls dispatched together
+    # on disjoint devices (actor and critic training steps, scoring calls) take the longest
+    # one's time or this share of their summed times, whichever is more: 1 = they only queue
+    # for the cores, as if run one after another. A one-device call's dispatch and small ops
+    # leave a core idle, so two of them at once took 0.75-0.93 x their sum on the 2-core CPU
+    # (fitted by the calibration from one-device training steps run in pairs).
+    call_core_share: float = 1.0
     optimizer_bytes_per_param: float = 28.0  # AdamW: read p,g,m,v + write p,m,v at 4 bytes
     # What a training step's remat recomputation costs, in forward passes at the step's rate: a
     # step is priced as 3 passes (forward, backward) plus this many under any remat policy
@@ -144,6 +152,8 @@ class DeviceProfile:
             )
         if not 0 <= self.fixed_device_exponent <= 1:
             raise ValueError(f"profile {self.name!r}: fixed_device_exponent must be in [0, 1]")
+        if not 0 < self.call_core_share <= 1:
+            raise ValueError(f"profile {self.name!r}: call_core_share must be in (0, 1]")
         if self.host_cores < 1:
             raise ValueError(f"profile {self.name!r}: host_cores must be >= 1")
         if self.devices_per_node < 1:
