@@ -4,13 +4,17 @@ the same results, and nothing shared between requests that differ."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
+from jrlhf.config import RLConfig
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.meshes import make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
 from jrlhf.ppo import batch as rl_batch
+from jrlhf.ppo.trainer import actor_loss, critic_loss
 from jrlhf.reshard.resharder import backend_compile_count
 from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import OptimizerConfig, make_optimizer, make_train_step
@@ -56,3 +60,21 @@ def test_a_second_engine_and_train_step_of_equal_arguments_compile_nothing():
     assert make_train_step(ModelDef(cfg), opt, loss, mesh, "fsdp_tp") is step
     assert make_train_step(ModelDef(cfg), opt, other_loss, mesh, "fsdp_tp") is not step
     assert make_train_step(ModelDef(cfg), opt, loss, mesh, "fsdp_tp", microbatches=2) is not step
+
+
+def test_training_losses_are_shared_by_configs_that_differ_only_outside_the_loss():
+    """Runs whose RLConfigs differ in what the loss never reads (iterations, checkpointing,
+    staleness) get the same loss functions, hence the same train steps; a loss setting, or the
+    KL estimator of a KL loss term, gives another."""
+    base = RLConfig(clip_eps=0.2, loss_agg="token-mean")
+    elsewhere = dataclasses.replace(base, iterations=3, async_checkpoint=False, max_staleness=1)
+    assert actor_loss(8, base, True) is actor_loss(8, elsewhere, True)
+    assert critic_loss(8, base) is critic_loss(8, elsewhere)
+    assert actor_loss(8, base, True) is not actor_loss(
+        8, dataclasses.replace(base, clip_eps=0.3), True
+    )
+    assert critic_loss(8, base) is not critic_loss(8, dataclasses.replace(base, value_clip_eps=0.5))
+    assert actor_loss(8, base, True) is not actor_loss(8, base, False)
+    assert actor_loss(8, base, True, "k1") is not actor_loss(8, base, True, "k3")
+    # without a KL term the estimator does not reach the loss
+    assert actor_loss(8, base, False, "k1") is actor_loss(8, base, False, "k3")

@@ -87,7 +87,27 @@ _EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
 _KL_NEXT = "_kl_coef_next"
 
 
-@shared_program()
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The ``RLConfig`` fields the training losses read. The losses are built from these alone,
+    so runs whose configs differ elsewhere (iterations, checkpointing, staleness, sampling)
+    share the loss functions and with them the traced and compiled train steps
+    (``shared_program``)."""
+
+    policy_loss: str
+    clip_eps: float
+    clip_eps_high: float
+    dual_clip_c: float
+    value_clip_eps: float
+    entropy_coef: float
+    loss_agg: str
+    logprob_chunk: int
+
+    @classmethod
+    def of(cls, rl) -> LossSettings:
+        return cls(**{f.name: getattr(rl, f.name) for f in dataclasses.fields(cls)})
+
+
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     """The actor's training loss on a minibatch: the configured policy loss
     (``RLConfig.policy_loss``, core_algos' registry), minus the entropy bonus, plus the KL term
@@ -96,8 +116,13 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     Its ``weight`` metric is what ``RLConfig.loss_agg`` averages over (tokens or sequences), so
     gradient accumulation over micro-batches gives the minibatch's loss however it is split.
     """
+    estimator = (kl_estimator or rl.kl_estimator or "k3") if kl_in_loss else None
+    return _actor_loss(P, LossSettings.of(rl), kl_in_loss, estimator)
+
+
+@shared_program()
+def _actor_loss(P: int, rl: LossSettings, kl_in_loss: bool, kl_estimator: str | None):
     policy_loss = algos.get_policy_loss(rl.policy_loss)
-    kl_estimator = kl_estimator or rl.kl_estimator or "k3"
 
     def loss_fn(module, batch):
         logp, entropy = rl_batch.response_logprobs(
@@ -132,10 +157,13 @@ def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     return loss_fn
 
 
-@shared_program()
 def critic_loss(P: int, rl):
     """The critic's clipped value loss on a minibatch (``weight`` as in :func:`actor_loss`)."""
+    return _critic_loss(P, LossSettings.of(rl))
 
+
+@shared_program()
+def _critic_loss(P: int, rl: LossSettings):
     def loss_fn(module, batch):
         values = rl_batch.response_values(module, batch, P)
         loss, metrics = algos.value_loss_clipped(
