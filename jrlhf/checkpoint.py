@@ -190,13 +190,19 @@ def save_trainer_state(
     manager.save(step, args=ocp.args.Composite(**args))
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def _finite(tree: Any) -> bool:
-    leaves = [
-        x
-        for x in jax.tree.leaves(tree)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return all(bool(to_host(jnp.all(jnp.isfinite(x)))) for x in leaves)
+    # One program per device set (roles restored together may sit on different meshes): leaf
+    # by leaf, every shape and layout compiled a program of its own.
+    groups: dict[frozenset, list[jax.Array]] = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+            groups.setdefault(frozenset(x.sharding.device_set), []).append(x)
+    return all(bool(to_host(_all_finite(leaves))) for leaves in groups.values())
 
 
 def restore_newest_intact(

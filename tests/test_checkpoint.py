@@ -124,3 +124,30 @@ def test_model_checkpoint_layout(tmp_path, model):
     (tmp_path / "bad" / checkpoint.MODEL_JSON).write_text("{}")
     with pytest.raises(ValueError, match=r"model\.json: malformed model description"):
         checkpoint.read_model_json(tmp_path / "bad")
+
+
+def test_a_step_with_a_non_finite_value_is_passed_over(tmp_path):
+    """restore_newest_intact takes the newest step whose values are all finite, whatever meshes
+    its leaves sit on (checked one device set at a time), and keeps the bad step on disk."""
+    meshes = make_mesh("fsdp=4@0:4"), make_mesh("fsdp=4@4:8")
+    spec = jax.sharding.PartitionSpec("fsdp")
+
+    def tree(bad: bool):
+        x = np.arange(8, dtype=np.float32)
+        y = np.ones((4, 2), np.float32)
+        if bad:
+            y[3, 1] = np.nan
+        return {
+            "a": jax.device_put(x, jax.sharding.NamedSharding(meshes[0], spec)),
+            "b": jax.device_put(y, jax.sharding.NamedSharding(meshes[1], spec)),
+            "step": jnp.int32(0),  # not a float: not checked
+        }
+
+    trees = {1: tree(False), 2: tree(True)}
+    manager = ocp.CheckpointManager(tmp_path)
+    for step, value in trees.items():
+        manager.save(step, args=ocp.args.StandardSave(value))
+    manager.wait_until_finished()
+    step, value = checkpoint.restore_newest_intact(manager, trees.get, "test")
+    assert step == 1 and value is trees[1]
+    assert sorted(manager.all_steps()) == [1, 2]

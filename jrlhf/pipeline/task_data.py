@@ -7,6 +7,7 @@ prompt without the meta its reward function reads) surfaces here, before any mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,6 +78,18 @@ def task_model_overrides(cfg: Config) -> dict[str, Any]:
     return {}
 
 
+@functools.lru_cache(maxsize=16)
+def _drawn_prompts(task_cls: type, seed: int, n: int, split: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(p) for p in task_cls(seed=seed).prompts(n, split))
+
+
+def _builtin_prompts(name: str, seed: int, n: int, split: str) -> list[list[int]]:
+    """A built-in task's first ``n`` prompts of ``split``: a function of the task and its seed,
+    drawn once per process (4096 training prompts take about half a second, at every start of an
+    in-process run: tests, benchmarks, notebooks) and handed out as fresh lists."""
+    return [list(p) for p in _drawn_prompts(BUILTIN_TASKS[name], int(seed), int(n), split)]
+
+
 def build_task_data(cfg: Config) -> TaskData:
     """Load or synthesize the data; every problem surfaces here, before any model is built."""
     t = cfg.task
@@ -87,8 +100,8 @@ def build_task_data(cfg: Config) -> TaskData:
                 f"TaskConfig: the {t.name} task needs max_prompt_len >= {task.max_prompt_len} "
                 f"and max_response_len >= {task.max_response_len}"
             )
-        train_prompts = task.prompts(4096, "train")
-        heldout_prompts = task.prompts(t.num_heldout, "heldout")
+        train_prompts = _builtin_prompts(t.name, cfg.run.seed, 4096, "train")
+        heldout_prompts = _builtin_prompts(t.name, cfg.run.seed, t.num_heldout, "heldout")
         # Tasks with reference answers give each prompt its answer (what answer_match reads).
         meta_of = getattr(task, "prompt_meta", lambda prompts: [])
         # Demonstrations and pairs are drawn only for the stages that read them: drawing them

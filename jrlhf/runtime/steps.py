@@ -112,6 +112,15 @@ def opt_state_shardings(opt_state: Any, param_shardings: Params, mesh: Mesh) -> 
 def state_shardings(
     model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules | str
 ) -> TrainState:
+    """The TrainState's shardings: parameters by their logical axes, optimizer moments like the
+    parameters they follow, everything else replicated."""
+    return _state_shardings(model, optimizer, mesh, get_rules(rules))
+
+
+@shared_program()
+def _state_shardings(
+    model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules
+) -> TrainState:
     params = model.shardings(mesh, rules)
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
     return TrainState(
@@ -119,6 +128,21 @@ def state_shardings(
         params=params,
         opt_state=opt_state_shardings(abstract_opt, params, mesh),
     )
+
+
+@shared_program()
+def _state_init_program(
+    model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules, fresh: bool
+) -> Callable:
+    """The jitted TrainState initializer: from a random key (``fresh``) or from parameters.
+    Shared, like the train steps, by every state built of one model, optimizer and layout in a
+    process (make_optimizer returns one optimizer per config)."""
+
+    def init(key_or_params):
+        params = model.init(key_or_params) if fresh else key_or_params
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    return jax.jit(init, out_shardings=state_shardings(model, optimizer, mesh, rules))
 
 
 def init_train_state(
@@ -130,17 +154,11 @@ def init_train_state(
     seed: int = 0,
 ) -> TrainState:
     """A sharded TrainState; fresh random parameters unless ``params`` are given."""
-    shardings = state_shardings(model, optimizer, mesh, rules)
-
-    def init(key, params):
-        if params is None:
-            params = model.init(key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
+    rules = get_rules(rules)
     if params is None:
-        return jax.jit(lambda k: init(k, None), out_shardings=shardings)(jax.random.key(seed))
-    params = jax.device_put(params, shardings.params)
-    return jax.jit(lambda p: init(None, p), out_shardings=shardings)(params)
+        return _state_init_program(model, optimizer, mesh, rules, True)(jax.random.key(seed))
+    params = jax.device_put(params, state_shardings(model, optimizer, mesh, rules).params)
+    return _state_init_program(model, optimizer, mesh, rules, False)(params)
 
 
 @shared_program()
