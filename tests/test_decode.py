@@ -92,7 +92,7 @@ def _trainer_logprobs(model_def, params, prompts_rep, completions):
         tokens[i, : len(seq)] = seq
         segments[i, : len(seq)] = 1
     positions = np.broadcast_to(np.arange(total, dtype=np.int32), (n, total))
-    logits = model_def.apply(params, tokens, positions, segments)
+    logits = jax.jit(model_def.apply)(params, tokens, positions, segments)
     lp = np.asarray(token_logprobs(logits[:, :-1], tokens[:, 1:]))
     return [
         lp[i, len(p) - 1 : len(p) - 1 + len(c)]
@@ -152,7 +152,7 @@ def test_identical_on_one_device_and_data_tensor_mesh():
 @functools.cache
 def _tiny():
     model_def = ModelDef(tiny_config(vocab_size=64, eos_token_id=None))
-    return model_def, model_def.init(jax.random.key(0))
+    return model_def, jax.jit(model_def.init)(jax.random.key(0))
 
 
 def test_seeds_determinism_and_no_recompiles():

@@ -3,6 +3,8 @@ laid end to end in rows with segment ids, log-probs computed a chunk of position
 the padded layout's log-probs, loss and update (to 1e-5), on one device and sharded with
 micro-batches; the packing itself is checked against the samples it came from."""
 
+import dataclasses
+
 import chex
 import numpy as np
 import optax
@@ -16,6 +18,11 @@ from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.trainer import actor_loss, critic_loss
 from jrlhf.runtime.steps import init_train_state, make_train_step
+
+# One optimizer object for the module: programs are shared by optimizer identity
+# (jrlhf.runtime.shared_programs), so steps and states of equal models and meshes are
+# traced and compiled once.
+SGD = optax.sgd(0.5)
 
 P, R = 6, 10
 
@@ -89,15 +96,14 @@ def test_packed_logprobs_equal_padded(lm_model):
 
     batch, _, _ = padded_batch()
     packed = rl_batch.pack_segments(batch, P, P + R)
-    params = lm_model.init(jax.random.key(0))
-    module = lm_model.bind(params)
+    params = jax.jit(lm_model.init)(jax.random.key(0))
+    # one program per layout (op by op, every operation would compile a program of its own)
+    logprobs = jax.jit(
+        lambda params, b: rl_batch.response_logprobs(lm_model.bind(params), b, P, True)
+    )
     keys = ("tokens", "positions", "segment_ids", "response_tokens")
-    pad_lp, pad_ent = rl_batch.response_logprobs(
-        module, {k: batch[k] for k in keys}, P, with_entropy=True
-    )
-    pk_lp, pk_ent = rl_batch.response_logprobs(
-        module, {k: packed[k] for k in (*keys, "pack_index")}, P, with_entropy=True
-    )
+    pad_lp, pad_ent = logprobs(params, {k: batch[k] for k in keys})
+    pk_lp, pk_ent = logprobs(params, {k: packed[k] for k in (*keys, "pack_index")})
     mask = batch["mask"] > 0
     np.testing.assert_allclose(np.asarray(pk_lp)[mask], np.asarray(pad_lp)[mask], atol=1e-5)
     np.testing.assert_allclose(np.asarray(pk_ent)[mask], np.asarray(pad_ent)[mask], atol=1e-5)
@@ -107,16 +113,23 @@ def test_packed_logprobs_equal_padded(lm_model):
 def test_packed_step_equals_padded_step(head, mesh_spec="data=2,fsdp=2", microbatches=2):
     """One update of the actor (or critic) loss on the packed minibatch gives the padded one's
     loss, metrics and parameters within 1e-5, sharded and in two micro-batches (each
-    micro-batch's packed rows split over the data shards)."""
+    micro-batch's packed rows split over the data shards). The packed actor step also computes
+    its log-probs 7 positions at a time (RLConfig.logprob_chunk, a chunk that divides nothing):
+    packing and chunking together give the padded, all-at-once update. (Packed rows without
+    chunks: the token-budget test below.)"""
     rl = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
-    loss_fn = actor_loss(P, rl, kl_in_loss=True) if head == "lm" else critic_loss(P, rl)
+    chunked = dataclasses.replace(rl, logprob_chunk=7)
+    if head == "lm":
+        loss_fns = actor_loss(P, rl, kl_in_loss=True), actor_loss(P, chunked, kl_in_loss=True)
+    else:
+        loss_fns = critic_loss(P, rl), critic_loss(P, rl)
     model = ModelDef(tiny_config(), head=head)
     mesh = make_mesh(mesh_spec)
     batch, _, _ = padded_batch()
     packed = rl_batch.pack_segments(batch, P, P + R, groups=microbatches, row_multiple=2)
     results = []
-    for b in (batch, packed):
-        opt = optax.sgd(0.5)  # linear in the gradient: parameters comparable at 1e-5
+    for b, loss_fn in zip((batch, packed), loss_fns):
+        opt = SGD  # linear in the gradient: parameters comparable at 1e-5
         state = init_train_state(model, opt, mesh, "fsdp_tp", seed=0)
         step = make_train_step(model, opt, loss_fn, mesh, "fsdp_tp", microbatches=microbatches)
         state, metrics = step(state, b)
@@ -155,7 +168,7 @@ def test_a_token_budget_gives_packed_short_samples_fewer_microbatches_and_the_sa
     model = ModelDef(tiny_config())
     results = []
     for b, m in ((batch, 1), (batch, m_pad), (packed, m_pk)):
-        opt = optax.sgd(0.5)
+        opt = SGD
         state = init_train_state(model, opt, mesh, "fsdp_tp", seed=0)
         step = make_train_step(model, opt, loss_fn, mesh, "fsdp_tp")
         state, metrics = step(state, b, m)
@@ -199,23 +212,3 @@ def test_chunked_logprobs_equal_whole(lm_model):
     chunked = rl_batch.response_logprobs(module, {k: batch[k] for k in keys}, P, True, chunk=7)
     for a, b in zip(chunked, whole):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-5)
-
-
-def test_packed_chunked_step_equals_padded_step():
-    """Packing and chunked log-probs together: the padded, all-at-once update within 1e-5."""
-    base = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
-    chunked = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1, logprob_chunk=7)
-    model = ModelDef(tiny_config())
-    mesh = make_mesh("fsdp=1")
-    batch, _, _ = padded_batch()
-    packed = rl_batch.pack_segments(batch, P, P + R)
-    results = []
-    for rl, b in ((base, batch), (chunked, packed)):
-        opt = optax.sgd(0.5)
-        state = init_train_state(model, opt, mesh, "fsdp_tp", seed=0)
-        step = make_train_step(model, opt, actor_loss(P, rl, kl_in_loss=True), mesh, "fsdp_tp")
-        state, metrics = step(state, b)
-        results.append((float(metrics["loss"]), state.params))
-    (l_pad, p_pad), (l_pk, p_pk) = results
-    np.testing.assert_allclose(l_pk, l_pad, rtol=1e-5)
-    chex.assert_trees_all_close(p_pk, p_pad, rtol=1e-5, atol=1e-5)

@@ -42,8 +42,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(base_run,
     run_dir = tmp_path / "diverged"
     bindings = ppo_bindings(
         base_run,
-        "actor/RoleConfig.learning_rate=1e8",
-        "critic/RoleConfig.learning_rate=1e8",
+        "actor/RoleConfig.learning_rate=1e8",  # the critic's step stays the colocated run's
         "RLConfig.iterations=8",
         "RLConfig.checkpoint_every=1",
         "RLConfig.keep_checkpoints=2",
@@ -125,10 +124,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_step(
         assert checkpoint.latest_step_dir(run_dir).name == "4"
     else:
         out = tmp_path / "eval.json"
-        args = ["--checkpoint", str(run_dir), "--mesh", "data=2", "--output", str(out)]
-        assert evaluate.main([*args, "--samples", "1"]) == 0
+        # test_trainer's evaluation mesh and samples: its programs, from the compilation cache
+        mesh = "data=2,tensor=2@4:8"
+        args = ["--checkpoint", str(run_dir), "--mesh", mesh, "--output", str(out)]
+        assert evaluate.main([*args, "--samples", "2"]) == 0
         assert "step 4 of" in caplog.text and "trying an older step" in caplog.text
-        assert json.loads(out.read_text())["num_samples"] == 16
+        assert json.loads(out.read_text())["num_samples"] == 32
         assert not victim.exists() and damaged is None
     capsys.readouterr()
 

@@ -5,6 +5,8 @@ Everything here runs on one process, where nothing overlaps: the schedule and it
 the same as with separate generation and training processes (tests/test_multiprocess.py)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,38 +151,31 @@ def test_async_run_trains_on_one_version_old_samples(async_run, colocated_run):
     assert rows[1]["reward"] != sync[1]["reward"]
 
 
-def _stop_in_iteration_3(args: list[str], monkeypatch) -> None:
-    """Run ``python -m jrlhf.train args`` (checkpoints saved synchronously) until iteration 3
-    scores its batch, after the step-2 checkpoint, and stop it there."""
-
-    class Stop(Exception):
-        pass
-
-    original = RLTrainer.score_batch
-
-    def stop_at_3(self, gen):
-        if self.iteration == 2:
-            raise Stop
-        return original(self, gen)
-
-    with monkeypatch.context() as m:
-        m.setattr(RLTrainer, "score_batch", stop_at_3)
-        with pytest.raises(Stop):
-            train.main([*args, "RLConfig.async_checkpoint=False"])
+def _resume_from_step_2(run_dir: Path, copy: Path, args) -> list:
+    """Resume a copy of the finished run ``run_dir`` from its step-2 checkpoint (as a run stopped
+    during iteration 3 would be: the step-2 checkpoint is the same either way); returns the
+    checkpoint's pending batches. ``args(d)`` are the run's arguments for run directory d."""
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "4")
+    assert checkpoint.latest_step_dir(copy).name == "2"
+    pending = checkpoint.read_trainer_meta(copy / "checkpoints" / "2")["pending"]
+    assert train.main([*args(copy), "--resume"]) == 0
+    assert checkpoint.latest_step_dir(copy).name == "4"  # it ran iterations 3 and 4 again
+    return pending
 
 
-def test_async_run_resumes_exactly(async_run, base_run, tmp_path, monkeypatch):
-    """Stopped during iteration 3, after the step-2 checkpoint: the resumed run trains on the
-    batch generated before the stop (saved with the checkpoint) and repeats the uninterrupted
-    run's metrics exactly."""
-    run_dir = tmp_path / "stopped"
-    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
-    _stop_in_iteration_3(args, monkeypatch)
-    meta = checkpoint.read_trainer_meta(run_dir / "checkpoints" / "2")
-    assert [g["index"] for g in meta["pending"]] == [2]  # batch 2, generated with version 1
-    assert {v for g in meta["pending"] for t in g["token_versions"] for v in t} == {1}
-    assert train.main([*args, "--resume"]) == 0
-    ours, theirs = metric_rows(run_dir), metric_rows(async_run[0])
+def test_async_run_resumes_exactly(async_run, base_run, tmp_path):
+    """Resumed from the step-2 checkpoint, the run trains on the batch generated before it
+    (saved with the checkpoint) and repeats the uninterrupted run's metrics exactly."""
+
+    def args(run_dir):
+        return ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
+
+    resumed = tmp_path / "resumed"
+    pending = _resume_from_step_2(async_run[0], resumed, args)
+    assert [g["index"] for g in pending] == [2]  # batch 2, generated with version 1
+    assert {v for g in pending for t in g["token_versions"] for v in t} == {1}
+    ours, theirs = metric_rows(resumed), metric_rows(async_run[0])
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
         assert a.keys() == b.keys()
@@ -195,21 +190,19 @@ PARTIAL = [
 ]
 
 
-def test_partial_rollouts_resume_exactly(base_run, tmp_path, monkeypatch):
-    """Partial rollouts (6 of 12 tokens per pass, 2 versions of staleness) stopped during
-    iteration 3: the step-2 checkpoint holds the batches in flight, some samples mid-generation
-    with their tokens, behaviour log-probs and versions so far; the resumed run continues them
-    and repeats the uninterrupted run's metrics."""
+def test_partial_rollouts_resume_exactly(base_run, tmp_path):
+    """Partial rollouts (6 of 12 tokens per pass, 2 versions of staleness): the step-2
+    checkpoint holds the batches in flight, some samples mid-generation with their tokens,
+    behaviour log-probs and versions so far; resumed from it, the run continues them and repeats
+    the uninterrupted run's metrics."""
 
     def args(run_dir):
         return ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *PARTIAL)]
 
     assert train.main(args(tmp_path / "full")) == 0
-    stopped = tmp_path / "stopped"
-    _stop_in_iteration_3(args(stopped), monkeypatch)
-    pending = checkpoint.read_trainer_meta(stopped / "checkpoints" / "2")["pending"]
+    resumed = tmp_path / "resumed"
+    pending = _resume_from_step_2(tmp_path / "full", resumed, args)
     unfinished = [g for g in pending if not all(g["finished"])]
     assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
     assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
-    assert train.main([*args(stopped), "--resume"]) == 0
-    assert_rows_close(metric_rows(stopped), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)
+    assert_rows_close(metric_rows(resumed), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)

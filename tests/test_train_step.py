@@ -16,6 +16,11 @@ from jrlhf.ppo.core_algos import sft_loss
 from jrlhf.ppo.trainer import actor_loss, critic_loss
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
+# One optimizer object for the module: programs are shared by optimizer identity
+# (jrlhf.runtime.shared_programs), so steps and states of equal models and meshes are
+# traced and compiled once.
+SGD = optax.sgd(0.5)
+
 
 def sft_loss_fn(module, batch):
     logits = module(batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -41,7 +46,7 @@ def run_steps(mesh_spec, rules, steps=2, microbatches=1, remat="none", optimizer
     model = ModelDef(tiny_config(num_kv_heads=4, remat_policy=remat))
     # Plain SGD by default: its update is linear in the gradient, so parameters can be compared
     # at 1e-5. (Adam's first update is ~lr*sign(g): a gradient at the noise floor may flip.)
-    optimizer = optimizer or optax.sgd(0.5)
+    optimizer = optimizer or SGD
     mesh = make_mesh(mesh_spec)
     state = init_train_state(model, optimizer, mesh, rules, seed=0)
     step = make_train_step(model, optimizer, sft_loss_fn, mesh, rules, microbatches=microbatches)
@@ -61,8 +66,8 @@ def single():
     "mesh_spec,kwargs",
     [
         ("fsdp=2,tensor=4", {}),
-        ("data=2,fsdp=2,tensor=2", {"microbatches": 2}),
-        ("fsdp=4,tensor=2", {"remat": "full"}),
+        # (fsdp=4,tensor=2 is the trainer's default training mesh: tests/test_trainer.py)
+        ("data=2,fsdp=2,tensor=2", {"microbatches": 2, "remat": "full"}),
     ],
 )
 def test_sharded_step_equals_single_device(single, mesh_spec, kwargs):
@@ -206,8 +211,8 @@ def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):
         model = ModelDef(tiny_config(), head=head)
         results = []
         for mb in splits:
-            state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
-            step = make_train_step(model, optax.sgd(0.5), loss_fn, mesh, "fsdp_tp", microbatches=mb)
+            state = init_train_state(model, SGD, mesh, "fsdp_tp", seed=0)
+            step = make_train_step(model, SGD, loss_fn, mesh, "fsdp_tp", microbatches=mb)
             state, metrics = step(state, rl_batch())
             results.append((float(metrics["loss"]), state.params))
         (loss1, params1), *others = results
@@ -235,8 +240,8 @@ def test_pair_losses_do_not_depend_on_the_microbatch_split():
         model = ModelDef(tiny_config(), head=head)
         results = []
         for mb in (1, 2):
-            state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
-            step = make_train_step(model, optax.sgd(0.5), loss_fn, mesh, "fsdp_tp", microbatches=mb)
+            state = init_train_state(model, SGD, mesh, "fsdp_tp", seed=0)
+            step = make_train_step(model, SGD, loss_fn, mesh, "fsdp_tp", microbatches=mb)
             state, metrics = step(state, batch)
             results.append((float(metrics["loss"]), float(metrics["accuracy"]), state.params))
         (loss1, acc1, params1), (loss2, acc2, params2) = results
@@ -251,9 +256,11 @@ def test_unrolled_layer_loop_equals_scan():
     results = []
     for loop in ("scan", "unroll"):
         model = ModelDef(tiny_config(num_kv_heads=4, layer_loop=loop))
-        mesh = make_mesh("fsdp=2,tensor=2")
-        state = init_train_state(model, optax.sgd(0.5), mesh, "fsdp_tp", seed=0)
-        step = make_train_step(model, optax.sgd(0.5), sft_loss_fn, mesh, "fsdp_tp")
+        # test_sharded_step_equals_single_device's first mesh: the unrolled step's program
+        # comes from the compilation cache
+        mesh = make_mesh("fsdp=2,tensor=4")
+        state = init_train_state(model, SGD, mesh, "fsdp_tp", seed=0)
+        step = make_train_step(model, SGD, sft_loss_fn, mesh, "fsdp_tp")
         state, metrics = step(state, make_batch(0))
         results.append((float(metrics["loss"]), float(metrics["grad_norm"]), state.params))
     (l0, g0, p0), (l1, g1, p1) = results
