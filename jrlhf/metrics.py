@@ -412,7 +412,9 @@ def plot_run(metrics_jsonl: str | Path, out_png: str | Path | None = None) -> Pa
         for k in panel_keys[:8]:  # beyond a handful of lines a panel is unreadable
             xs, ys = _series(records, k)
             if xs:
-                ax.plot(xs, ys, label=k, linewidth=1.2)
+                # a series of one point (an evaluation at the end) shows only with a marker
+                marker = "o" if len(xs) < 3 else None
+                ax.plot(xs, ys, label=k, linewidth=1.2, marker=marker, markersize=4)
                 drawn += 1
         if drawn:
             ax.legend(fontsize=7, loc="best")
