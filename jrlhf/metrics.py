@@ -19,23 +19,20 @@ import json
 import logging
 import math
 import os
-import struct
 import sys
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-
-if TYPE_CHECKING:
-    from tensorboardX import SummaryWriter
-    from tensorboardX.proto.event_pb2 import Event
 from tqdm.auto import tqdm
+
+from jrlhf.event_file import EventFileWriter, read_records
 
 logger = logging.getLogger(__name__)
 
@@ -75,31 +72,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def _event_records(path: Path) -> Iterator[tuple[bytes, Event]]:
-    """The framed records of a TensorBoard event file (TFRecord: length, its CRC, data, its
-    CRC) with their parsed events; stops at a torn or corrupt tail (a run killed mid-write)."""
-    # tensorboardX (which imports torch when installed: seconds in every process) loads only
-    # where TensorBoard files are touched.
-    from tensorboardX.proto.event_pb2 import Event  # noqa: PLC0415
-    from tensorboardX.record_writer import masked_crc32c  # noqa: PLC0415
-
-    buf = path.read_bytes()
-    pos = 0
-    while pos + 12 <= len(buf):
-        header = buf[pos : pos + 8]
-        (n,) = struct.unpack("<Q", header)
-        end = pos + 12 + n + 4
-        if end > len(buf) or struct.unpack("<I", buf[pos + 8 : pos + 12])[0] != masked_crc32c(
-            header
-        ):
-            return
-        data = buf[pos + 12 : pos + 12 + n]
-        if struct.unpack("<I", buf[end - 4 : end])[0] != masked_crc32c(data):
-            return
-        yield buf[pos:end], Event.FromString(data)
-        pos = end
-
-
 def truncate_events(tb_dir: str | Path, step: int) -> int:
     """Drop the events with a step > ``step`` from every TensorBoard event file in ``tb_dir``
     (each file rewritten atomically, keeping its other records byte for byte); returns how
@@ -111,10 +83,10 @@ def truncate_events(tb_dir: str | Path, step: int) -> int:
         return 0
     for path in sorted(p for p in tb_dir.glob("*tfevents*") if not p.name.endswith(".tmp")):
         keep, before = [], 0
-        for record, event in _event_records(path):
+        for record, event in read_records(path):
             before += 1
             # The file_version header is written at step 0; keep it whatever the cut.
-            if event.step <= step or event.HasField("file_version"):
+            if event.step <= step or event.is_header:
                 keep.append(record)
         if len(keep) == before and sum(map(len, keep)) == path.stat().st_size:
             continue
@@ -156,14 +128,12 @@ class MetricsLogger:
         # a syscall pair per log call for nothing.
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
-    def _writer(self) -> SummaryWriter:
+    def _writer(self) -> EventFileWriter:
         # Opened on first use, so a resume's truncate_after (called before anything is logged)
         # rewrites the earlier files without an open writer of its own among them. The suffix
         # keeps two writers opened in the same second from sharing (and clobbering) one file.
         if self._tb is None:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415 (see _event_records)
-
-            self._tb = SummaryWriter(str(self.tb_dir), filename_suffix=f".{uuid.uuid4().hex[:8]}")
+            self._tb = EventFileWriter(self.tb_dir, filename_suffix=f".{uuid.uuid4().hex[:8]}")
         return self._tb
 
     def truncate_after(self, step: int) -> int:
@@ -207,10 +177,7 @@ class MetricsLogger:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
         if self.use_tensorboard:
-            writer = self._writer()
-            for k, v in values.items():
-                writer.add_scalar(k, v, int(step))
-            writer.flush()
+            self._writer().add_scalars(int(step), values)
         return record
 
     def latest(self, key: str, default: float | None = None) -> float | None:

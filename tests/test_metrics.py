@@ -6,14 +6,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
-from jrlhf import metrics
-
-try:  # tensorboard's own reader when installed (it is optional); else the raw records
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-except ImportError:
-    EventAccumulator = None
+from jrlhf import event_file, metrics
 
 
 def test_jsonl_lines_are_flushed_and_typed(tmp_path):
@@ -60,21 +54,35 @@ def test_resume_truncates_later_steps_and_appends(tmp_path):
 
 
 def _tb_scalars(tb_dir):
-    """(tag, step, value) triples from the event files, via tensorboard's reader if present."""
+    """(tag, step, value) triples from the event files, read by an independent reader:
+    tensorboard's own when installed, else tensorboardX's protobufs and CRC (both import torch,
+    so only here, in the tests that read event files)."""
     files = sorted(p for p in tb_dir.iterdir() if "tfevents" in p.name)
     assert files and all(p.stat().st_size > 0 for p in files)
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
     if EventAccumulator is not None:
         acc = EventAccumulator(str(tb_dir))
         acc.Reload()
         return [(t, e.step, e.value) for t in acc.Tags()["scalars"] for e in acc.Scalars(t)]
-    # tensorboardX ships the protobufs; the file is TFRecord framed: len, crc, data, crc.
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
     out = []
-    for path in files:
+    for path in files:  # TFRecord framed: len, crc, data, crc
         buf = path.read_bytes()
         pos = 0
         while pos < len(buf):
-            n = int.from_bytes(buf[pos : pos + 8], "little")
-            event = event_pb2.Event.FromString(buf[pos + 12 : pos + 12 + n])
+            header = buf[pos : pos + 8]
+            n = int.from_bytes(header, "little")
+            data = buf[pos + 12 : pos + 12 + n]
+            assert int.from_bytes(buf[pos + 8 : pos + 12], "little") == masked_crc32c(header)
+            assert int.from_bytes(buf[pos + 12 + n : pos + 16 + n], "little") == masked_crc32c(data)
+            event = event_pb2.Event.FromString(data)
+            if pos == 0:
+                assert event.file_version == "brain.Event:2" and event.step == 0
             pos += 12 + n + 4
             for v in event.summary.value:
                 out.append((v.tag, event.step, v.simple_value))
@@ -89,6 +97,36 @@ def test_tensorboard_events_contain_tags(tmp_path):
     assert ("reward/mean", 3, 0.75) in scalars
     assert ("reward/mean", 4, 0.5) in scalars
     assert ("time/train", 3, 1.5) in scalars
+
+
+def test_event_encoding_matches_the_protobufs():
+    """jrlhf.event_file's hand-written encoding against tensorboardX's protobuf classes and CRC."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
+    assert event_file.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 300):
+        data = rng.bytes(n)
+        assert event_file.masked_crc32c(data) == masked_crc32c(data)
+    cases = [("reward/mean", 0.75, 3), ("time/train", -1.5e30, 2**40), ("ключ", np.nan, 0),
+             ("x" * 200, np.inf, 127), ("neg", -np.inf, 128), ("s", 1e-45, -5)]  # fmt: skip
+    for tag, value, step in cases:
+        raw = event_file.scalar_event(tag, value, step, 1234.5)
+        ref = event_pb2.Event.FromString(raw)
+        assert (ref.step, ref.wall_time, len(ref.summary.value)) == (step, 1234.5, 1)
+        (v,) = ref.summary.value
+        assert v.tag == tag
+        np.testing.assert_array_equal(np.float32(v.simple_value), np.float32(value))
+        mine = event_file.Event(raw)
+        assert (mine.step, mine.is_header, list(mine.scalars)) == (step, False, [tag])
+        np.testing.assert_array_equal(np.float32(mine.scalars[tag]), np.float32(value))
+        built = event_pb2.Event(step=step, wall_time=1234.5)
+        built.summary.value.add(tag=tag, simple_value=value)
+        assert event_file.Event(built.SerializeToString()).step == step
+    header = event_pb2.Event.FromString(event_file.version_event(7.0))
+    assert header.file_version == "brain.Event:2" and header.step == 0 and header.wall_time == 7.0
+    assert event_file.Event(event_file.version_event(7.0)).is_header
 
 
 def test_resume_truncates_tensorboard_too(tmp_path):
@@ -121,7 +159,7 @@ def test_resume_truncates_tensorboard_too(tmp_path):
     ]
     # Every file is still a well-formed event file (the reader stops at nothing torn).
     for path in (tmp_path / "tb").iterdir():
-        size = sum(len(rec) for rec, _ in metrics._event_records(path))
+        size = sum(len(rec) for rec, _ in event_file.read_records(path))
         assert size == path.stat().st_size
     assert metrics.truncate_events(tmp_path / "tb", 5) == 0
     assert metrics.truncate_events(tmp_path / "missing", 0) == 0
