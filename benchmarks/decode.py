@@ -29,7 +29,10 @@ times the step's matmuls alone at their decode shapes (a loop of the same projec
 in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
 is lower than that, the step is compute-bound and ``weight_read_fraction_at_matmul_peak``
 (weight-read time over FLOPs at peak) bounds the fraction of the weight-read limit any
-implementation can reach. ``--peers`` also
+implementation can reach. ``prefill_and_first_token_s`` times a generate call with one new
+token (best of ``--repeats``), and ``matmul_limit_with_prefill_tokens_per_s`` is the whole call's
+rate if every step after it cost only its matmuls (no attention, norms or sampling at all): an
+upper bound on tokens/s for this engine's matmuls on this machine. ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
 weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
 repeat so both see the same machine load, and prints the ratio.
@@ -137,6 +140,12 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
             got = peer()
             if peer_best is None or got[0] < peer_best[0]:
                 peer_best = got
+    # The prefill alone (prompts in, one token out), for the bound a step of matmuls alone allows
+    first = SamplingParams(greedy=True, stop_ids=(), max_new_tokens=1)
+    engine.generate(params, prompts, first)
+    prefill_s = min(
+        float(engine.generate(params, prompts, first).stats["seconds"]) for _ in range(args.repeats)
+    )
     tokens = int(best.stats["generated_tokens"])
     seconds = float(best.stats["seconds"])
     dense_pages = batch * math.ceil((prompt_len + new_tokens) / page_size)
@@ -149,6 +158,7 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
         "pages_used_peak": int(best.stats["peak_pages_used"]),
         "pages_dense_max_length": dense_pages,
         "page_size": page_size,
+        "prefill_and_first_token_s": round(prefill_s, 4),
     }
     result["_completions"] = best.completion_ids
     if peer_best is not None:
@@ -586,6 +596,17 @@ def main(argv: list[str] | None = None) -> int:
             res.update(_matmul_bound(md, args.batch, engine.weights_out_major()))
             res["fraction_of_matmul_limit"] = round(
                 res["tokens_per_s"] / res["matmul_limit_tokens_per_s"], 3
+            )
+            # The whole generate call if every step after the prefill cost only its matmuls:
+            # what no attention, norm or sampling work at all would reach, prefill included.
+            steps_after_prefill = args.new_tokens - 1
+            res["matmul_limit_with_prefill_tokens_per_s"] = round(
+                res["generated_tokens"]
+                / (
+                    res["prefill_and_first_token_s"]
+                    + steps_after_prefill * res["matmul_only_step_ms"] / 1e3
+                ),
+                1,
             )
             # Even at the machine's best matmul rate (large square products), a step cannot
             # beat flops / peak: the best fraction of the weight-read limit reachable is then
