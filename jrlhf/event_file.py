@@ -16,6 +16,7 @@ Field numbers (tensorflow/core/util/event.proto, summary.proto)::
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import time
@@ -97,16 +98,24 @@ def version_event(wall_time: float) -> bytes:
     return _event(wall_time, 0, _length_delimited(3, FILE_VERSION.encode()))
 
 
+def _float32(value: float) -> bytes:
+    try:
+        return struct.pack("<f", value)
+    except OverflowError:  # beyond float32's range: infinite, as protobuf stores it
+        return struct.pack("<f", math.copysign(math.inf, value))
+
+
 def scalar_event(tag: str, value: float, step: int, wall_time: float) -> bytes:
     """One serialized Event holding the scalar ``tag = value`` at ``step`` (a float32, as
-    TensorBoard stores scalars; non-finite values are kept as they are)."""
-    entry = _length_delimited(1, tag.encode()) + _key(2, _FIXED32) + struct.pack("<f", value)
+    TensorBoard stores scalars: values beyond its range become infinite; non-finite values are
+    kept as they are)."""
+    entry = _length_delimited(1, tag.encode()) + _key(2, _FIXED32) + _float32(value)
     return _event(wall_time, step, _length_delimited(5, _length_delimited(1, entry)))
 
 
-def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a serialized message's top-level fields: ints for varints and
-    fixed-width fields (their raw bits), bytes for length-delimited ones."""
+def _fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of a serialized message's top-level fields: ints for
+    varints and fixed-width fields (their raw bits), bytes for length-delimited ones."""
     pos = 0
     while pos < len(data):
         key, pos = _read_varint(data, pos)
@@ -124,7 +133,7 @@ def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
             raise ValueError(f"protobuf wire type {wire} (field {field}) is not one events use")
         if pos > len(data):
             raise ValueError("truncated protobuf message")
-        yield field, value
+        yield field, wire, value
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -145,24 +154,25 @@ class Event:
 
     __slots__ = ("is_header", "scalars", "step")
 
+    # A field whose wire type is not the schema's is skipped, as protobuf keeps it as unknown.
     def __init__(self, data: bytes):
         self.step, self.is_header, self.scalars = 0, False, {}
-        for field, value in _fields(data):
-            if field == 2:
+        for field, wire, value in _fields(data):
+            if (field, wire) == (2, _VARINT):
                 self.step = value - (1 << 64) if value >= 1 << 63 else value
-            elif field == 3:
+            elif (field, wire) == (3, _LENGTH):
                 self.is_header = True
-            elif field == 5:
-                for f, entry in _fields(value):
-                    if f == 1:
+            elif (field, wire) == (5, _LENGTH):
+                for f, w, entry in _fields(value):
+                    if (f, w) == (1, _LENGTH):
                         self._add_scalar(entry)
 
     def _add_scalar(self, entry: bytes) -> None:
         tag, simple = None, None
-        for field, value in _fields(entry):
-            if field == 1:
+        for field, wire, value in _fields(entry):
+            if (field, wire) == (1, _LENGTH):
                 tag = value.decode()
-            elif field == 2:
+            elif (field, wire) == (2, _FIXED32):
                 (simple,) = struct.unpack("<f", value.to_bytes(4, "little"))
         if tag is not None and simple is not None:
             self.scalars[tag] = simple

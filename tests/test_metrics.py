@@ -124,6 +124,17 @@ def test_event_encoding_matches_the_protobufs():
         built = event_pb2.Event(step=step, wall_time=1234.5)
         built.summary.value.add(tag=tag, simple_value=value)
         assert event_file.Event(built.SerializeToString()).step == step
+    # beyond float32's range: infinite, as protobuf stores it (struct.pack would raise)
+    for big in (1e39, -1e300):
+        (v,) = event_pb2.Event.FromString(event_file.scalar_event("b", big, 1, 0.0)).summary.value
+        assert v.simple_value == np.copysign(np.inf, big)
+    # fields of another wire type than the schema's are skipped, not fatal
+    odd = event_file._length_delimited(2, b"xx") + event_file._key(5, 0) + b"\x01"
+    odd += event_file._length_delimited(
+        5, event_file._length_delimited(1, event_file._key(1, 0) + b"\x07")
+    )
+    parsed = event_file.Event(odd)
+    assert (parsed.step, parsed.is_header, parsed.scalars) == (0, False, {})
     header = event_pb2.Event.FromString(event_file.version_event(7.0))
     assert header.file_version == "brain.Event:2" and header.step == 0 and header.wall_time == 7.0
     assert event_file.Event(event_file.version_event(7.0)).is_header
