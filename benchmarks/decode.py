@@ -35,7 +35,9 @@ rate if every step after it cost only its matmuls (no attention, norms or sampli
 upper bound on tokens/s for this engine's matmuls on this machine. ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
 weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
-repeat so both see the same machine load, and prints the ratio.
+repeat so both see the same machine load, and prints the ratio. ``--op-profile`` adds the
+throughput call's device time by XLA op category (``op_profile``: a ``jax.profiler`` trace of
+two more calls, read back in the process; see benchmarks/op_profile.py).
 """
 
 from __future__ import annotations
@@ -501,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for --peers (0: torch's default; on a loaded machine its OpenMP "
         "threads can slow down many-fold, where 1 thread does not)",
     )
+    p.add_argument(
+        "--op-profile",
+        action="store_true",
+        help="throughput: also trace two generate calls and report their time by XLA op",
+    )
     p.add_argument("--peer-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer_worker:
@@ -583,6 +590,12 @@ def main(argv: list[str] | None = None) -> int:
                 peer = _hf_peer(md, params, prompts, args.new_tokens, stack, args.peer_threads)
             res = _paged(engine, params, prompts, args.new_tokens, args, peer=peer)
         completions = res.pop("_completions")
+        if args.op_profile:
+            from benchmarks.op_profile import op_profile
+            from jrlhf.decode.sampling import SamplingParams
+
+            greedy = SamplingParams(greedy=True, stop_ids=())
+            res["op_profile"] = op_profile(lambda: engine.generate(params, prompts, greedy))
         if jax.default_backend() != "gpu":
             gbps = _stream_gbps()
             read = _weight_read_bytes(md)

@@ -35,6 +35,8 @@ two alternate after their warm-ups (one jrlhf iteration; ``--peer-warmup`` TRL s
 reported but not timed): one jrlhf iteration, then one TRL step, so both see the same machine
 load; the GRPO object gains ``trl`` (its per-step medians) and ``jrlhf_speedup_over_trl``
 (TRL's median step over jrlhf's median iteration, both wall time of the whole iteration).
+``--op-profile`` adds ``op_profile``: two more iterations traced with ``jax.profiler``, their
+device time by XLA op category (benchmarks/op_profile.py).
 """
 
 from __future__ import annotations
@@ -280,6 +282,11 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
                 peer_rows.append(peer())
         trainer.steps["actor"] = step
         flops_xla = _step_flops(trainer, batches[-1])
+        ops = None
+        if args.op_profile:  # after the timed iterations, so the trace costs them nothing
+            from benchmarks.op_profile import op_profile
+
+            ops = op_profile(iteration)
         trainer.wait_for_checkpoints()
 
     phases = {k: statistics.median(r[f"time/{k}"] for r in rows) for k in PHASES}
@@ -327,6 +334,7 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         "minor_page_faults_per_iteration": faults,
         # "alias": the generation layout is the training layout, nothing is copied
         "reshard_paths": sorted({t.path for t in trainer.resharder.transitions}),
+        **({"op_profile": ops} if ops is not None else {}),
         **(_peer_summary(peer, peer_rows, statistics.median(walls), peer_warmup) if peer else {}),
     }
 
@@ -405,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2,
         help="TRL steps run before the timed ones (its first two are several times slower)",
+    )
+    p.add_argument(
+        "--op-profile",
+        action="store_true",
+        help="also trace two more iterations and report their time by XLA op",
     )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)

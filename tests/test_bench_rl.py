@@ -1,5 +1,5 @@
-"""python -m jrlhf.bench rl on a tiny setting: one JSON object with the phase, throughput, FLOP
-and compile keys."""
+"""python -m jrlhf.bench rl on a tiny setting: one JSON object with the phase, throughput, FLOP,
+compile and op-profile keys."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_bench_rl_prints_json(capsys):
     tiny = ["--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--mlp", "64"]
     rc = bench.main(
         [*tiny, "--new-tokens", "12", "--prompts", "2", "--iterations", "1",
-         "--algorithms", "grpo", "--matmul-size", "128"]
+         "--algorithms", "grpo", "--matmul-size", "128", "--op-profile"]
     )  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
@@ -34,6 +34,9 @@ def test_bench_rl_prints_json(capsys):
     assert grpo["gc_frozen_objects"] > 0  # frozen after the warm-up, as the training loop does
     # flatten on the tests' 8 devices: FSDP training, data-parallel generation
     assert grpo["reshard_paths"] == ["jit"]
+    ops = grpo["op_profile"]  # two more iterations, traced: their time by XLA op
+    assert ops["calls"] == 2 and ops["op_ms_per_call"] > 0 and ops["categories"], ops
+    assert sum(c["share"] for c in ops["categories"].values()) <= 1.001
 
 
 def test_bench_rl_peers_fail_fast_without_trl(tmp_path):

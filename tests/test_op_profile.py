@@ -1,0 +1,37 @@
+"""benchmarks/op_profile.py: exclusive times of nested trace events, and a traced call's ops."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.op_profile import exclusive_times, op_profile
+
+
+def test_exclusive_times_subtract_directly_nested_events():
+    events = [
+        (100, 10, "after"),  # starts where "loop" ends: a sibling, not a child
+        (0, 100, "loop"),
+        (10, 20, "a"),
+        (40, 30, "b"),
+        (45, 5, "b_inner"),
+    ]
+    got = dict(exclusive_times(events))
+    assert got == {"loop": 50, "a": 20, "b": 25, "b_inner": 5, "after": 10}
+    assert sum(got.values()) == 110  # every nanosecond counted once
+
+
+def test_a_traced_call_puts_its_matmul_first():
+    a, c = jnp.ones((512, 512)), jnp.ones((64,))
+    f = jax.jit(lambda a, c: (a @ a, jnp.tanh(c)))
+    prof = op_profile(lambda: jax.block_until_ready(f(a, c)), calls=3)
+    cats = prof["categories"]
+    assert len(cats) == 2, prof  # the product and the tanh, each once a call
+    assert all(row["events_per_call"] == 1 for row in cats.values()), prof
+    first = next(iter(cats.values()))
+    assert first["share"] > 0.9, prof  # 268 MFLOP against 64 tanh
+    assert sum(prof["top_ops_ms_per_call"].values()) == pytest.approx(
+        prof["op_ms_per_call"], abs=0.02
+    )
+    assert 0 < prof["op_ms_per_call"] <= prof["wall_ms_per_call"] * prof["threads_with_ops"]
