@@ -152,3 +152,31 @@ def freezers(monkeypatch) -> list:
 def pytest_unconfigure(config):
     if _SESSION_CACHE_DIR is not None:
         shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)
+
+
+# Seconds each of the slowest test files took in a full run on the 2-core machine (2026-11-28,
+# both workers busy). pytest-xdist hands out whole files (--dist loadfile) in collection order
+# (--no-loadscope-reorder: by default it orders files by their number of tests, which put the
+# slowest file, test_trainer.py, near the end, with one worker idle while it finished). Longest
+# first is the classic rule for balancing jobs over workers; files not listed follow in their
+# usual order. A stale figure only costs balance, never a test.
+_SLOW_FILES = {
+    "test_trainer.py": 183,
+    "test_decode.py": 79,
+    "test_residency.py": 52,
+    "test_train_step.py": 50,
+    "test_reliability.py": 49,
+    "test_staleness.py": 35,
+    "test_packing.py": 32,
+    "test_bench_gpu.py": 31,
+    "test_plan_search.py": 22,
+    "test_decode_kernels.py": 21,
+    "test_ppo_math.py": 19,
+    "test_fusion.py": 19,
+    "test_user_rewards.py": 17,
+    "test_dpo.py": 13,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -_SLOW_FILES.get(item.path.name, 0))  # stable: ties keep order
