@@ -5,7 +5,8 @@
 (its own duration less that of the events nested in it: a ``while`` loop's body ops are counted
 once, under their own names) is summed by category, the op's name without its ``.N`` suffix
 (``ynn_fusion.43`` -> ``ynn_fusion``: on XLA:CPU the YNNPACK fusions are its dots), and by op.
-The runtime's own events (thunk dispatch, thread-pool waits, completion markers) are left out.
+The runtime's own events (thunk dispatch, thread-pool waits, completion markers) are left out:
+one inside an op (a dot waiting for the threads sharing its work) counts as that op's time.
 
 On XLA:CPU the ops run on the host's XLA threads (``/host:CPU`` lines named ``XLAEigen`` and
 ``XLAPjRtCpuClient``). ``op_time_over_wall`` is how many ops were in flight at once on average
@@ -51,11 +52,14 @@ def _op_lines(profile):
 
 
 def exclusive_times(events) -> list[tuple[str, int]]:
-    """(name, exclusive ns) for ``events`` of one thread, given as (start_ns, duration_ns, name):
-    each event's duration less that of the events directly nested in it."""
+    """(name, exclusive ns) for the op ``events`` of one thread, given as (start_ns, duration_ns,
+    name): each op's duration less that of the ops directly nested in it. The runtime's events
+    are dropped first: one around ops (a dispatch) is not an op, and one inside an op (a dot
+    waiting for the threads that share its work) is part of that op's time."""
+    ops = [e for e in events if not e[2].startswith(_RUNTIME)]
     out: list[list] = []
     stack: list[tuple[int, int]] = []  # (end_ns, index into out)
-    for start, dur, name in sorted(events, key=lambda e: (e[0], -e[1])):
+    for start, dur, name in sorted(ops, key=lambda e: (e[0], -e[1])):
         while stack and stack[-1][0] <= start:
             stack.pop()
         if stack:
@@ -96,11 +100,9 @@ def op_profile(fn, calls: int = 2, top: int = 12) -> dict:
         per_op: collections.Counter = collections.Counter()
         busy_lines = 0
         for line in lines:
-            events = [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-            busy_lines += any(not name.startswith(_RUNTIME) for _, _, name in events)
-            for name, excl in exclusive_times(events):
-                if name.startswith(_RUNTIME):
-                    continue
+            times = exclusive_times((ev.start_ns, ev.duration_ns, ev.name) for ev in line.events)
+            busy_lines += bool(times)
+            for name, excl in times:
                 category = re.sub(r"\.\d+$", "", name)
                 ns[category] += excl
                 count[category] += 1

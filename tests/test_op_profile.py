@@ -9,17 +9,19 @@ import pytest
 from benchmarks.op_profile import exclusive_times, op_profile
 
 
-def test_exclusive_times_subtract_directly_nested_events():
+def test_exclusive_times_subtract_directly_nested_ops():
     events = [
         (100, 10, "after"),  # starts where "loop" ends: a sibling, not a child
         (0, 100, "loop"),
         (10, 20, "a"),
         (40, 30, "b"),
         (45, 5, "b_inner"),
+        (60, 8, "SlinkyThreadPool::Await"),  # b waiting for its helper threads: b's own time
+        (0, 120, "ThunkExecutor::Execute"),  # the dispatch around them all: no op
     ]
     got = dict(exclusive_times(events))
     assert got == {"loop": 50, "a": 20, "b": 25, "b_inner": 5, "after": 10}
-    assert sum(got.values()) == 110  # every nanosecond counted once
+    assert sum(got.values()) == 110  # every nanosecond of an op counted once
 
 
 def test_a_traced_call_puts_its_matmul_first():
