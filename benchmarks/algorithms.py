@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.report import add_out_argument, check_out, emit
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 CONFIG = CHECKOUT / "configs" / "arithmetic_grpo.gin"
 ALGORITHM_DIR = CHECKOUT / "configs" / "algorithms"
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--algorithms", nargs="+", default=None, help=f"default: all of {algorithms()}"
     )
-    parser.add_argument("--out", type=Path, required=True, help="directory for the runs")
+    parser.add_argument("--runs", type=Path, required=True, help="directory for the runs")
+    add_out_argument(parser)
     parser.add_argument("--host-devices", type=int, default=1, help="virtual CPU devices per run")
     parser.add_argument("--sft-steps", type=int, default=0, help="0: the config's")
     parser.add_argument("--iterations", type=int, default=0, help="0: the config's")
@@ -61,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if not (ALGORITHM_DIR / f"{n}.gin").is_file()]
     if unknown:
         parser.error(f"unknown algorithm(s) {unknown} (known: {algorithms()})")
-    if args.out.exists() and any(args.out.iterdir()):
-        parser.error(f"--out {args.out} is not empty")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.runs.exists() and any(args.runs.iterdir()):
+        parser.error(f"--runs {args.runs} is not empty")
+    check_out(parser, args.out)
+    args.runs.mkdir(parents=True, exist_ok=True)
 
     common = [f"RunConfig.host_devices={args.host_devices}"]
     if args.sft_steps:
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, dict]] = {n: {} for n in names}
     sft_seconds = {}
     for seed in args.seeds:
-        base = args.out / f"seed{seed}"
+        base = args.runs / f"seed{seed}"
         base.mkdir()
         seeded = [*common, f"RunConfig.seed={seed}"]
         sft_run = base / "sft"
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "mean": {n: {"before": mean(n, "before"), "after": mean(n, "after")} for n in names},
     }
-    print(json.dumps(report, indent=2))
+    emit(report, args.out)
     return 0
 
 

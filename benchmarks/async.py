@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.report import add_out_argument, check_out, emit
+
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generate", "score", "train", "reshard")
 
@@ -147,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "generation and training owned separate hardware; 0: unpinned, both processes share "
         "every core (default 1 where there are 2 cores or more)",
     )
+    add_out_argument(p)
     args = p.parse_args(argv)
+    check_out(p, args.out)
     if args.warmup < 1 or args.iterations < args.warmup + 2:
         p.error("need --warmup >= 1 and --iterations >= warmup + 2")
     bindings = _bindings(args)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "cpu_count": os.cpu_count(),
     }
-    print(json.dumps(report, indent=2))
+    emit(report, args.out)
     return 0
 
 

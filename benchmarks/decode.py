@@ -50,6 +50,8 @@ import os
 import sys
 import time
 
+from benchmarks.report import add_out_argument, check_out, emit
+
 _PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
 
 
@@ -509,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         help="throughput: also trace two generate calls and report their time by XLA op",
     )
     p.add_argument("--peer-worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    add_out_argument(p)
     args = p.parse_args(argv)
+    check_out(p, args.out)
     if args.peer_worker:
         return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]), args.peer_threads)
 
@@ -673,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             "mlp": args.mlp,
             **_groups(md, params, mesh, args),
         }
-    print(json.dumps(out, indent=2))
+    emit(out, args.out)
     return 0
 
 

@@ -19,12 +19,12 @@ serializes calls on this one process: there fusion cannot overlap scoring with d
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.runtime.devices import ensure_host_devices
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "longtail_ppo.gin"
@@ -46,7 +46,10 @@ def _parse(argv):
         default=8,
         help="RLConfig.migrate_rows of a third variant (0: none)",
     )
-    return p.parse_args(argv)
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    return args
 
 
 def _bindings(args) -> list[str]:
@@ -207,5 +210,5 @@ def main(argv=None) -> int:
             ),
         },
     }
-    print(json.dumps(out, indent=2))
+    emit(out, args.out)
     return 0

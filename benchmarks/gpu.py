@@ -53,13 +53,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
+
+from benchmarks.report import add_out_argument, check_out, write
 
 SECTIONS = ("ceilings", "kernel", "decode", "train", "attention")
 # Datasheet dense bf16 matmul peaks (FLOP/s) and HBM bandwidths (GB/s), for reference only: the
@@ -610,8 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         default="cudnn,einsum",
         help="train: ModelConfig.attention of each run, in order (cudnn needs a GPU)",
     )
-    p.add_argument("--out", help="also write the JSON here (after every section)")
+    add_out_argument(p)  # written after every section
     args = p.parse_args(argv)
+    check_out(p, args.out)
     sections = args.sections.split(",")
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
@@ -651,10 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         out["note"] = "no GPU: these are this machine's figures, not an accelerator's"
 
     def save():
-        text = json.dumps(out, indent=2)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return text
+        return write(out, args.out)
 
     runners = {
         "ceilings": lambda: ceilings(args),

@@ -22,13 +22,13 @@ target hardware to see the overlap factor there.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
 
 import numpy as np
 
+from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.runtime.devices import ensure_host_devices
 
 
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    add_out_argument(p)
     args = p.parse_args(argv)
+    check_out(p, args.out)
     ensure_host_devices()
     out = {
         name: measure(name, args.hidden, args.layers, args.batch, args.seq, args.repeats)
@@ -124,5 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     out["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform}"
-    print(json.dumps(out, indent=2))
+    emit(out, args.out)
     return 0

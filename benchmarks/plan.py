@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.config import DEFAULT_CONFIG, load_config
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.pipeline.plan_bench import trainer_bindings, trainer_workload
@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search-steps", type=int, default=300, help="MCMC steps per chain")
     p.add_argument("--search-restarts", type=int, default=2, help="MCMC chains")
     p.add_argument("--save-profile", help="also write the calibrated profile JSON here")
-    p.add_argument("--out", help="also write the JSON here")
+    add_out_argument(p)
     args = p.parse_args(argv)
+    check_out(p, args.out)
     names = [x for x in args.plans.split(",") if x]
     unknown = [x for x in names if x not in DEFAULT_PLANS]
     if unknown:
@@ -436,10 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             "total": time.perf_counter() - t_start,
         },
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

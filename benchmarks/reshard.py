@@ -8,10 +8,10 @@ the naive generation device order, XLA compilations, the memory plan and host-pa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.runtime.devices import ensure_host_devices
 
 CHOOSER_CASES = (
@@ -36,7 +36,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--budget-mib", type=float, default=None, help="per-device memory budget")
-    return p.parse_args(argv)
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    return args
 
 
 def _timed(fn, *args):
@@ -203,5 +206,5 @@ def main(argv: list[str] | None = None) -> int:
             "restore_seconds": round(t_restore, 4),
         },
     }
-    print(json.dumps(result, indent=2))
+    emit(result, args.out)
     return 0

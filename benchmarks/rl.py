@@ -53,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.report import add_out_argument, check_out, emit
+
 PHASES = ("generate", "score", "train", "reshard")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -419,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also trace two more iterations and report their time by XLA op",
     )
-    p.add_argument("--out", help="also write the JSON here")
+    add_out_argument(p)
     args = p.parse_args(argv)
+    check_out(p, args.out)
 
     if args.peers:  # fail before any expensive work
         args.peer_python = _peer_python(args)
@@ -467,10 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         for algorithm in args.algorithms.split(","):
             out[algorithm] = measure(args, algorithm, peak)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

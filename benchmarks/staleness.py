@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.algorithms import run_train
+from benchmarks.report import add_out_argument, check_out, emit
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 CONFIGS = CHECKOUT / "configs"
@@ -72,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a gin binding for the RL runs of both modes (repeatable), e.g. "
         "actor/RoleConfig.learning_rate=3e-4",
     )
-    parser.add_argument("--out", type=Path, required=True, help="directory for the runs")
+    parser.add_argument("--runs", type=Path, required=True, help="directory for the runs")
+    add_out_argument(parser)
     parser.add_argument("--host-devices", type=int, default=1, help="virtual CPU devices per run")
     args = parser.parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()):
-        parser.error(f"--out {args.out} is not empty")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.runs.exists() and any(args.runs.iterdir()):
+        parser.error(f"--runs {args.runs} is not empty")
+    check_out(parser, args.out)
+    args.runs.mkdir(parents=True, exist_ok=True)
 
     common = [f"RunConfig.host_devices={args.host_devices}"]
     rl = [f"RLConfig.off_policy_correction='{args.correction}'", *args.bindings]
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, dict] = {}
         base_seconds = {}
         for seed in args.seeds:
-            base = args.out / name / f"seed{seed}"
+            base = args.runs / name / f"seed{seed}"
             base.mkdir(parents=True)
             seeded = [*common, f"RunConfig.seed={seed}"]
             base_run = base / "base"
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "gap_per_seed": gaps,
             "mean_gap": round(statistics.fmean(gaps.values()), 4),
         }
-    print(json.dumps(report, indent=2))
+    emit(report, args.out)
     return 0
 
 
