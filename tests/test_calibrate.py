@@ -276,9 +276,6 @@ def test_fit_profile_recovers_a_known_profile(shared):
             forward_layer_overhead_once_s=1e-4,
             train_layer_overhead_once_s=6e-4,
             decode_layer_overhead_once_s=5e-5,
-            # a generate call's host-side work, per device: told apart from the per-step layer
-            # costs by the runs' device counts, layer counts and generation lengths
-            generate_call_overhead_s=4e-3,
             # two one-device calls at once take 0.8 x their sum
             call_core_share=0.8,
         )
@@ -293,7 +290,6 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "decode_efficiency",
         "decode_layer_overhead_s",
         "decode_layer_overhead_once_s",
-        "generate_call_overhead_s",
         "reshard_overhead_s",
         "reshard_efficiency",
         "reshard_copy_efficiency",

@@ -877,29 +877,6 @@ def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
     assert kv_part(long) == pytest.approx(9 * row_token * 64 / 1e9, rel=1e-6)
 
 
-def test_a_generate_call_pays_its_host_work_once_per_device_its_process_drives():
-    cfg = tiny_config()
-    w = _workload(cfg, prompt_len=16, gen_len=9)
-    profile = DeviceProfile(
-        name="t", memory_bytes=2**33, matmul_flops=1e12, memory_bandwidth=1e10, devices_per_node=4
-    )
-    host = profile.replace(generate_call_overhead_s=2e-3)
-    extra = {
-        n: est.generate_seconds(w, flatten(n)["actor_generate"], host)
-        - est.generate_seconds(w, flatten(n)["actor_generate"], profile)
-        for n in (1, 2, 4, 8)
-    }
-    # once per call, whatever the decode steps and waves; a process drives one node's devices
-    assert extra == pytest.approx({1: 2e-3, 2: 4e-3, 4: 8e-3, 8: 8e-3}, rel=1e-9)
-    longer = _workload(cfg, prompt_len=16, gen_len=33)
-    p = flatten(2)["actor_generate"]
-    assert est.generate_seconds(longer, p, host) - est.generate_seconds(
-        longer, p, profile
-    ) == pytest.approx(4e-3, rel=1e-9)
-    with pytest.raises(ValueError, match="generate_call_overhead_s"):
-        profile.replace(generate_call_overhead_s=-1.0)
-
-
 def test_fused_attention_keeps_no_probabilities_in_training_memory():
     """On a profile with fused attention (the GPU ones) a bf16 model's training step saves one
     float32 log-sum-exp per head and token instead of the float32 scores/probabilities rows;

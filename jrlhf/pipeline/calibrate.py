@@ -359,7 +359,8 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
         gen_p.rules,
         EngineConfig(
             num_slots=w.rows,
-            page_size=8,
+            # the trainer's pages (DecodeConfig.page_size), as the workload prices them
+            page_size=w.decode_page_size,
             max_prompt_len=P,
             max_new_tokens=R,
             chunk_steps=w.decode_chunk_steps,
@@ -505,11 +506,6 @@ EXTRA_RATES = {
     "train": (("train_activation_efficiency", 0.0),),
     "generate": (("decode_kv_efficiency", 10.0),),
 }
-# Fixed costs each kind's fit finds on a shared host besides its layer overheads (profile fields,
-# seconds): a generate call's host-side work per device (``generate_call_overhead_s``; the
-# profile field says what it changed). Accelerators' fits, one device a report, cannot tell it
-# from the per-layer-step costs.
-EXTRA_COSTS = {"forward": (), "train": (), "generate": ("generate_call_overhead_s",)}
 # fixed_device_exponent values the shared-host fit tries
 DEVICE_EXPONENTS = tuple(i / 10 for i in range(11))
 
@@ -579,13 +575,11 @@ def _fit_linear(
             return est.generate_seconds(w, plan["actor_generate"], prof)
 
         rates = EXTRA_RATES[kind]
-        costs = EXTRA_COSTS[kind] if profile.shared_host else ()
         rows, ys = [], []
         for overrides, devices, measured in measurements:
             p0 = profile.replace(
                 **{eff_field: 1.0, layer_field: 0.0, once_field: 0.0},
                 **{field: 1.0 for field, _ in rates},
-                **{field: 0.0 for field in costs},
             )
             t0 = model_time(p0, overrides, devices)
             t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices)
@@ -594,10 +588,6 @@ def _fit_linear(
             work = 2 * (t0 - t_half)  # the term divided by efficiency, at efficiency 1
             layers = (t_layer - t0) / 1e-3  # the coefficient of the per-device layer overhead
             once = (t_once - t0) / 1e-3  # ... and of the once-per-call one
-            cost = [
-                (model_time(p0.replace(**{field: 1e-3}), overrides, devices) - t0) / 1e-3
-                for field in costs
-            ]
             # each extra rate's term at efficiency 1 (its time halves at efficiency 2)
             extra = [
                 2 * (t0 - model_time(p0.replace(**{field: 2.0}), overrides, devices))
@@ -608,7 +598,7 @@ def _fit_linear(
             row = [work * scale, layers * scale]
             if profile.shared_host:  # elsewhere both overheads are paid alike: one unknown
                 row.append(once * scale)
-            rows.append(row + [c * scale for c in cost] + [e * scale for e in extra])
+            rows.append(row + [e * scale for e in extra])
             ys.append((measured[kind] - fixed) * scale)
         x = _nnls(np.array(rows), np.array(ys))
         residual += float(np.sum((np.array(rows) @ x - np.array(ys)) ** 2))
@@ -624,10 +614,6 @@ def _fit_linear(
             "layer_overhead_s": float(layer_overhead),
             "layer_overhead_once_s": float(layer_once),
         }
-        first_cost = 3 if profile.shared_host else 2
-        for field, value in zip(costs, x[first_cost : first_cost + len(costs)]):
-            profile = profile.replace(**{field: float(value)})
-            fits[kind][field] = float(value)
         for (field, unpriced), inv in zip(rates, x[len(x) - len(rates) :]):
             value = float(min(10.0, 1.0 / inv)) if inv > 0 else unpriced
             profile = profile.replace(**{field: value})

@@ -494,8 +494,7 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
     (compute- or weight-read-bound, at ``decode_efficiency``), and its attention reads the KV
     pages of the sequences in flight (``attended_context``) at ``decode_kv_efficiency`` of the
     memory bandwidth: on CPU that gather-and-reduce is far slower than the matmuls and grows
-    with the context, not with the weights. The call's host-side work costs
-    ``generate_call_overhead_s`` per device its process drives."""
+    with the context, not with the weights."""
     cfg = w.actor
     g = _geometry(p, profile)
     rows = w.rows
@@ -519,8 +518,7 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
     context = attended_context(w.prompt_len, w.gen_len, w.decode_page_size)
     weight_bytes = shard_bytes(cfg, "lm", p)
     chunks = -(-steps // max(1, w.decode_chunk_steps))
-    # the call's host-side work: one host process drives up to devices_per_node of its devices
-    total = prefill + profile.generate_call_overhead_s * min(g.n, profile.devices_per_node)
+    total = prefill
     for in_flight in _waves(w, g):
         per_shard = -(-in_flight // g.batch)
         compute = _work_s(

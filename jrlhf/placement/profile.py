@@ -76,13 +76,6 @@ class DeviceProfile:
     # and the update's dispatch (fitted to the whole trainer on GPUs, docs/gpu.md run 23)
     train_step_overhead_s: float = 0.0
     decode_layer_overhead_s: float = 0.0  # per layer of one decode step
-    # One generate call's host-side work per device its host process drives (admitting prompts,
-    # uploading page tables, each chunk's sync and fetch of every device's results): paid once
-    # per call, min(n, devices_per_node) times over. On the 2-core CPU the calibration's
-    # generations fitted with it within 19.7% where the per-layer-step costs alone left 33.9%
-    # (one calibration; 13.5% against 14.4% on the stock profile's runs), and those costs then
-    # fitted to ~0: what they had priced was mostly this (docs/plans.md, after run 39).
-    generate_call_overhead_s: float = 0.0
     # The same per-layer costs' part a call pays once whatever its device count. On a shared host
     # the ``*_layer_overhead_s`` above are paid by every device program (n / min(n, host_cores)
     # times over); these are not: the calibration fits both from runs on 1, half and all the
@@ -157,8 +150,6 @@ class DeviceProfile:
             raise ValueError(
                 f"profile {self.name!r}: memory_reserve_bytes must be in [0, memory_bytes)"
             )
-        if self.generate_call_overhead_s < 0:
-            raise ValueError(f"profile {self.name!r}: generate_call_overhead_s must be >= 0")
         if not 0 <= self.fixed_device_exponent <= 1:
             raise ValueError(f"profile {self.name!r}: fixed_device_exponent must be in [0, 1]")
         if not 0 < self.call_core_share <= 1:
