@@ -23,6 +23,12 @@ different size (``--hidden``/``--layers``), so the error is not fitted to the te
 calibration models are timed first (the search uses that profile), then once more before each
 round of trainer iterations; the errors come from the profile fitted to those later rounds, which
 saw the machine as the trainers did (``summary.calibrated_before_measuring`` scores the first).
+
+The report keeps both profiles with their inputs (``profiles``: the microbenchmarks and every
+calibration round), so ``--rescore REPORT`` can price an earlier run's measurements again after
+the estimator or its fit changes, in seconds and without measuring: each profile is refitted by
+this code from the report's calibration rounds, and the plans and workloads are rebuilt from the
+recorded placements, knobs, model and workload.
 """
 
 from __future__ import annotations
@@ -315,9 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search-steps", type=int, default=300, help="MCMC steps per chain")
     p.add_argument("--search-restarts", type=int, default=2, help="MCMC chains")
     p.add_argument("--save-profile", help="also write the calibrated profile JSON here")
+    p.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="REPORT",
+        help="measure nothing: score an earlier report's measurements again with this code's "
+        "estimator, under --profile or else the report's profile (refitted from its "
+        "calibration rounds)",
+    )
     add_out_argument(p)
     args = p.parse_args(argv)
     check_out(p, args.out)
+    if args.rescore is not None:
+        emit(rescore(args.rescore, args.profile), args.out)
+        return 0
     names = [x for x in args.plans.split(",") if x]
     unknown = [x for x in names if x not in DEFAULT_PLANS]
     if unknown:
@@ -378,27 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = cal.fit_measured(base, timings.results())
         if args.save_profile:
             profile.save(args.save_profile)
-    results, summary = _compare(setups, measured_all, profile)
+    results, summary = _summarize(
+        setups, measured_all, profile, first_profile if timings is not None else None, search_info
+    )
     for r in results:
         r["response_len_mean_max"] = response_lens[r["plan"]]
-    if timings is not None:
-        _, first = _compare(setups, measured_all, first_profile)
-        summary["calibrated_before_measuring"] = {
-            "what": "the same errors under the profile calibrated before the trainers ran (the "
-            "one the search used), whose rounds did not share the machine's state with theirs",
-            "phase_error": first["phase_error"],
-            "iteration_error": first["iteration_error"],
-        }
-    by_name = {r["plan"]: r for r in results}
-    if "searched" in by_name and "flatten" in by_name:
-        s, f = by_name["searched"]["iteration"], by_name["flatten"]["iteration"]
-        summary["searched_vs_flatten"] = {
-            "measured_speedup": f["measured_s"] / s["measured_s"],
-            "estimated_speedup": f["estimated_s"] / s["estimated_s"],
-            "searched_placements": by_name["searched"]["placements"],
-            "searched_knobs": by_name["searched"]["knobs"],
-            **(search_info or {}),
-        }
     summary["device_peak_bytes"] = {
         "what": "the allocator's peak bytes in use on the busiest device since the process "
         "started (every plan's trainer, the calibration's too; null where the backend keeps no "
@@ -427,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
             k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
         },
         "profile_fits": profile.measured.get("fits"),
+        # every input of the fit (microbenchmarks, the calibration models' timings), so that
+        # ``--rescore`` can price these measurements again after the estimator changes
+        "profiles": (
+            {"fitted": profile.to_dict(), "calibrated_before_measuring": first_profile.to_dict()}
+            if timings is not None
+            else {"given": profile.to_dict()}
+        ),
         "model": _model(args),
         "workload": _workload_fields(args),
         "results": results,
@@ -439,6 +447,138 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit(out, args.out)
     return 0
+
+
+def _summarize(
+    setups: dict, measured_all: dict, profile, first_profile, search_info: dict | None
+) -> tuple[list[dict], dict]:
+    """``_compare`` under ``profile``, plus the summary's score under ``first_profile`` (the
+    profile calibrated before the trainers ran; None: there was none) and the searched plan's
+    measured and estimated speed-up over flatten."""
+    results, summary = _compare(setups, measured_all, profile)
+    if first_profile is not None:
+        _, first = _compare(setups, measured_all, first_profile)
+        summary["calibrated_before_measuring"] = {
+            "what": "the same errors under the profile calibrated before the trainers ran (the "
+            "one the search used), whose rounds did not share the machine's state with theirs",
+            "phase_error": first["phase_error"],
+            "iteration_error": first["iteration_error"],
+        }
+    by_name = {r["plan"]: r for r in results}
+    if "searched" in by_name and "flatten" in by_name:
+        s, f = by_name["searched"]["iteration"], by_name["flatten"]["iteration"]
+        summary["searched_vs_flatten"] = {
+            "measured_speedup": f["measured_s"] / s["measured_s"],
+            "estimated_speedup": f["estimated_s"] / s["estimated_s"],
+            "searched_placements": by_name["searched"]["placements"],
+            "searched_knobs": by_name["searched"]["knobs"],
+            **(search_info or {}),
+        }
+    return results, summary
+
+
+def _refused(msg: str) -> SystemExit:
+    return SystemExit(f"python -m jrlhf.bench plan: error: {msg}")
+
+
+def _report_profile(report: dict, key: str, where: str):
+    """The profile a report stored under ``profiles[key]``: refitted with this code's fit from
+    its calibration rounds where the run calibrated it, as stored where it was given."""
+    from jrlhf.placement.profile import DeviceProfile
+
+    stored = DeviceProfile.from_dict(report["profiles"][key], where=f"{where}: profiles.{key}")
+    if key == "given":
+        return stored
+    from jrlhf.pipeline import calibrate as cal
+
+    models = stored.measured.get("models") or []
+    try:
+        results = [(m["overrides"], m["devices"], m["seconds"], m["spread"]) for m in models]
+    except (KeyError, TypeError) as e:
+        raise _refused(f"{where}: profiles.{key}.measured.models is malformed ({e!r})") from None
+    if not results:
+        raise _refused(f"{where}: profiles.{key} has no calibration rounds to fit")
+    return cal.fit_measured(stored, results)
+
+
+def rescore(path: Path, profile_name: str | None = None) -> dict:
+    """A report of ``bench plan`` scored again without measuring anything: every plan's
+    workload rebuilt from the report's model, workload, device count and knobs, its plan from
+    the recorded placements, and its measured phase times priced by this code's estimator under
+    ``profile_name`` or else the report's own profile (refitted from the report's calibration
+    rounds when the run calibrated). Bad reports are refused in one line naming the culprit."""
+    import json
+
+    from jrlhf.pipeline.plan_bench import plan_from_placements
+
+    where = f"--rescore {path}"
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise _refused(f"{where}: cannot read a JSON report ({e})") from None
+    if not isinstance(report, dict) or report.get("benchmark") != "plan_estimator":
+        raise _refused(f"{where}: not a bench plan report (no benchmark 'plan_estimator')")
+    missing = [k for k in ("device", "model", "workload", "results") if k not in report]
+    if missing:
+        raise _refused(f"{where}: the report lacks {', '.join(missing)}")
+    try:
+        n = int(str(report["device"]).split(" x ")[0])
+    except ValueError:
+        raise _refused(f"{where}: device {report['device']!r} is not 'N x PLATFORM'") from None
+    setups, measured_all = {}, {}
+    for i, r in enumerate(report["results"]):
+        try:
+            name = r["plan"]
+            plan = plan_from_placements(name, r["placements"])
+            bindings = trainer_bindings(report["model"], report["workload"], n, plan, r["knobs"])
+            measured = {k: [float(x) for x in r["phases"][k]["runs"]] for k in PHASE_KEYS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise _refused(f"{where}: results[{i}] is malformed ({e!r})") from None
+        if any(len(v) == 0 for v in measured.values()):
+            raise _refused(f"{where}: results[{i}] ({name}) has a phase without measurements")
+        setups[name] = (plan, trainer_workload(bindings), bindings)
+        measured_all[name] = measured
+    if not setups:
+        raise _refused(f"{where}: the report has no results")
+    profiles = report.get("profiles") or {}
+    first = None
+    if profile_name:
+        from jrlhf.placement.profile import DeviceProfile
+
+        profile, source = DeviceProfile.load(profile_name), profile_name
+    elif "fitted" in profiles:
+        profile = _report_profile(report, "fitted", where)
+        source = "refitted from the report's calibration rounds"
+        if "calibrated_before_measuring" in profiles:
+            first = _report_profile(report, "calibrated_before_measuring", where)
+    elif "given" in profiles:
+        profile, source = _report_profile(report, "given", where), "the report's given profile"
+    else:
+        raise _refused(
+            f"{where}: the report stores no profile (written before reports kept it): "
+            "pass --profile"
+        )
+    results, summary = _summarize(setups, measured_all, profile, first, None)
+    originals = {r["plan"]: r for r in report["results"]}
+    for r in results:
+        if "response_len_mean_max" in originals[r["plan"]]:
+            r["response_len_mean_max"] = originals[r["plan"]]["response_len_mean_max"]
+    return {
+        "benchmark": "plan_estimator",
+        "rescored": {"report": str(path), "profile": source},
+        "device": report["device"],
+        "summary": summary,
+        "table_columns": report.get("table_columns"),
+        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
+        "profile": profile.name,
+        "profile_rates": {
+            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
+        },
+        "profile_fits": profile.measured.get("fits"),
+        "model": report["model"],
+        "workload": report["workload"],
+        "results": results,
+    }
 
 
 def _error_stats(errors: list[float]) -> dict:

@@ -191,6 +191,100 @@ def test_plan_bench_scores_the_robust_median_and_keeps_the_plain_one(monkeypatch
     assert bench._row(results[0]["phases"], results[0]["iteration"])["reshard"][2] is None
 
 
+def _plan_report(tmp_path, profiles, fitted):
+    """A ``bench plan`` report of two plans whose measurements are the estimate under
+    ``fitted`` scaled by known factors, keeping ``profiles`` as a run keeps them."""
+    import json
+
+    from benchmarks import plan as bench
+    from jrlhf.pipeline.plan_bench import trainer_bindings, trainer_workload
+
+    model = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "dtype": "float32",
+             "param_dtype": "float32"}  # fmt: skip
+    workload = {"prompts": 8, "minibatch": 4, "gen_len": 6, "iterations": 3, "bindings": []}
+    knobs = {"flatten": {}, "separate": {"actor_microbatches": 2}}
+    setups, measured = {}, {}
+    for name, factor in (("flatten", 1.2), ("separate", 0.9)):
+        plan = bench.PLANS[name][0](8)
+        bindings = trainer_bindings(model, workload, 8, plan, knobs[name])
+        w = trainer_workload(bindings)
+        setups[name] = (plan, w, bindings)
+        phases = est.estimate(plan, w, fitted).phase_seconds
+        measured[name] = {k: [factor * phases[k]] * 2 for k in bench.PHASE_KEYS}
+    results, summary = bench._summarize(setups, measured, fitted, None, None)
+    report = {"benchmark": "plan_estimator", "device": "8 x cpu", "model": model,
+              "workload": workload, "results": results, "profiles": profiles}  # fmt: skip
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    return path, results, summary
+
+
+def test_plan_bench_rescore_prices_a_report_again_with_its_own_refitted_profile(tmp_path):
+    """``bench plan --rescore REPORT`` rebuilds every plan and workload from the report (the
+    knobs included) and refits the profile from the report's calibration rounds: scored again
+    with the same code, a report gives its own errors back; with a given profile, that one's."""
+    from benchmarks import plan as bench
+
+    stock = DeviceProfile.load("cpu")
+    rounds = [(m["overrides"], m["devices"], m["seconds"], m["spread"])
+              for m in stock.measured["models"]]  # fmt: skip
+    fitted = cal.fit_measured(stock, rounds)
+    path, results, summary = _plan_report(tmp_path, {"fitted": stock.to_dict()}, fitted)
+    again = bench.rescore(path)
+    assert again["rescored"]["profile"] == "refitted from the report's calibration rounds"
+    errors = again["summary"]["phase_error"]
+    for key in ("median_abs_rel", "max_abs_rel", "count"):
+        assert errors[key] == pytest.approx(summary["phase_error"][key])
+    # measured 1.2x and 0.9x the estimate: errors of 1/6 and 1/9, four phases each
+    assert errors["median_abs_rel"] == pytest.approx((1 / 6 + 1 / 9) / 2, rel=1e-6)
+    assert errors["max_abs_rel"] == pytest.approx(1 / 6, rel=1e-6)
+    for old, new in zip(results, again["results"]):
+        assert new["knobs"] == old["knobs"]
+        assert new["iteration"]["estimated_s"] == pytest.approx(old["iteration"]["estimated_s"])
+    # another profile on the command line prices the same measurements differently
+    slower = fitted.replace(matmul_flops=fitted.matmul_flops / 2)
+    slow_path = tmp_path / "slower.json"
+    slower.save(slow_path)
+    by_arg = bench.rescore(path, str(slow_path))
+    assert by_arg["rescored"]["profile"] == str(slow_path)
+    assert by_arg["results"][0]["iteration"]["estimated_s"] > results[0]["iteration"]["estimated_s"]
+    # a report made under a given profile is priced by that profile as stored (no refit)
+    path, _, summary = _plan_report(tmp_path, {"given": slower.to_dict()}, fitted)
+    given = bench.rescore(path)
+    assert given["rescored"]["profile"] == "the report's given profile"
+    assert given["results"][0]["iteration"]["estimated_s"] == pytest.approx(
+        by_arg["results"][0]["iteration"]["estimated_s"]
+    )
+
+
+def test_plan_bench_rescore_refuses_bad_reports_by_name(tmp_path, capsys):
+    import json
+
+    from benchmarks import plan as bench
+
+    def refused(report, match, text=None):
+        path = tmp_path / "r.json"
+        path.write_text(text if text is not None else json.dumps(report))
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--rescore", str(path)])
+        assert match in str(e.value) and str(path) in str(e.value)
+
+    refused(None, "cannot read a JSON report", text="{not json")
+    refused({"benchmark": "decode"}, "not a bench plan report")
+    good = {"benchmark": "plan_estimator", "device": "8 x cpu", "model": {}, "workload": {}}
+    refused({k: v for k, v in good.items() if k != "model"}, "lacks model")
+    refused({**good, "results": [{"plan": "flatten"}]}, "results[0] is malformed")
+    stock = DeviceProfile.load("cpu")
+    path, _, _ = _plan_report(tmp_path, {}, stock)
+    report = json.loads(path.read_text())
+    refused(report, "stores no profile")
+    report["results"][1]["phases"]["train"]["runs"] = []
+    report["profiles"] = {"given": stock.to_dict()}
+    refused(report, "results[1] (separate) has a phase without measurements")
+    with pytest.raises(SystemExit):  # nothing to write to: refused before any work
+        bench.main(["--rescore", str(path), "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_collective_fit_recovers_bandwidth_and_latency(shared):
     n, bw, lat, cores = 8, 6e9, 4e-5, 2
