@@ -23,6 +23,9 @@ different size (``--hidden``/``--layers``), so the error is not fitted to the te
 calibration models are timed first (the search uses that profile), then once more before each
 round of trainer iterations; the errors come from the profile fitted to those later rounds, which
 saw the machine as the trainers did (``summary.calibrated_before_measuring`` scores the first).
+``summary.builtin_profile`` scores the device kind's built-in profile (the one
+``placement='search'`` and ``python -m jrlhf.plan`` use), calibrated apart from the run: a check
+held out from the run's own calibration.
 
 The report keeps both profiles with their inputs (``profiles``: the microbenchmarks and every
 calibration round), so ``--rescore REPORT`` can price an earlier run's measurements again after
@@ -396,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_profile:
             profile.save(args.save_profile)
     results, summary = _summarize(
-        setups, measured_all, profile, first_profile if timings is not None else None, search_info
+        setups,
+        measured_all,
+        profile,
+        first_profile if timings is not None else None,
+        search_info,
+        _builtin_profile(jax.devices()[0].platform),
     )
     for r in results:
         r["response_len_mean_max"] = response_lens[r["plan"]]
@@ -449,12 +457,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _builtin_profile(platform: str):
+    """The built-in profile of ``platform``'s devices (what ``placement='search'`` and
+    ``python -m jrlhf.plan`` price plans with), or None where there is none."""
+    from jrlhf.placement.profile import DeviceProfile
+
+    if platform == "cpu":
+        return DeviceProfile.load("cpu")
+    from jrlhf.placement.search import local_device_kind
+
+    try:
+        return DeviceProfile.load(local_device_kind())
+    except ValueError:  # a device kind without a built-in profile
+        return None
+
+
 def _summarize(
-    setups: dict, measured_all: dict, profile, first_profile, search_info: dict | None
+    setups: dict,
+    measured_all: dict,
+    profile,
+    first_profile,
+    search_info: dict | None,
+    builtin=None,
 ) -> tuple[list[dict], dict]:
     """``_compare`` under ``profile``, plus the summary's score under ``first_profile`` (the
-    profile calibrated before the trainers ran; None: there was none) and the searched plan's
-    measured and estimated speed-up over flatten."""
+    profile calibrated before the trainers ran; None: there was none) and under ``builtin``
+    (the device kind's built-in profile, fitted to none of this run; None: not scored), and the
+    searched plan's measured and estimated speed-up over flatten."""
     results, summary = _compare(setups, measured_all, profile)
     if first_profile is not None:
         _, first = _compare(setups, measured_all, first_profile)
@@ -463,6 +492,15 @@ def _summarize(
             "one the search used), whose rounds did not share the machine's state with theirs",
             "phase_error": first["phase_error"],
             "iteration_error": first["iteration_error"],
+        }
+    if builtin is not None:
+        _, held_out = _compare(setups, measured_all, builtin)
+        summary["builtin_profile"] = {
+            "what": "the same errors under the device kind's built-in profile (what "
+            "placement='search' and python -m jrlhf.plan use), calibrated apart from this run",
+            "profile": builtin.name,
+            "phase_error": held_out["phase_error"],
+            "iteration_error": held_out["iteration_error"],
         }
     by_name = {r["plan"]: r for r in results}
     if "searched" in by_name and "flatten" in by_name:
@@ -558,7 +596,9 @@ def rescore(path: Path, profile_name: str | None = None) -> dict:
             f"{where}: the report stores no profile (written before reports kept it): "
             "pass --profile"
         )
-    results, summary = _summarize(setups, measured_all, profile, first, None)
+    platform = str(report["device"]).partition(" x ")[2]
+    builtin = _builtin_profile("cpu") if platform == "cpu" else None
+    results, summary = _summarize(setups, measured_all, profile, first, None, builtin)
     originals = {r["plan"]: r for r in report["results"]}
     for r in results:
         if "response_len_mean_max" in originals[r["plan"]]:

@@ -238,6 +238,12 @@ def test_plan_bench_rescore_prices_a_report_again_with_its_own_refitted_profile(
     # measured 1.2x and 0.9x the estimate: errors of 1/6 and 1/9, four phases each
     assert errors["median_abs_rel"] == pytest.approx((1 / 6 + 1 / 9) / 2, rel=1e-6)
     assert errors["max_abs_rel"] == pytest.approx(1 / 6, rel=1e-6)
+    # and scored under the built-in profile users plan with, as given on the command line
+    held_out = again["summary"]["builtin_profile"]
+    assert held_out["profile"] == "cpu"
+    under_cpu = bench.rescore(path, "cpu")["summary"]
+    assert held_out["phase_error"] == under_cpu["phase_error"]
+    assert held_out["iteration_error"] == under_cpu["iteration_error"]
     for old, new in zip(results, again["results"]):
         assert new["knobs"] == old["knobs"]
         assert new["iteration"]["estimated_s"] == pytest.approx(old["iteration"]["estimated_s"])
