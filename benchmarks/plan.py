@@ -27,11 +27,12 @@ saw the machine as the trainers did (``summary.calibrated_before_measuring`` sco
 ``placement='search'`` and ``python -m jrlhf.plan`` use), calibrated apart from the run: a check
 held out from the run's own calibration.
 
-The report keeps both profiles with their inputs (``profiles``: the microbenchmarks and every
-calibration round), so ``--rescore REPORT`` can price an earlier run's measurements again after
-the estimator or its fit changes, in seconds and without measuring: each profile is refitted by
-this code from the report's calibration rounds, and the plans and workloads are rebuilt from the
-recorded placements, knobs, model and workload.
+The report keeps its profiles with their inputs (``profiles``: the fitted one and the one
+calibrated before measuring, each with the microbenchmarks and every calibration round, or the
+``--profile`` given), so ``--rescore REPORT`` can price an earlier run's measurements again after
+the estimator or its fit changes, in seconds and without measuring: a calibrated profile is
+refitted by this code from the report's rounds (a given one is used as stored), and the plans
+and workloads are rebuilt from the recorded placements, knobs, model and workload.
 """
 
 from __future__ import annotations
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_out(p, args.out)
     if args.rescore is not None:
+        if args.out is not None and args.out.resolve() == args.rescore.resolve():
+            p.error(f"--out {args.out} is the report being rescored; write the rescore elsewhere")
         emit(rescore(args.rescore, args.profile), args.out)
         return 0
     names = [x for x in args.plans.split(",") if x]
@@ -424,18 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "plan_estimator",
         "device": f"{n} x {jax.devices()[0].platform}",
-        "summary": summary,
-        "table_columns": "per phase and iteration: [measured_s, estimated_s, rel_error]; "
-        "measured = robust median (high outliers dropped, calibrate.robust_seconds) over "
-        "iterations 2..N of the trainer's logged phase time; "
-        "rel_error = (estimated - measured) / measured",
-        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
-        "profile": profile.name,
+        **_scored(results, summary, profile),
         "calibrated_in_this_run": timings is not None,
-        "profile_rates": {
-            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
-        },
-        "profile_fits": profile.measured.get("fits"),
         # every input of the fit (microbenchmarks, the calibration models' timings), so that
         # ``--rescore`` can price these measurements again after the estimator changes
         "profiles": (
@@ -519,24 +512,77 @@ def _refused(msg: str) -> SystemExit:
     return SystemExit(f"python -m jrlhf.bench plan: error: {msg}")
 
 
-def _report_profile(report: dict, key: str, where: str):
+def _scored(results: list[dict], summary: dict, profile) -> dict:
+    """The part of a report that says how ``profile`` priced the measurements (a run's and a
+    rescore's alike)."""
+    return {
+        "summary": summary,
+        "table_columns": "per phase and iteration: [measured_s, estimated_s, rel_error]; "
+        "measured = robust median (high outliers dropped, calibrate.robust_seconds) over "
+        "iterations 2..N of the trainer's logged phase time; "
+        "rel_error = (estimated - measured) / measured",
+        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
+        "profile": profile.name,
+        "profile_rates": {
+            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
+        },
+        "profile_fits": profile.measured.get("fits"),
+    }
+
+
+def _report_profile(profiles: dict, key: str, where: str):
     """The profile a report stored under ``profiles[key]``: refitted with this code's fit from
-    its calibration rounds where the run calibrated it, as stored where it was given."""
+    its calibration rounds (in the dtype they computed in) where the run calibrated it, as
+    stored where it was given. A malformed one is refused in one line."""
+    from jrlhf.pipeline import calibrate as cal
     from jrlhf.placement.profile import DeviceProfile
 
-    stored = DeviceProfile.from_dict(report["profiles"][key], where=f"{where}: profiles.{key}")
+    at = f"{where}: profiles.{key}"
+    try:
+        stored = DeviceProfile.from_dict(profiles[key], where=at)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _refused(f"{at} is not a device profile ({e})") from None
     if key == "given":
         return stored
-    from jrlhf.pipeline import calibrate as cal
-
-    models = stored.measured.get("models") or []
+    models = stored.measured.get("models") if isinstance(stored.measured, dict) else None
+    if not models:
+        raise _refused(f"{at} has no calibration rounds (measured.models) to fit")
     try:
-        results = [(m["overrides"], m["devices"], m["seconds"], m["spread"]) for m in models]
+        rounds = [(m["overrides"], m["devices"], m["seconds"], m["spread"]) for m in models]
+        dtypes = {m["dtype"] for m in models}
     except (KeyError, TypeError) as e:
-        raise _refused(f"{where}: profiles.{key}.measured.models is malformed ({e!r})") from None
-    if not results:
-        raise _refused(f"{where}: profiles.{key} has no calibration rounds to fit")
-    return cal.fit_measured(stored, results)
+        raise _refused(f"{at}.measured.models is malformed ({e!r})") from None
+    if len(dtypes) != 1:
+        raise _refused(f"{at}: calibration rounds in several dtypes {sorted(dtypes)}")
+    try:
+        return cal.fit_measured(stored, rounds, dtype=dtypes.pop())
+    except (KeyError, TypeError, ValueError) as e:
+        raise _refused(f"{at}: its calibration rounds cannot be fitted ({e!r})") from None
+
+
+def _rescore_profiles(report: dict, profile_name: str | None, where: str):
+    """(profile, the profile calibrated before measuring or None, where the profile is from)
+    for a rescore: ``profile_name`` if given, else what the report stores."""
+    from jrlhf.placement.profile import DeviceProfile
+
+    if profile_name:
+        try:
+            return DeviceProfile.load(profile_name), None, profile_name
+        except (OSError, ValueError) as e:
+            raise _refused(f"--profile {profile_name}: {e}") from None
+    profiles = report.get("profiles")
+    if not isinstance(profiles, dict) or not ({"fitted", "given"} & profiles.keys()):
+        raise _refused(
+            f"{where}: the report stores no profile (written before reports kept it): "
+            "pass --profile"
+        )
+    if "given" in profiles:
+        return _report_profile(profiles, "given", where), None, "the report's given profile"
+    first = None
+    if "calibrated_before_measuring" in profiles:
+        first = _report_profile(profiles, "calibrated_before_measuring", where)
+    profile = _report_profile(profiles, "fitted", where)
+    return profile, first, "refitted from the report's calibration rounds"
 
 
 def rescore(path: Path, profile_name: str | None = None) -> dict:
@@ -544,9 +590,12 @@ def rescore(path: Path, profile_name: str | None = None) -> dict:
     workload rebuilt from the report's model, workload, device count and knobs, its plan from
     the recorded placements, and its measured phase times priced by this code's estimator under
     ``profile_name`` or else the report's own profile (refitted from the report's calibration
-    rounds when the run calibrated). Bad reports are refused in one line naming the culprit."""
+    rounds when the run calibrated). Bad reports are refused in one line naming the culprit,
+    before any plan is priced. The result keeps the report's ``profiles``, so it can be
+    rescored in turn."""
     import json
 
+    from jrlhf.config import ConfigError
     from jrlhf.pipeline.plan_bench import plan_from_placements
 
     where = f"--rescore {path}"
@@ -559,10 +608,13 @@ def rescore(path: Path, profile_name: str | None = None) -> dict:
     missing = [k for k in ("device", "model", "workload", "results") if k not in report]
     if missing:
         raise _refused(f"{where}: the report lacks {', '.join(missing)}")
-    try:
-        n = int(str(report["device"]).split(" x ")[0])
-    except ValueError:
-        raise _refused(f"{where}: device {report['device']!r} is not 'N x PLATFORM'") from None
+    count, _, platform = str(report["device"]).partition(" x ")
+    if not count.isdigit() or int(count) < 1 or not platform:
+        raise _refused(f"{where}: device {report['device']!r} is not 'N x PLATFORM', N >= 1")
+    n = int(count)
+    if not isinstance(report["results"], list) or not report["results"]:
+        raise _refused(f"{where}: results is not a non-empty list of plans")
+    profile, first, source = _rescore_profiles(report, profile_name, where)
     setups, measured_all = {}, {}
     for i, r in enumerate(report["results"]):
         try:
@@ -570,35 +622,28 @@ def rescore(path: Path, profile_name: str | None = None) -> dict:
             plan = plan_from_placements(name, r["placements"])
             bindings = trainer_bindings(report["model"], report["workload"], n, plan, r["knobs"])
             measured = {k: [float(x) for x in r["phases"][k]["runs"]] for k in PHASE_KEYS}
-        except (KeyError, TypeError, ValueError) as e:
+            workload = trainer_workload(bindings)
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             raise _refused(f"{where}: results[{i}] is malformed ({e!r})") from None
-        if any(len(v) == 0 for v in measured.values()):
-            raise _refused(f"{where}: results[{i}] ({name}) has a phase without measurements")
-        setups[name] = (plan, trainer_workload(bindings), bindings)
+        bad = [k for k, v in measured.items() if not v or not all(0 <= x < float("inf") for x in v)]
+        if bad:
+            raise _refused(
+                f"{where}: results[{i}] ({name}) phase {bad[0]} has no finite, non-negative "
+                "measurements"
+            )
+        setups[name] = (plan, workload, bindings)
         measured_all[name] = measured
-    if not setups:
-        raise _refused(f"{where}: the report has no results")
-    profiles = report.get("profiles") or {}
-    first = None
-    if profile_name:
-        from jrlhf.placement.profile import DeviceProfile
-
-        profile, source = DeviceProfile.load(profile_name), profile_name
-    elif "fitted" in profiles:
-        profile = _report_profile(report, "fitted", where)
-        source = "refitted from the report's calibration rounds"
-        if "calibrated_before_measuring" in profiles:
-            first = _report_profile(report, "calibrated_before_measuring", where)
-    elif "given" in profiles:
-        profile, source = _report_profile(report, "given", where), "the report's given profile"
-    else:
-        raise _refused(
-            f"{where}: the report stores no profile (written before reports kept it): "
-            "pass --profile"
-        )
-    platform = str(report["device"]).partition(" x ")[2]
     builtin = _builtin_profile("cpu") if platform == "cpu" else None
-    results, summary = _summarize(setups, measured_all, profile, first, None, builtin)
+    search_info = (report.get("summary") or {}).get("searched_vs_flatten") or {}
+    kept = ("method", "evaluated", "estimated_speedup_over_flatten", "found_as")
+    results, summary = _summarize(
+        setups,
+        measured_all,
+        profile,
+        first,
+        {k: search_info[k] for k in kept if k in search_info},
+        builtin,
+    )
     originals = {r["plan"]: r for r in report["results"]}
     for r in results:
         if "response_len_mean_max" in originals[r["plan"]]:
@@ -607,14 +652,8 @@ def rescore(path: Path, profile_name: str | None = None) -> dict:
         "benchmark": "plan_estimator",
         "rescored": {"report": str(path), "profile": source},
         "device": report["device"],
-        "summary": summary,
-        "table_columns": report.get("table_columns"),
-        "table": {r["plan"]: _row(r["phases"], r["iteration"]) for r in results},
-        "profile": profile.name,
-        "profile_rates": {
-            k: v for k, v in profile.to_dict().items() if k not in ("measured", "notes")
-        },
-        "profile_fits": profile.measured.get("fits"),
+        **_scored(results, summary, profile),
+        "profiles": report.get("profiles") or {},
         "model": report["model"],
         "workload": report["workload"],
         "results": results,

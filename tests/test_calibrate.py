@@ -223,13 +223,16 @@ def test_plan_bench_rescore_prices_a_report_again_with_its_own_refitted_profile(
     """``bench plan --rescore REPORT`` rebuilds every plan and workload from the report (the
     knobs included) and refits the profile from the report's calibration rounds: scored again
     with the same code, a report gives its own errors back; with a given profile, that one's."""
+    import json
+
     from benchmarks import plan as bench
 
     stock = DeviceProfile.load("cpu")
     rounds = [(m["overrides"], m["devices"], m["seconds"], m["spread"])
               for m in stock.measured["models"]]  # fmt: skip
     fitted = cal.fit_measured(stock, rounds)
-    path, results, summary = _plan_report(tmp_path, {"fitted": stock.to_dict()}, fitted)
+    # as a run stores it: the fitted profile with its rounds, which the rescore fits again
+    path, results, summary = _plan_report(tmp_path, {"fitted": fitted.to_dict()}, fitted)
     again = bench.rescore(path)
     assert again["rescored"]["profile"] == "refitted from the report's calibration rounds"
     errors = again["summary"]["phase_error"]
@@ -247,6 +250,18 @@ def test_plan_bench_rescore_prices_a_report_again_with_its_own_refitted_profile(
     for old, new in zip(results, again["results"]):
         assert new["knobs"] == old["knobs"]
         assert new["iteration"]["estimated_s"] == pytest.approx(old["iteration"]["estimated_s"])
+    # a rescore keeps the profiles, so it can be rescored in turn
+    twice = tmp_path / "again.json"
+    twice.write_text(json.dumps(again))
+    assert bench.rescore(twice)["summary"]["phase_error"] == again["summary"]["phase_error"]
+    # the rounds are fitted in the dtype they computed in (the report says), not this machine's
+    report = json.loads(path.read_text())
+    for m in report["profiles"]["fitted"]["measured"]["models"]:
+        m["dtype"] = "bfloat16"
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text(json.dumps(report))
+    as_bf16 = bench.rescore(bf16)["results"][0]["iteration"]["estimated_s"]
+    assert as_bf16 != pytest.approx(results[0]["iteration"]["estimated_s"], rel=1e-3)
     # another profile on the command line prices the same measurements differently
     slower = fitted.replace(matmul_flops=fitted.matmul_flops / 2)
     slow_path = tmp_path / "slower.json"
@@ -264,31 +279,59 @@ def test_plan_bench_rescore_prices_a_report_again_with_its_own_refitted_profile(
 
 
 def test_plan_bench_rescore_refuses_bad_reports_by_name(tmp_path, capsys):
+    import copy
     import json
 
     from benchmarks import plan as bench
 
-    def refused(report, match, text=None):
+    def refused(report, match, text=None, extra=()):
         path = tmp_path / "r.json"
         path.write_text(text if text is not None else json.dumps(report))
+        capsys.readouterr()
         with pytest.raises(SystemExit) as e:
-            bench.main(["--rescore", str(path)])
-        assert match in str(e.value) and str(path) in str(e.value)
+            bench.main(["--rescore", str(path), *extra])
+        # the message is the exit's, or argparse's last line on stderr (exit status 2)
+        message = str(e.value) if e.value.code != 2 else capsys.readouterr().err.splitlines()[-1]
+        assert match in message and "\n" not in message, (match, message)
 
     refused(None, "cannot read a JSON report", text="{not json")
     refused({"benchmark": "decode"}, "not a bench plan report")
-    good = {"benchmark": "plan_estimator", "device": "8 x cpu", "model": {}, "workload": {}}
-    refused({k: v for k, v in good.items() if k != "model"}, "lacks model")
-    refused({**good, "results": [{"plan": "flatten"}]}, "results[0] is malformed")
     stock = DeviceProfile.load("cpu")
-    path, _, _ = _plan_report(tmp_path, {}, stock)
-    report = json.loads(path.read_text())
-    refused(report, "stores no profile")
-    report["results"][1]["phases"]["train"]["runs"] = []
-    report["profiles"] = {"given": stock.to_dict()}
-    refused(report, "results[1] (separate) has a phase without measurements")
-    with pytest.raises(SystemExit):  # nothing to write to: refused before any work
-        bench.main(["--rescore", str(path), "--out", str(tmp_path)])
+    path, _, _ = _plan_report(tmp_path, {"fitted": stock.to_dict()}, stock)
+    good = json.loads(path.read_text())
+
+    def bad(change):
+        report = copy.deepcopy(good)
+        change(report)
+        return report
+
+    refused(bad(lambda r: r.pop("model")), "the report lacks model")
+    refused(bad(lambda r: r.update(device="0 x cpu")), "device '0 x cpu' is not 'N x PLATFORM'")
+    refused(bad(lambda r: r.update(results={})), "results is not a non-empty list")
+    refused(bad(lambda r: r.pop("profiles")), "stores no profile")
+    refused(bad(lambda r: r["profiles"].update(fitted="x")), "profiles.fitted is not a device")
+    refused(
+        bad(lambda r: r["profiles"]["fitted"]["measured"]["models"][0]["seconds"].pop("train")),
+        "profiles.fitted: its calibration rounds cannot be fitted (KeyError('train'))",
+    )
+    refused(
+        bad(lambda r: r["profiles"]["fitted"]["measured"]["models"][0].update(dtype="bfloat16")),
+        "calibration rounds in several dtypes ['bfloat16', 'float32']",
+    )
+    refused(bad(lambda r: r["results"][0].pop("knobs")), "results[0] is malformed (KeyError")
+    refused(
+        bad(lambda r: r["model"].update(layers=0)),
+        "actor/RoleConfig.model_overrides: num_layers must be >= 1, got 0",
+    )
+    refused(
+        bad(lambda r: r["results"][1]["phases"]["train"].update(runs=[0.1, float("nan")])),
+        "results[1] (separate) phase train has no finite, non-negative measurements",
+    )
+    refused(good, "--profile nosuch: unknown device profile", extra=("--profile", "nosuch"))
+    # nothing to write to, or the report itself: refused before any work
+    refused(good, "is a directory", extra=("--out", str(tmp_path)))
+    refused(good, "is the report being rescored", extra=("--out", str(tmp_path / "r.json")))
+    assert json.loads((tmp_path / "r.json").read_text()) == good
 
 
 @pytest.mark.parametrize("shared", [True, False])

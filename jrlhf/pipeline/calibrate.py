@@ -824,10 +824,12 @@ def measure_base(device_kind: str | None = None, quick: bool = False) -> DeviceP
 def fit_measured(
     base: DeviceProfile,
     results: Sequence[tuple[dict[str, Any], int, dict[str, float], dict[str, float]]],
+    dtype: str | None = None,
 ) -> DeviceProfile:
     """``base`` (``measure_base``) with the models fitted to ``results``
-    (``ModelTimings.results``), which are kept under ``measured``."""
-    dtype = compute_dtype()
+    (``ModelTimings.results``), which are kept under ``measured``; ``dtype``: what the rounds
+    computed in (default: this machine's ``compute_dtype``, as a calibration here runs them)."""
+    dtype = dtype or compute_dtype()
     profile, fits = fit_profile(base, [(o, k, m) for o, k, m, _ in results], dtype)
     models = [
         {"overrides": o, "devices": k, "seconds": m, "spread": sp, "dtype": dtype}
