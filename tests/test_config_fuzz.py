@@ -129,6 +129,8 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
         "RLConfig.kl_coef=nan": "binding 'RLConfig.kl_coef=nan'",
         "RLConfig.kl_coef=1e999": "RLConfig.kl_coef: expects a finite number",
         "actor/RoleConfig.model_overrides=(('nope', 1),)": "model_overrides: unknown model field",
+        "actor/RoleConfig.model_overrides=(('num_layers', 0),)": "num_layers must be >= 1",
+        "critic/RoleConfig.model_overrides=(('num_kv_heads', -2),)": "num_kv_heads must be >= 1",
     }
     for b, expected in cases.items():
         rc = train_cli.main(["--check", "--run-dir", str(tmp_path / "run"), b])

@@ -127,6 +127,13 @@ def test_bad_checkpoints_fail_with_one_line(one_mesh, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config\.json: model_type 'gpt2' is not supported"):
         hf.load_hf(bad, one_mesh, "fsdp_tp")
+    # a size a model cannot have (a ZeroDivisionError deep in the build before)
+    zero = _copy_checkpoint(src, tmp_path / "zero")
+    cfg = json.loads((zero / "config.json").read_text())
+    cfg["num_attention_heads"] = 0
+    (zero / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="num_heads must be a positive integer .got 0."):
+        hf.load_hf(zero, one_mesh, "fsdp_tp")
     # missing tensor
     missing = _copy_checkpoint(src, tmp_path / "missing")
     tensors = load_file(missing / "model.safetensors")

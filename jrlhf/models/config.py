@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any
 
 import jax
@@ -34,6 +35,17 @@ class RopeScaling:
             raise ValueError(
                 f"rope_type {self.rope_type!r} is not supported (use default, linear or llama3)"
             )
+
+
+# sizes a model cannot have fewer than one of (head_dim: 0 means derived)
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +94,10 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in POSITIVE_SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (got {value!r})")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported "
