@@ -20,7 +20,7 @@ import gin
 
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
-from jrlhf.models.config import DTYPES, POSITIVE_SIZES, REMAT_POLICIES, ModelConfig
+from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
 
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
@@ -132,8 +132,9 @@ def check_model_overrides(field: str, overrides: Any) -> dict[str, Any]:
         why = _type_error(value, hints[name])
         if why:
             raise ConfigError(f"{field}: {name} {why}, got {value!r}")
-        if name in POSITIVE_SIZES and value < 1:
-            raise ConfigError(f"{field}: {name} must be >= 1, got {value!r}")
+        problem = value_problem(name, value)
+        if problem:
+            raise ConfigError(f"{field}: {problem}")
         out[name] = value
     return out
 

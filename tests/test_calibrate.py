@@ -321,7 +321,7 @@ def test_plan_bench_rescore_refuses_bad_reports_by_name(tmp_path, capsys):
     refused(bad(lambda r: r["results"][0].pop("knobs")), "results[0] is malformed (KeyError")
     refused(
         bad(lambda r: r["model"].update(layers=0)),
-        "actor/RoleConfig.model_overrides: num_layers must be >= 1, got 0",
+        "actor/RoleConfig.model_overrides: num_layers must be an integer >= 1 (got 0)",
     )
     refused(
         bad(lambda r: r["results"][1]["phases"]["train"].update(runs=[0.1, float("nan")])),

@@ -129,8 +129,10 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
         "RLConfig.kl_coef=nan": "binding 'RLConfig.kl_coef=nan'",
         "RLConfig.kl_coef=1e999": "RLConfig.kl_coef: expects a finite number",
         "actor/RoleConfig.model_overrides=(('nope', 1),)": "model_overrides: unknown model field",
-        "actor/RoleConfig.model_overrides=(('num_layers', 0),)": "num_layers must be >= 1",
-        "critic/RoleConfig.model_overrides=(('num_kv_heads', -2),)": "num_kv_heads must be >= 1",
+        "actor/RoleConfig.model_overrides=(('num_layers', 0),)": "num_layers must be an integer >=",
+        "critic/RoleConfig.model_overrides=(('num_kv_heads', -2),)": "num_kv_heads must be an",
+        "reward/RoleConfig.model_overrides=(('sliding_window', -1),)": "sliding_window must be an",
+        "actor/RoleConfig.model_overrides=(('rms_norm_eps', 0.0),)": "rms_norm_eps must be a",
     }
     for b, expected in cases.items():
         rc = train_cli.main(["--check", "--run-dir", str(tmp_path / "run"), b])

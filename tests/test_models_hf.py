@@ -132,7 +132,7 @@ def test_bad_checkpoints_fail_with_one_line(one_mesh, tmp_path):
     cfg = json.loads((zero / "config.json").read_text())
     cfg["num_attention_heads"] = 0
     (zero / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="num_heads must be a positive integer .got 0."):
+    with pytest.raises(CheckpointError, match="num_heads must be an integer >= 1 .got 0."):
         hf.load_hf(zero, one_mesh, "fsdp_tp")
     # missing tensor
     missing = _copy_checkpoint(src, tmp_path / "missing")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from typing import Any
 
@@ -37,7 +38,7 @@ class RopeScaling:
             )
 
 
-# sizes a model cannot have fewer than one of (head_dim: 0 means derived)
+# sizes a model cannot have fewer than one of, and those where 0 means "derived" or "off"
 POSITIVE_SIZES = (
     "vocab_size",
     "hidden_size",
@@ -45,7 +46,23 @@ POSITIVE_SIZES = (
     "num_layers",
     "num_heads",
     "num_kv_heads",
+    "max_position_embeddings",
 )
+NONNEGATIVE_SIZES = ("head_dim", "sliding_window")
+POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
+
+
+def value_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the model field ``name`` (a size below its minimum, a
+    non-positive or non-finite theta or epsilon), or None; the type is checked elsewhere."""
+    if name in POSITIVE_SIZES or name in NONNEGATIVE_SIZES:
+        low = 1 if name in POSITIVE_SIZES else 0
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            return f"{name} must be an integer >= {low} (got {value!r})"
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if name in POSITIVE_REALS and not (real and 0 < value < math.inf):
+        return f"{name} must be a finite number > 0 (got {value!r})"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +111,10 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for name in POSITIVE_SIZES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive integer (got {value!r})")
+        for name in (*POSITIVE_SIZES, *NONNEGATIVE_SIZES, *POSITIVE_REALS):
+            problem = value_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(problem)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported "
