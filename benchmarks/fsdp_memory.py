@@ -69,6 +69,11 @@ def _abstract(tree, shardings):
 
 def train_analysis(cfg, mesh_spec: str, rows: int, microbatches: int = 1):
     """XLA's memory analysis of the compiled train step (abstract state, nothing allocated)."""
+    return train_compiled(cfg, mesh_spec, rows, microbatches).memory_analysis()
+
+
+def train_compiled(cfg, mesh_spec: str, rows: int, microbatches: int = 1):
+    """The trainer's train step compiled for abstract state (nothing allocated)."""
     model = ModelDef(cfg, "lm")
     mesh = make_mesh(MeshSpec.parse(mesh_spec))
     opt = make_optimizer(OptimizerConfig())
@@ -79,7 +84,7 @@ def train_analysis(cfg, mesh_spec: str, rows: int, microbatches: int = 1):
     state = _abstract(abstract_state, shardings)
     step = make_train_step(model, opt, sft_loss_fn(P), mesh, "fsdp_tp", microbatches=microbatches)
     batch = shard_batch(_batch(cfg, rows), mesh, "fsdp_tp")
-    return step.jitted.lower(state, batch).compile().memory_analysis()
+    return step.jitted.lower(state, batch).compile()
 
 
 def infer_analysis(cfg, mesh_spec: str, rows: int):

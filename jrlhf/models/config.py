@@ -175,15 +175,18 @@ class ModelConfig:
 
     @property
     def unroll_layers(self) -> bool:
-        """Whether full-sequence passes run the layers unrolled: ``layer_loop`` "unroll", or
-        "auto" on a CPU backend for a model of at most ``AUTO_UNROLL_LAYERS`` layers without
-        remat (measured on 4 layers: the GRPO train step 21% faster than under the scan)."""
+        """Whether full-sequence passes run the layers unrolled on this process's backend
+        (``unrolls_layers_on``)."""
+        return self.unrolls_layers_on(jax.default_backend() == "cpu")
+
+    def unrolls_layers_on(self, cpu: bool) -> bool:
+        """Whether full-sequence passes run the layers unrolled on a CPU backend (``cpu``) or an
+        accelerator: ``layer_loop`` "unroll", or "auto" on CPU for a model of at most
+        ``AUTO_UNROLL_LAYERS`` layers without remat (measured on 4 layers: the GRPO train step
+        21% faster than under the scan). The cost model asks it for a device it only has a
+        profile of (jrlhf.placement.estimator)."""
         if self.layer_loop == "auto":
-            return (
-                jax.default_backend() == "cpu"
-                and self.remat_policy == "none"
-                and self.num_layers <= AUTO_UNROLL_LAYERS
-            )
+            return cpu and self.remat_policy == "none" and self.num_layers <= AUTO_UNROLL_LAYERS
         return self.layer_loop == "unroll"
 
     @property

@@ -427,22 +427,35 @@ def _gathered_parts(cfg: ModelConfig, head: str, placement: CallPlacement) -> tu
     return layer, rest
 
 
+def layers_unrolled(cfg: ModelConfig, profile: DeviceProfile) -> bool:
+    """Whether ``cfg``'s training and scoring passes run their layers unrolled on the profile's
+    devices (ModelConfig.unrolls_layers_on; a shared host is fake CPU devices)."""
+    return cfg.unrolls_layers_on(profile.shared_host)
+
+
 def _gather_buffer_bytes(
     cfg, head: str, p: CallPlacement, profile: DeviceProfile, train: bool
 ) -> float:
     """Memory the FSDP all-gathers occupy at a call's peak (per device).
 
-    The layers run under ``lax.scan`` and XLA gathers each layer's weights inside the loop, one
-    layer at a time (benchmarks/fsdp_memory.py: XLA's temp memory of the scoring forward does
-    not grow with depth; the train step's grows only by gradients and saved activations), so
-    this is one layer's gathered weights, not the model's. Training also holds the layer's
-    full-size gradient before its reduce-scatter (x2). On accelerators the latency-hiding
-    scheduler prefetches the next layer's gather while this one computes (one more layer); the
-    CPU backend runs collectives in order. The embedding and output head (outside the scan) are
-    gathered whole, and in training their full-size gradients too.
+    Under ``lax.scan`` XLA gathers each layer's weights inside the loop, one layer at a time
+    (benchmarks/fsdp_memory.py: XLA's temp memory of the scoring forward does not grow with
+    depth; the train step's grows only by gradients and saved activations), so this is one
+    layer's gathered weights, not the model's. Training also holds the layer's full-size
+    gradient before its reduce-scatter (x2). On accelerators the latency-hiding scheduler
+    prefetches the next layer's gather while this one computes (one more layer); the CPU backend
+    runs collectives in order. The embedding and output head (outside the scan) are gathered
+    whole, and in training their full-size gradients too.
+
+    Unrolled layers (``layers_unrolled``) are gathered whole, every layer, and in training kept
+    for the backward pass, plus one layer's full-size gradient: XLA's temp memory of those
+    programs grows by about a gathered layer per layer (scoring), and by that plus the layer's
+    saved activations (training).
     """
     layer, rest = _gathered_parts(cfg, head, p)
     copies = 2 if train else 1
+    if layers_unrolled(cfg, profile):
+        return layer * (cfg.num_layers + copies - 1) + rest * copies
     prefetch = 0 if profile.shared_host else 1
     return layer * (copies + prefetch) + rest * copies
 
@@ -600,10 +613,19 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     step += m * _activation_s(
         cfg, -(-micro // g.batch) * seq, seq, g, profile.train_activation_efficiency, profile
     )
-    # per micro-batch: two all-gathers of the weights (forward, backward) and a reduce-scatter
-    # of the gradients
     gathered = _gathered_weight_bytes(cfg, head, p, g)
-    step += m * _comm_s(3 * gathered, 3 * cfg.num_layers, g, profile)
+    if layers_unrolled(cfg, profile):
+        # unrolled layers: XLA gathers each weight once per step, and the forward's gathered
+        # copy serves the backward; the gathers do not depend on the micro-batch, so they are
+        # hoisted out of the accumulation loop (loop-invariant code motion: the compiled step's
+        # loop body holds none, tests/test_plan_estimator.py). Each micro-batch reduce-scatters
+        # its gradients.
+        step += _comm_s(gathered, cfg.num_layers, g, profile)
+        step += m * _comm_s(gathered, cfg.num_layers, g, profile)
+    else:
+        # per micro-batch: two all-gathers of the weights (forward, backward) and a
+        # reduce-scatter of the gradients
+        step += m * _comm_s(3 * gathered, 3 * cfg.num_layers, g, profile)
     act = -(-micro // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
     tp = _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
     step += m * tp
@@ -1423,6 +1445,7 @@ __all__ = [
     "estimate",
     "estimate_tuned",
     "head_params",
+    "layers_unrolled",
     "layout_problems",
     "reshard_bytes",
     "reshard_bytes_per_device",
