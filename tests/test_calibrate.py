@@ -48,7 +48,7 @@ def test_model_timings_take_rounds_on_demand(monkeypatch):
     calls = []
     per_call = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
 
-    def tasks(overrides, dtype, devices):
+    def tasks(overrides, dtype, devices, microbatched=False):
         return {k: (lambda k=k, v=v: calls.append((devices, k)) or v) for k, v in per_call.items()}
 
     monkeypatch.setattr(cal, "model_tasks", tasks)
@@ -80,7 +80,7 @@ def test_model_timings_time_a_pair_after_the_kinds_of_its_run(monkeypatch):
     calls = []
     per_call = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
 
-    def tasks(overrides, dtype, devices):
+    def tasks(overrides, dtype, devices, microbatched=False):
         out = dict(per_call)
         if devices == 1:
             out[cal.PAIR_KIND] = 1.2
@@ -100,6 +100,37 @@ def test_model_timings_time_a_pair_after_the_kinds_of_its_run(monkeypatch):
     measured = [({}, 8, all_devices), ({}, 1, one)]
     assert cal.fit_call_core_share(measured) == (pytest.approx(0.75), [0.75])
     assert cal.fit_call_core_share(measured[:1]) == (1.0, [])
+
+
+def test_model_timings_time_micro_batched_steps_in_the_runs_that_ask_for_them(monkeypatch):
+    """The two model sizes' runs on all devices (MICROBATCH_RUNS), and no other, also time their
+    train steps split into MICROBATCHES micro-batches, after the run's iteration-ordered calls,
+    reported per step like the whole steps."""
+    built, calls = [], []
+
+    def tasks(overrides, dtype, devices, microbatched=False):
+        built.append(microbatched)
+        out = {"forward": 0.3, "train": 0.8, "generate": 0.5, "reshard": 0.01}
+        if microbatched:
+            out[cal.MICROBATCH_KIND] = 1.0
+        run = len(built) - 1
+        return {k: (lambda k=k, v=v: calls.append((run, k)) or v) for k, v in out.items()}
+
+    monkeypatch.setattr(cal, "model_tasks", tasks)
+    monkeypatch.setattr(cal, "_samples", lambda fn, repeat: [fn() for _ in range(repeat)])
+    runs = cal.model_runs()
+    timings = cal.ModelTimings(runs, "float32", repeat=1)
+    flagged = [runs[i] for i, m in enumerate(built) if m]
+    assert flagged == [
+        (cal.CALIBRATION_MODELS[i], max(1, int(8 * f))) for i, f in cal.MICROBATCH_RUNS
+    ]
+    assert len(flagged) == 2 and all(devices == 8 for _, devices in flagged)
+    calls.clear()
+    timings.round()
+    first = [k for run, k in calls if run == built.index(True)]
+    assert first == ["generate", "forward", "train", "reshard", cal.MICROBATCH_KIND]
+    split = [s for _, _, s, _ in timings.results() if cal.MICROBATCH_KIND in s]
+    assert [s[cal.MICROBATCH_KIND] for s in split] == [pytest.approx(1.0 / cal.TRAIN_STEPS)] * 2
 
 
 def test_call_core_share_stays_between_one_call_and_both():
@@ -375,6 +406,11 @@ def _truth_measurements(truth: DeviceProfile, dtype: str):
         }
         if devices == 1:  # and its step on another device at the same time
             seconds[cal.PAIR_KIND] = est.concurrent_seconds([seconds["train"]] * 2, truth)
+        if (index, fraction) in cal.MICROBATCH_RUNS:  # and its step in micro-batches
+            _, _, split = cal._calibration_setup(overrides, dtype, devices, cal.MICROBATCHES)
+            seconds[cal.MICROBATCH_KIND] = (
+                est.train_seconds(split, "actor", plan["actor_train"], truth) / w.train_steps
+            )
         out.append((overrides, devices, seconds))
     return out
 

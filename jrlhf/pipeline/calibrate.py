@@ -20,7 +20,10 @@ Two kinds of measurements, 7-8.5 minutes in all on the 2-core CPU machine with 8
    solved by non-negative least squares over the runs (relative errors, so the small model
    counts as much as the large one). On a machine with several devices, the one-device runs
    also time their training step on two disjoint devices at once: on a shared host that tells
-   how far calls on disjoint devices overlap (``call_core_share``).
+   how far calls on disjoint devices overlap (``call_core_share``). The two sizes' runs on all
+   devices also time their step split into ``MICROBATCHES`` micro-batches, so the train fit
+   sees what a micro-batch costs on its own (per-layer work it repeats) apart from what a
+   step pays once.
 
 Robust to a shared, noisy machine: every measurement is taken in several rounds, and the rounds
 interleave all the measurements of a kind (round 1 of every model, then round 2, ...), so a burst
@@ -107,6 +110,13 @@ MODEL_KINDS = ("generate", "forward", "train", "reshard")
 # and after them, in one-device runs on a machine with more devices: the run's train steps on
 # its device and on the last device at once (``fit_call_core_share``)
 PAIR_KIND = "train_pair"
+# and in the two sizes' runs on all devices (``MICROBATCH_RUNS``): the same train steps with the
+# batch split into MICROBATCHES micro-batches (a train-fit equation of its own)
+MICROBATCH_KIND = "train_microbatched"
+MICROBATCHES = 2
+MICROBATCH_RUNS = ((0, 1.0), (1, 1.0))
+# every kind a run may time, in the order a round times them
+TIMED_KINDS = (*MODEL_KINDS, MICROBATCH_KIND, PAIR_KIND)
 # bytes the memory-bandwidth microbenchmark streams (read and written in place): above the
 # last-level caches of the hosts we run on (32 MiB here), so DRAM's rate is measured
 MEMORY_MBYTES = 256
@@ -264,10 +274,10 @@ def collective_fit(
     return float(bandwidth), float(latency)
 
 
-def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
+def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int, microbatches: int = 1):
     """(model config, plan, workload) of a calibration run: ``overrides`` are the model's, plus
     the workload's ``WORKLOAD_KEYS`` (the plan: the ``placement`` strategy, flatten unless
-    given)."""
+    given); ``microbatches``: the actor's training micro-batches."""
     shape = {"prompt_len": 16, "gen_len": 16, "tensor": None, "placement": "flatten"}
     shape.update({k: v for k, v in overrides.items() if k in WORKLOAD_KEYS})
     plan = strategy(shape.pop("placement"), devices, tensor=shape.pop("tensor"))
@@ -285,16 +295,20 @@ def _calibration_setup(overrides: dict[str, Any], dtype: str, devices: int):
         epochs=1,
         minibatch_size=16,
         decode_chunk_steps=8,
+        actor_microbatches=microbatches,
         **shape,
     )
     return cfg, plan, w
 
 
-def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str, Callable]:
+def model_tasks(
+    overrides: dict[str, Any], dtype: str, devices: int, microbatched: bool = False
+) -> dict[str, Callable]:
     """Blocking calls (already compiled) of one forward, one train step, one generation and one
     reshard (train to generation layout) for a small model on the first ``devices`` devices,
-    keyed by ``MODEL_KINDS``, and for a one-device run on a machine with more, ``PAIR_KIND``:
-    its train steps on its device and on the last one at once; time them with
+    keyed by ``MODEL_KINDS``; for a one-device run on a machine with more, ``PAIR_KIND``:
+    its train steps on its device and on the last one at once; with ``microbatched``,
+    ``MICROBATCH_KIND``: its train steps in ``MICROBATCHES`` micro-batches. Time them with
     ``measure_interleaved``."""
     cfg, plan, w = _calibration_setup(overrides, dtype, devices)
     P, R = w.prompt_len, w.gen_len
@@ -335,6 +349,13 @@ def model_tasks(overrides: dict[str, Any], dtype: str, devices: int) -> dict[str
         jax.device_get([trainers[0].step() for _ in range(TRAIN_STEPS)])
 
     tasks = {}
+    if microbatched:
+        split = _Trainer(model, mesh, train_p.rules, P, tb, microbatches=MICROBATCHES)
+
+        def train_microbatched():
+            jax.device_get([split.step() for _ in range(TRAIN_STEPS)])
+
+        tasks[MICROBATCH_KIND] = train_microbatched
     n = jax.device_count()
     if devices == 1 and n > 1:
         # The same steps on the last device too, dispatched in turn with the first device's as
@@ -394,11 +415,25 @@ class _Trainer:
     """A calibration model's PPO actor step with AdamW on ``mesh``, stepping its own state on
     one fixed batch: ``step()`` dispatches one step and returns its metrics (not fetched)."""
 
-    def __init__(self, model: ModelDef, mesh, rules: str, prompt_len: int, batch, params=None):
+    def __init__(
+        self,
+        model: ModelDef,
+        mesh,
+        rules: str,
+        prompt_len: int,
+        batch,
+        params=None,
+        microbatches: int = 1,
+    ):
         opt = make_optimizer(OptimizerConfig(learning_rate=1e-5))
         self.state = init_train_state(model, opt, mesh, rules, params=params)
         self._step = make_train_step(
-            model, opt, actor_loss(prompt_len, RLConfig(), False), mesh, rules
+            model,
+            opt,
+            actor_loss(prompt_len, RLConfig(), False),
+            mesh,
+            rules,
+            microbatches=microbatches,
         )
         self._batch = batch
 
@@ -421,7 +456,9 @@ class ModelTimings:
         self.tasks = {
             (i, kind): fn
             for i, (overrides, devices) in enumerate(self.runs)
-            for kind, fn in model_tasks(overrides, dtype, devices).items()
+            for kind, fn in model_tasks(
+                overrides, dtype, devices, _microbatched(overrides, devices)
+            ).items()
         }
         for fn in self.tasks.values():
             fn()
@@ -432,7 +469,7 @@ class ModelTimings:
         (an iteration's), one run after another."""
         for i in range(len(self.runs)):
             for _ in range(self.repeat):
-                for kind in (*MODEL_KINDS, PAIR_KIND):
+                for kind in TIMED_KINDS:
                     if (i, kind) in self.tasks:
                         self.samples[(i, kind)] += _samples(self.tasks[(i, kind)], 1)
 
@@ -446,7 +483,7 @@ class ModelTimings:
         out = []
         for i, (overrides, devices) in enumerate(self.runs):
             seconds, spread = {}, {}
-            for kind in (*MODEL_KINDS, PAIR_KIND):
+            for kind in TIMED_KINDS:
                 if (i, kind) not in self.tasks:
                     continue
                 xs = self.samples[(i, kind)]
@@ -455,11 +492,20 @@ class ModelTimings:
                 seconds[kind] = robust_seconds(xs)
                 spread[kind] = (max(xs) - min(xs)) / seconds[kind]
             seconds["forward"] /= 3  # three forwards per call
-            for kind in ("train", PAIR_KIND):
+            for kind in ("train", MICROBATCH_KIND, PAIR_KIND):
                 if kind in seconds:
                     seconds[kind] /= TRAIN_STEPS
             out.append((overrides, devices, seconds, spread))
         return out
+
+
+def _microbatched(overrides: dict[str, Any], devices: int) -> bool:
+    """Whether the run of ``overrides`` on ``devices`` devices is one of ``MICROBATCH_RUNS``."""
+    n = jax.device_count()
+    return any(
+        CALIBRATION_MODELS[index] == overrides and max(1, int(n * fraction)) == devices
+        for index, fraction in MICROBATCH_RUNS
+    )
 
 
 def profile_models(
@@ -566,8 +612,8 @@ def _fit_linear(
     for kind, eff_field, layer_field in kinds:
         once_field = layer_field.replace("_overhead_s", "_overhead_once_s")
 
-        def model_time(prof, overrides, devices, kind=kind):
-            _, plan, w = _calibration_setup(overrides, dtype, devices)
+        def model_time(prof, overrides, devices, microbatches, kind=kind):
+            _, plan, w = _calibration_setup(overrides, dtype, devices, microbatches)
             if kind == "forward":
                 return est.infer_seconds(w, "reference", plan["reference_infer"], prof)
             if kind == "train":
@@ -576,30 +622,39 @@ def _fit_linear(
 
         rates = EXTRA_RATES[kind]
         rows, ys = [], []
-        for overrides, devices, measured in measurements:
+        # (overrides, devices, measured seconds, micro-batches): every run's call of this kind,
+        # and for training, the runs' micro-batched steps too
+        cases = [(o, n, m[kind], 1) for o, n, m in measurements]
+        if kind == "train":
+            cases += [
+                (o, n, m[MICROBATCH_KIND], MICROBATCHES)
+                for o, n, m in measurements
+                if MICROBATCH_KIND in m
+            ]
+        for overrides, devices, seconds, mbs in cases:
             p0 = profile.replace(
                 **{eff_field: 1.0, layer_field: 0.0, once_field: 0.0},
                 **{field: 1.0 for field, _ in rates},
             )
-            t0 = model_time(p0, overrides, devices)
-            t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices)
-            t_layer = model_time(p0.replace(**{layer_field: 1e-3}), overrides, devices)
-            t_once = model_time(p0.replace(**{once_field: 1e-3}), overrides, devices)
+            t0 = model_time(p0, overrides, devices, mbs)
+            t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices, mbs)
+            t_layer = model_time(p0.replace(**{layer_field: 1e-3}), overrides, devices, mbs)
+            t_once = model_time(p0.replace(**{once_field: 1e-3}), overrides, devices, mbs)
             work = 2 * (t0 - t_half)  # the term divided by efficiency, at efficiency 1
             layers = (t_layer - t0) / 1e-3  # the coefficient of the per-device layer overhead
             once = (t_once - t0) / 1e-3  # ... and of the once-per-call one
             # each extra rate's term at efficiency 1 (its time halves at efficiency 2)
             extra = [
-                2 * (t0 - model_time(p0.replace(**{field: 2.0}), overrides, devices))
+                2 * (t0 - model_time(p0.replace(**{field: 2.0}), overrides, devices, mbs))
                 for field, _ in rates
             ]
             fixed = t0 - work - sum(extra)
-            scale = 1.0 / max(measured[kind], 1e-9)
+            scale = 1.0 / max(seconds, 1e-9)
             row = [work * scale, layers * scale]
             if profile.shared_host:  # elsewhere both overheads are paid alike: one unknown
                 row.append(once * scale)
             rows.append(row + [e * scale for e in extra])
-            ys.append((measured[kind] - fixed) * scale)
+            ys.append((seconds - fixed) * scale)
         x = _nnls(np.array(rows), np.array(ys))
         residual += float(np.sum((np.array(rows) @ x - np.array(ys)) ** 2))
         inv_eff, layer_overhead = x[0], x[1]
