@@ -133,6 +133,27 @@ def test_model_timings_time_micro_batched_steps_in_the_runs_that_ask_for_them(mo
     assert [s[cal.MICROBATCH_KIND] for s in split] == [pytest.approx(1.0 / cal.TRAIN_STEPS)] * 2
 
 
+def test_micro_batched_steps_are_timed_once_per_run_on_one_device_too():
+    """On one device every fraction of a model's devices is the same run: its micro-batched
+    steps are timed once per MICROBATCH_RUNS entry, not once per fraction."""
+    runs = [(cal.CALIBRATION_MODELS[i], max(1, int(1 * f))) for i, f in cal.CALIBRATION_RUNS]
+    split = cal._microbatched_runs(runs, n=1)
+    assert len(split) == len(cal.MICROBATCH_RUNS)
+    assert sorted(runs[i][0]["hidden_size"] for i in split) == sorted(
+        cal.CALIBRATION_MODELS[i]["hidden_size"] for i, _ in cal.MICROBATCH_RUNS
+    )
+
+
+def test_micro_batched_task_is_left_out_where_its_rows_do_not_split(monkeypatch):
+    """A minibatch whose micro-batches do not split over the batch shards (as 16 rows in 2 over
+    the 16 shards of 32 devices; here in 16 over 4) times no micro-batched step instead of
+    failing the calibration."""
+    monkeypatch.setattr(cal, "MICROBATCHES", 16)  # 1-row micro-batches over 4 fsdp shards
+    tasks = cal.model_tasks(cal.CALIBRATION_MODELS[0], "float32", 8, microbatched=True)
+    assert cal.MICROBATCH_KIND not in tasks
+    assert {"generate", "forward", "train", "reshard"} <= set(tasks)
+
+
 def test_call_core_share_stays_between_one_call_and_both():
     """A pair measured faster than one call alone (or slower than both in turn) is noise: the
     share is kept within [0.5, 1], and the median of the pairs decides."""
@@ -458,7 +479,17 @@ def test_fit_profile_recovers_a_known_profile(shared):
             # two one-device calls at once take 0.8 x their sum
             call_core_share=0.8,
         )
-    fitted, fits = cal.fit_profile(base, _truth_measurements(truth, "float32"), "float32")
+    measurements = _truth_measurements(truth, "float32")
+    fitted, fits = cal.fit_profile(base, measurements, "float32")
+    # the micro-batched steps are equations of the train fit: slower ones move it
+    slower = [
+        (o, n, {k: v * (1.5 if k == cal.MICROBATCH_KIND else 1.0) for k, v in m.items()})
+        for o, n, m in measurements
+    ]
+    moved, _ = cal.fit_profile(base, slower, "float32")
+    assert (moved.train_efficiency, moved.train_layer_overhead_s) != pytest.approx(
+        (fitted.train_efficiency, fitted.train_layer_overhead_s), rel=1e-3
+    )
     for field in (
         "forward_efficiency",
         "forward_layer_overhead_s",

@@ -649,10 +649,14 @@ def _computations(hlo: str) -> dict[str, str]:
     return named
 
 
-def _all_gather_elements(text: str) -> list[int]:
-    """The element counts of the all-gathers' results in ``text``."""
-    shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text)
-    return [math.prod(int(d) for d in s.split(",") if d) for s in shapes]
+def _all_gather_shapes(text: str) -> list[tuple[int, ...]]:
+    """The result shapes of the all-gathers in ``text`` (a tuple-shaped one counts each of its
+    arrays)."""
+    out = []
+    for result in re.findall(r"= (\([^)]*\)|\S+) all-gather(?:-start)?\(", text):
+        for dims in re.findall(r"\w+\[([\d,]*)\]", result):
+            out.append(tuple(int(d) for d in dims.split(",") if d))
+    return out
 
 
 def test_unrolled_microbatched_train_step_gathers_weights_outside_its_loop():
@@ -675,19 +679,49 @@ def test_unrolled_microbatched_train_step_gathers_weights_outside_its_loop():
             continue
         reached.add(name)
         todo += [c for c in re.findall(r"%([\w.\-]+)", comps[name]) if c in comps]
-    # the smallest weight matrix once gathered over fsdp: hidden x hidden / tensor
+    # the weights' gathers, hoisted out of the loop: the model's 2-D weights once gathered over
+    # fsdp (every one split over tensor: at least hidden x hidden / tensor elements)
     weight = cfg.hidden_size * cfg.hidden_size // tensor
-    inside = [n for c in reached for n in _all_gather_elements(comps[c])]
-    assert all(n < weight for n in inside), sorted(inside)
-    outside = [
-        n
+    outside = {
+        shape
         for name, text in comps.items()
         if name not in reached
-        for n in _all_gather_elements(text)
-        if n >= weight
-    ]
-    # q, k, v, o, gate, up and down of every layer, at least
-    assert len(outside) >= 7 * layers
+        for shape in _all_gather_shapes(text)
+        if len(shape) == 2 and math.prod(shape) >= weight
+    }
+    gathers_outside = sum(
+        1
+        for name, text in comps.items()
+        if name not in reached
+        for shape in _all_gather_shapes(text)
+        if shape in outside
+    )
+    assert gathers_outside >= 7 * layers  # q, k, v, o, gate, up and down of every layer
+    inside = [shape for c in reached for shape in _all_gather_shapes(comps[c])]
+    assert not [shape for shape in inside if shape in outside], inside
+
+
+def test_tune_batches_tries_no_remat_for_layers_unrolled_by_the_config():
+    """A role whose config unrolls its layers (layer_loop='unroll') runs without remat
+    (ModelConfig refuses both): the memory knobs do not try a remat policy for it, even where
+    memory is tight, and pricing the others does not fail."""
+    h100 = DeviceProfile.load("h100")
+    plan = flatten(8, tensor=2)
+    w = _llama7b_workload(prompt_len=1024, gen_len=1024)
+    unrolled = w.actor.replace(layer_loop="unroll", remat_policy="none")
+    w = _workload(
+        unrolled,
+        critic=w.critic,
+        prompts=w.prompts,
+        samples_per_prompt=1,
+        prompt_len=1024,
+        gen_len=1024,
+        minibatch_size=w.minibatch_size,
+    )
+    assert est.layers_unrolled(w.actor, h100) and not est.layers_unrolled(w.critic, h100)
+    tight = h100.replace(memory_bytes=max(est.estimate(plan, w, h100).memory_bytes.values()) // 2)
+    tuned = est.tune_batches(plan, w, tight)
+    assert tuned.actor.remat_policy == "none"
 
 
 def test_tune_batches_picks_the_fastest_chunk_and_microbatches_that_fit():

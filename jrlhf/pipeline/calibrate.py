@@ -1,6 +1,7 @@
 """Measure a device profile for the cost estimator (``python -m jrlhf.plan.calibrate``).
 
-Two kinds of measurements, 7-8.5 minutes in all on the 2-core CPU machine with 8 fake devices:
+Two kinds of measurements, about 5 minutes in all on the 2-core CPU machine with 8 fake devices
+(4:59 on 2026-11-29, idle):
 
 1. Microbenchmarks: matmul throughput at a few sizes (one device, and all devices at once, which
    tells whether the devices share compute as XLA's fake CPU devices do), memory bandwidth (a
@@ -50,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jrlhf.config import RLConfig
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
+from jrlhf.meshes.batch import check_batch_divides
 from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
@@ -349,6 +351,10 @@ def model_tasks(
         jax.device_get([trainers[0].step() for _ in range(TRAIN_STEPS)])
 
     tasks = {}
+    try:  # a minibatch whose micro-batches do not split over the batch shards: no such task
+        check_batch_divides(tb, mesh, train_p.rules, MICROBATCHES)
+    except ValueError:
+        microbatched = False
     if microbatched:
         split = _Trainer(model, mesh, train_p.rules, P, tb, microbatches=MICROBATCHES)
 
@@ -453,20 +459,19 @@ class ModelTimings:
     def __init__(self, runs: Sequence[tuple[dict[str, Any], int]], dtype: str, repeat: int = 2):
         self.runs = list(runs)
         self.repeat = repeat
+        split = _microbatched_runs(self.runs)
         self.tasks = {
             (i, kind): fn
             for i, (overrides, devices) in enumerate(self.runs)
-            for kind, fn in model_tasks(
-                overrides, dtype, devices, _microbatched(overrides, devices)
-            ).items()
+            for kind, fn in model_tasks(overrides, dtype, devices, i in split).items()
         }
         for fn in self.tasks.values():
             fn()
         self.samples: dict[tuple[int, str], list[float]] = {k: [] for k in self.tasks}
 
     def round(self) -> None:
-        """One round: each run's calls ``repeat`` times in turn, in the order of ``MODEL_KINDS``
-        (an iteration's), one run after another."""
+        """One round: each run's calls ``repeat`` times in turn, in the order of ``TIMED_KINDS``
+        (an iteration's, then the micro-batched step and the pair), one run after another."""
         for i in range(len(self.runs)):
             for _ in range(self.repeat):
                 for kind in TIMED_KINDS:
@@ -499,13 +504,20 @@ class ModelTimings:
         return out
 
 
-def _microbatched(overrides: dict[str, Any], devices: int) -> bool:
-    """Whether the run of ``overrides`` on ``devices`` devices is one of ``MICROBATCH_RUNS``."""
-    n = jax.device_count()
-    return any(
-        CALIBRATION_MODELS[index] == overrides and max(1, int(n * fraction)) == devices
-        for index, fraction in MICROBATCH_RUNS
-    )
+def _microbatched_runs(
+    runs: Sequence[tuple[dict[str, Any], int]], n: int | None = None
+) -> set[int]:
+    """Indices of ``runs`` that also time micro-batched steps: for each of ``MICROBATCH_RUNS``,
+    the first run of its model on its devices, of ``n`` (default: all here; on one device
+    several fractions are the same run: it is timed once)."""
+    n = n or jax.device_count()
+    out = set()
+    for index, fraction in MICROBATCH_RUNS:
+        wanted = (CALIBRATION_MODELS[index], max(1, int(n * fraction)))
+        first = next((i for i, run in enumerate(runs) if tuple(run) == wanted), None)
+        if first is not None:
+            out.add(first)
+    return out
 
 
 def profile_models(

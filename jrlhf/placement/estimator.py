@@ -23,9 +23,10 @@ flight (the KV pool holds that many at full length; with uniform lengths the row
 ceil(rows / slots) waves of gen_len - 1 steps, each step reading the weights once); scoring runs
 one call per ``infer_batch_size`` rows (each paying dispatch and FSDP gathers; memory for one
 chunk); training accumulates gradients over the role's micro-batches (activations of one
-micro-batch, FSDP gathers and gradient reduce-scatter per micro-batch) with one optimizer update
-per minibatch. Calls of one phase on pairwise disjoint devices (scoring calls, actor and
-critic training) run at the same time (``concurrent_seconds``; on a shared host only as far as
+micro-batch, FSDP gathers and gradient reduce-scatter per micro-batch; with unrolled layers,
+``layers_unrolled``, the gathers once per step) with one optimizer update per minibatch. Calls
+of one phase on pairwise disjoint devices (scoring calls, actor and critic training) run at the
+same time (``concurrent_seconds``; on a shared host only as far as
 one call leaves the cores idle, ``call_core_share``); on shared devices they run in turn.
 
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
@@ -41,7 +42,8 @@ Memory per device is what lives there during the call's phase (train states with
 moments, the actor's generation copy, frozen models, the KV pool; the memory knobs take some of
 them off the devices outside their phases, as ``jrlhf.ppo.residency`` does) plus what the
 running call needs transiently (gradients, activations under the remat policy, FSDP-gathered
-weights of one scanned layer at a time plus the embedding and head, logits);
+weights of one scanned layer at a time, or of every layer where they run unrolled, plus the
+embedding and head, logits);
 ``tests/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis of the
 trainer's compiled steps. A plan fits when every call's peak is within the profile's
 ``usable_bytes`` (its memory less the reserve).
@@ -592,8 +594,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     """epochs x minibatches steps; each step accumulates gradients over ``microbatches``
     micro-batches (fwd + bwd (+ recompute), FSDP gathers and gradient reduce-scatter and
     per-layer overheads, and the all-reduce of the gradients of weights replicated over the
-    batch (``_replicated_grad_bytes``), per micro-batch) and ends with one optimizer update.
-    A remat policy adds the profile's ``remat_forward_cost`` forward passes."""
+    batch (``_replicated_grad_bytes``), per micro-batch; unrolled layers gather once per step)
+    and ends with one optimizer update. A remat policy adds the profile's
+    ``remat_forward_cost`` forward passes."""
     cfg, head = w.models()[role]
     g = _geometry(p, profile)
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
@@ -1233,7 +1236,10 @@ def _pick(options: list[tuple[float, float, object]], capacity: float) -> int:
 
 def _remat_options(cfg: ModelConfig) -> list[str]:
     """Remat policies to try for a training call: the config's first (it wins ties), then
-    none, dots, full (dots_no_batch is priced as dots)."""
+    none, dots, full (dots_no_batch is priced as dots). Layers unrolled by the config's own
+    choice (``layer_loop='unroll'``) run without remat (ModelConfig refuses both): none only."""
+    if cfg.layer_loop == "unroll":
+        return [cfg.remat_policy]
     out = [cfg.remat_policy]
     for policy in ("none", "dots", "full"):
         if policy not in out:
