@@ -698,7 +698,7 @@ class DecodeConfig:
     ``page_size`` is the KV cache's tokens per page. 16 (was 8): below 16 the GPU kernel cannot
     use Triton's dot, and on an H200 a 1B-shaped decode step took 1.75 ms at 16 against 4.74 ms
     at 8 (1.61 ms at 32; docs/gpu.md, runs 21-22). A page wastes at most page_size - 1 positions
-    a sequence; the CPU kernel reads 32-position blocks either way.
+    a sequence; the CPU kernel reads each sequence's own positions, whatever the page size.
     """
 
     num_slots: int = 0

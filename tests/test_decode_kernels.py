@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jrlhf.decode.kernels import (
+    native_cpu,
     paged_attention_blocked,
     paged_attention_reference,
     select_kernel,
@@ -16,6 +17,12 @@ from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.models.attention import attention_mask, masked_attention
 
 L, P, PS, K, D, H = 2, 12, 16, 2, 32, 4
+
+# The compiled C++ kernel runs on XLA:CPU only (on a GPU machine these cases are the GPU's own).
+_NATIVE = pytest.param(
+    "native_cpu",
+    marks=pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernel is CPU-only"),
+)
 
 
 def _case(seed=0):
@@ -43,7 +50,7 @@ def _dense(q, k_pool, v_pool, layer, table, lengths, window):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("kernel", ["reference", "blocked", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["reference", "blocked", _NATIVE, "pallas_interpret"])
 def test_paged_kernels_match_dense_attention(kernel, window):
     q, k_pool, v_pool, table, lengths = _case()
     _, fn = select_kernel(kernel)
@@ -52,7 +59,7 @@ def test_paged_kernels_match_dense_attention(kernel, window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "blocked", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["reference", "blocked", _NATIVE, "pallas_interpret"])
 def test_idle_rows_attend_over_nothing_and_leave_others_exact(kernel):
     """An idle decode slot: every table entry out of range (the pool has P pages) and length 0,
     as the engine passes it. The kernel must not read through those ids, must stay finite, and
@@ -68,11 +75,49 @@ def test_idle_rows_attend_over_nothing_and_leave_others_exact(kernel):
     np.testing.assert_allclose(got[live], np.asarray(want), atol=2e-5, rtol=0)
 
 
-def test_auto_selects_blocked_on_cpu():
+def test_auto_selects_the_backends_kernel():
+    """GPU: Pallas; CPU: the native kernel, which must build here (a machine of CI's kind has a
+    C++ compiler: a broken build fails this test instead of silently falling back)."""
     name, _ = select_kernel("auto")
-    assert name == ("pallas" if jax.default_backend() == "gpu" else "blocked")
+    if jax.default_backend() == "cpu":
+        assert native_cpu.available(), native_cpu.unavailable_reason()
+    want = {"gpu": "pallas", "cpu": "native_cpu"}.get(jax.default_backend(), "blocked")
+    assert name == want
     with pytest.raises(ValueError, match="unknown"):
         select_kernel("flash")
+
+
+def test_native_kernel_unavailable_falls_back_or_says_why(monkeypatch):
+    """Where the native kernel cannot be built, "auto" takes the blocked kernel and an explicit
+    "native_cpu" is refused in one line that says why."""
+    if jax.default_backend() != "cpu":
+        with pytest.raises(ValueError, match="runs on CPU"):
+            select_kernel("native_cpu")
+        return
+    monkeypatch.setattr(native_cpu, "_registered", lambda: "no C++ compiler found")
+    assert select_kernel("auto")[0] == "blocked"
+    with pytest.raises(ValueError, match="'native_cpu': no C\\+\\+ compiler found"):
+        select_kernel("native_cpu")
+
+
+def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_path):
+    """The build is cached by its inputs (a second build compiles nothing), lands whole (no
+    temporary file left beside it), and a build that cannot run or fails raises BuildError
+    naming the cause."""
+    monkeypatch.setenv("JRLHF_CACHE_DIR", str(tmp_path))
+    path = native_cpu.build()
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    stamp = path.stat().st_mtime_ns
+    assert native_cpu.build() == path and path.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    with monkeypatch.context() as m:
+        m.setattr(native_cpu.shutil, "which", lambda name: None)
+        with pytest.raises(native_cpu.BuildError, match="no C\\+\\+ compiler found"):
+            native_cpu.build()
+    monkeypatch.setattr(native_cpu, "_compiler", lambda: "/bin/false")
+    with pytest.raises(native_cpu.BuildError, match="false failed on paged_attention_cpu.cc"):
+        native_cpu.build()
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
 @pytest.mark.parametrize("block_pages", [None, 1, 3, 4])
@@ -134,7 +179,7 @@ def _bf16_case(seed):
 
 
 @pytest.mark.parametrize(
-    "kernel", ["blocked", "pallas_interpret", pytest.param("pallas", marks=_GPU_ONLY)]
+    "kernel", ["blocked", _NATIVE, "pallas_interpret", pytest.param("pallas", marks=_GPU_ONLY)]
 )
 def test_bf16_pools_within_output_rounding(kernel):
     """On bf16 pools a kernel's only error is rounding its output to bf16: against attention
@@ -173,7 +218,7 @@ def _pages_case(seed, page_size, dtype, head_dim=64):
 @pytest.mark.parametrize("page_size,head_dim", [(4, 64), (8, 64), (32, 64), (16, 8)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "kernel", ["blocked", "pallas_interpret", pytest.param("pallas", marks=_GPU_ONLY)]
+    "kernel", ["blocked", _NATIVE, "pallas_interpret", pytest.param("pallas", marks=_GPU_ONLY)]
 )
 def test_page_sizes_and_head_dims_match_the_reference(kernel, dtype, page_size, head_dim):
     """Pages or heads narrower than Triton's smallest dot (16) take the Pallas kernel's vector

@@ -1,8 +1,9 @@
 """Paged decode attention kernels: a pure-JAX reference, a pure-JAX blocked kernel that reads only
-the pages in use, and a Pallas GPU kernel.
+the pages in use, a C++ kernel for XLA:CPU (``native_cpu``, compiled on first use) and a Pallas
+GPU kernel.
 
-``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU and the
-blocked kernel otherwise (CPU, TPU).
+``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU, the native
+kernel on a CPU where it builds, and the blocked kernel otherwise (TPU; a CPU without a compiler).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from collections.abc import Callable
 
 import jax
 
+from jrlhf.decode.kernels import native_cpu
 from jrlhf.decode.kernels.blocked import paged_attention_blocked
+from jrlhf.decode.kernels.native_cpu import paged_attention_native
 from jrlhf.decode.kernels.reference import paged_attention_reference
 
-KERNELS = ("auto", "reference", "blocked", "pallas", "pallas_interpret")
+KERNELS = ("auto", "reference", "blocked", "native_cpu", "pallas", "pallas_interpret")
 
 
 def select_kernel(
@@ -28,14 +31,25 @@ def select_kernel(
     ``"pallas"`` refuses them here, before any compilation."""
     if name not in KERNELS:
         raise ValueError(f"unknown paged-attention kernel {name!r} (use one of {KERNELS})")
+    backend = jax.default_backend()
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "blocked"
+        name = {"gpu": "pallas", "cpu": "native_cpu"}.get(backend, "blocked")
         if name == "pallas" and not all(tileable(n) for n in (page_size, head_dim) if n):
+            name = "blocked"
+        if name == "native_cpu" and not native_cpu.available():
             name = "blocked"
     if name == "reference":
         return name, paged_attention_reference
     if name == "blocked":
         return name, paged_attention_blocked
+    if name == "native_cpu":
+        if backend != "cpu":
+            raise ValueError(f"paged-attention kernel 'native_cpu' runs on CPU, not {backend}")
+        if not native_cpu.available():
+            raise ValueError(
+                f"paged-attention kernel 'native_cpu': {native_cpu.unavailable_reason()}"
+            )
+        return name, paged_attention_native
     # Pallas and its Triton lowering load only when a Pallas kernel is chosen.
     from jrlhf.decode.kernels.pallas_gpu import (  # noqa: PLC0415
         check_shapes,
@@ -55,6 +69,7 @@ def tileable(n: int) -> bool:
 __all__ = [
     "KERNELS",
     "paged_attention_blocked",
+    "paged_attention_native",
     "paged_attention_reference",
     "select_kernel",
     "tileable",
