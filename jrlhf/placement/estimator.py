@@ -491,11 +491,12 @@ def prefill_len(w: Workload) -> int:
 def attended_context(prompt_len: int, gen_len: int, page_size: int) -> float:
     """KV positions one decode step reads per sequence, averaged over the steps.
 
-    The decode kernels read the cache in whole pages: the CPU one (``paged_attention_blocked``)
-    in blocks of ``pages_per_block`` pages, as many blocks as the longest sequence needs; the
-    GPU one each sequence's own pages, which is at most a block less. Every profile is priced
-    with the CPU's blocks (the GPU profiles' KV read rates were fitted so). With uniform lengths
-    the sequences at step s hold prompt_len + s positions.
+    The decode kernels read the cache in whole pages or less: the pure-JAX one
+    (``paged_attention_blocked``, TPUs) in blocks of ``pages_per_block`` pages, as many blocks as
+    the longest sequence needs; the GPU one each sequence's own pages and the CPU's native one
+    its own positions, at most a block less. Every profile is priced with the blocked kernel's
+    CPU blocks (the profiles' KV read rates were fitted so). With uniform lengths the sequences
+    at step s hold prompt_len + s positions.
     """
     pages = -(-(prompt_len + gen_len - 1) // page_size)
     block = pages_per_block(page_size, pages, backend="cpu") * page_size

@@ -55,7 +55,8 @@ class DeviceProfile:
     # showed no such cost in the calibration's fits, so it has none.
     forward_gather_efficiency: float = 0.0
     # the fraction of memory_bandwidth at which a decode step's attention reads the KV cache
-    # (gathering pages and reducing over them: far below a stream on CPU, near it on GPUs)
+    # (near a stream on GPUs and for the CPU's native kernel, which reads pages in place; far
+    # below it for the pure-JAX kernels, which gather copies of the pages)
     decode_kv_efficiency: float = 1.0
     # memory and links: achieved bytes/s
     memory_bandwidth: float = 1e11
