@@ -149,6 +149,11 @@ def test_identical_on_one_device_and_data_tensor_mesh():
         DecodeEngine(model_def, mesh, "dp_tp", ENGINE)
 
 
+def test_engine_config_refuses_an_unknown_kernel_before_any_build():
+    with pytest.raises(ValueError, match="EngineConfig.kernel 'flash' unknown"):
+        EngineConfig(kernel="flash")
+
+
 @functools.cache
 def _tiny():
     model_def = ModelDef(tiny_config(vocab_size=64, eos_token_id=None))

@@ -22,6 +22,7 @@ from pathlib import Path
 from jrlhf import data
 from jrlhf.checkpoint import load_model
 from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
+from jrlhf.decode.kernels import KERNELS
 from jrlhf.decode.sampling import SamplingParams
 from jrlhf.meshes import MeshSpec, make_mesh
 from jrlhf.meshes.processes import barrier, is_primary, job_mesh
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=0)
     p.add_argument("--chunk-steps", type=int, default=16)
-    p.add_argument("--kernel", default="auto")
+    p.add_argument("--kernel", default="auto", choices=KERNELS)
     distributed.add_flag(p)
     return p
 

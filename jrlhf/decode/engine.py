@@ -39,7 +39,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jrlhf.decode.kernels import select_kernel
+from jrlhf.decode.kernels import KERNELS, select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
 from jrlhf.meshes.batch import to_host
@@ -108,6 +108,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_pages < 0:
             raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"EngineConfig.kernel {self.kernel!r} unknown (use one of {KERNELS})")
 
     @property
     def max_seq_len(self) -> int:
