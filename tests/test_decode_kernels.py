@@ -100,6 +100,22 @@ def test_native_kernel_unavailable_falls_back_or_says_why(monkeypatch):
         select_kernel("native_cpu")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernel is CPU-only")
+def test_native_kernel_refuses_shapes_that_do_not_agree():
+    """Shapes the kernel cannot read (query heads that KV heads do not divide) are an error
+    raised by the call, not a read out of bounds; dtypes it does not take (float16) run the
+    blocked kernel."""
+    q, k_pool, v_pool, table, lengths = _case()
+    half = [a.astype(jnp.float16) for a in (q, k_pool, v_pool)]
+    got = native_cpu.paged_attention_native(*half, jnp.int32(1), table, lengths)
+    want = paged_attention_blocked(*half, jnp.int32(1), table, lengths)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(Exception, match="shapes do not agree"):
+        native_cpu.paged_attention_native(
+            q[:, :3], k_pool, v_pool, jnp.int32(0), table, lengths
+        ).block_until_ready()
+
+
 def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_path):
     """The build is cached by its inputs (a second build compiles nothing), lands whole (no
     temporary file left beside it), and a build that cannot run or fails raises BuildError

@@ -154,9 +154,11 @@ def paged_attention_native(
     lengths_b: jax.Array,
     sliding_window: int = 0,
 ) -> jax.Array:
-    """Same contract as ``paged_attention_reference``, on the CPU (the caller checks
-    ``available()``; dtypes other than float32 and bfloat16 take the blocked kernel)."""
-    if not (supports(q_bhd.dtype) and supports(k_pool.dtype)) or k_pool.dtype != v_pool.dtype:
+    """Same contract as ``paged_attention_reference``, on the CPU. Where the kernel is not
+    ``available()`` (it is built and registered by the first call that asks), and for dtypes
+    other than float32 and bfloat16, the blocked kernel runs instead."""
+    dtypes_ok = supports(q_bhd.dtype) and supports(k_pool.dtype) and k_pool.dtype == v_pool.dtype
+    if not (dtypes_ok and available()):
         return paged_attention_blocked(
             q_bhd, k_pool, v_pool, layer, page_table_bp, lengths_b, sliding_window
         )

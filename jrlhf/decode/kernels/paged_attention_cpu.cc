@@ -4,8 +4,8 @@
 // Why a compiled kernel on CPU: written in JAX, one decode step's attention is a while loop of page
 // gathers (copies of every page read, transposed for the contractions) and small batched products,
 // which XLA:CPU runs as many short ops; together they took about 40% of a decode call of the bench
-// model (BUILD.md, "Benchmarks"). Here every (sequence, KV head) pair reads its own pages in place,
-// once for the scores and once for the values, with no copies: the work is the K/V bytes read.
+// model (BUILD.md, "Benchmarks"). Here each sequence reads its own pages in place, once for the
+// scores and once for the values, with no copies: the work is the K/V bytes read.
 //
 // Semantics are those of paged_attention_reference (jrlhf/decode/kernels/reference.py): one query
 // token per sequence at position lengths[b] - 1, keys at positions [0, lengths[b]) (the last
@@ -218,7 +218,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.pages = kd[1], p.page_size = kd[2], p.kv_heads = kd[3];
   p.max_pages = td[1];
   if (kd[4] != p.head_dim || td[0] != p.batch || lengths.dimensions()[0] != p.batch ||
-      p.kv_heads < 1 || p.heads % p.kv_heads)
+      p.kv_heads < 1 || p.heads % p.kv_heads || p.pages < 1 || p.page_size < 1)
     return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   p.q = q.untyped_data(), p.k_pool = k_pool.untyped_data(), p.v_pool = v_pool.untyped_data();
   p.table = table.typed_data(), p.lengths = lengths.typed_data();
