@@ -100,7 +100,53 @@ def test_native_kernel_unavailable_falls_back_or_says_why(monkeypatch):
         select_kernel("native_cpu")
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernel is CPU-only")
+_CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="native kernel is CPU-only")
+
+
+@_CPU_ONLY
+@pytest.mark.parametrize("head_dim", [32, 33, 96, 128, 256])
+@pytest.mark.parametrize("q_dtype,pool_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_native_kernel_head_dims_and_mixed_dtypes(head_dim, q_dtype, pool_dtype):
+    """Every head size the kernel compiles a fixed-size loop for (and one it does not), with
+    queries and pools in different dtypes, against the reference on the same values; a batch
+    larger than the threads (10 rows), one idle."""
+    q, k_pool, v_pool, table, lengths = _pages_case(7, 16, jnp.dtype(pool_dtype), head_dim)
+    q = jnp.concatenate([q, q[::-1], q[:2]]).astype(q_dtype)
+    table = jnp.concatenate([table, table[::-1], table[:2]])
+    lengths = jnp.concatenate([lengths, lengths[::-1], jnp.array([0, 9], jnp.int32)])
+    got = native_cpu.paged_attention_native(q, k_pool, v_pool, jnp.int32(1), table, lengths, 5)
+    f32 = [a.astype(jnp.float32) for a in (q, k_pool, v_pool)]
+    want = paged_attention_reference(*f32, jnp.int32(1), table, lengths, 5)
+    tol = 2e-5 if q_dtype == "float32" else 2.0**-8 * float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got[:8], np.float32), want[:8], atol=tol, rtol=0)
+    np.testing.assert_allclose(np.asarray(got[9], np.float32), want[9], atol=tol, rtol=0)
+    assert not np.asarray(got[8], np.float32).any()  # the idle row: zeros
+
+
+@_CPU_ONLY
+def test_native_kernel_edges_follow_the_reference():
+    """Where the engine never goes, the kernel still agrees with the reference: a window over a
+    length past the table's capacity, a negative layer (counted from the end), and vmap. (A
+    window wholly past the table attends over nothing: zeros, where the reference averages
+    masked keys.)"""
+    q, k_pool, v_pool, table, lengths = _case(4)
+    past = jnp.array([70, 66, 68], jnp.int32)  # the table holds 4 pages of 16: 64 positions
+    cases = ((past, 7, 1), (past + 10, 20, 1), (lengths, 0, -1), (lengths, 5, -2))
+    for lens, window, layer in cases:
+        got = native_cpu.paged_attention_native(
+            q, k_pool, v_pool, jnp.int32(layer), table, lens, window
+        )
+        want = paged_attention_reference(q, k_pool, v_pool, jnp.int32(layer), table, lens, window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    batched = jax.vmap(
+        lambda qq: native_cpu.paged_attention_native(qq, k_pool, v_pool, 1, table, lengths)
+    )(jnp.stack([q, 2 * q]))
+    for i, scale in enumerate((1, 2)):
+        want = paged_attention_reference(scale * q, k_pool, v_pool, jnp.int32(1), table, lengths)
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(want), atol=2e-5, rtol=0)
+
+
+@_CPU_ONLY
 def test_native_kernel_refuses_shapes_that_do_not_agree():
     """Shapes the kernel cannot read (query heads that KV heads do not divide) are an error
     raised by the call, not a read out of bounds; dtypes it does not take (float16) run the
@@ -110,10 +156,16 @@ def test_native_kernel_refuses_shapes_that_do_not_agree():
     got = native_cpu.paged_attention_native(*half, jnp.int32(1), table, lengths)
     want = paged_attention_blocked(*half, jnp.int32(1), table, lengths)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with pytest.raises(Exception, match="shapes do not agree"):
-        native_cpu.paged_attention_native(
-            q[:, :3], k_pool, v_pool, jnp.int32(0), table, lengths
-        ).block_until_ready()
+    bad = (
+        (q[:, :3], k_pool, v_pool),  # query heads the KV heads do not divide
+        (q, k_pool, v_pool[:1, :1, :1]),  # a V pool smaller than the K pool
+        (q, k_pool[:0], v_pool[:0]),  # pools without layers
+    )
+    for qq, kk, vv in bad:
+        with pytest.raises(Exception, match="shapes do not agree"):
+            native_cpu.paged_attention_native(
+                qq, kk, vv, jnp.int32(0), table, lengths
+            ).block_until_ready()
 
 
 def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_path):
@@ -130,10 +182,19 @@ def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_pat
         m.setattr(native_cpu.shutil, "which", lambda name: None)
         with pytest.raises(native_cpu.BuildError, match="no C\\+\\+ compiler found"):
             native_cpu.build()
-    monkeypatch.setattr(native_cpu, "_compiler", lambda: "/bin/false")
-    with pytest.raises(native_cpu.BuildError, match="false failed on paged_attention_cpu.cc"):
+    monkeypatch.setattr(native_cpu, "_compiler", lambda: ["/bin/false"])
+    with pytest.raises(
+        native_cpu.BuildError, match=r"^false failed on paged_attention_cpu.cc \(exit 1\)"
+    ):
         native_cpu.build()
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    # readable by every user a shared cache may serve (mkstemp's file is private)
+    assert path.stat().st_mode & 0o444 == 0o444
+    # $CXX may carry arguments (ccache g++, g++ -m64)
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "g++ -m64")
+    if native_cpu.shutil.which("g++"):
+        assert native_cpu._compiler()[1:] == ["-m64"]
 
 
 @pytest.mark.parametrize("block_pages", [None, 1, 3, 4])

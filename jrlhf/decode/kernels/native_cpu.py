@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,6 +43,7 @@ TARGET = "jrlhf_paged_attention_cpu"
 SYMBOL = "JrlhfPagedAttention"
 DTYPES = (jnp.float32, jnp.bfloat16)  # of the queries and of the pools; others go blocked
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+COMPILE_TIMEOUT_S = 300
 
 
 class BuildError(RuntimeError):
@@ -52,14 +54,21 @@ def cache_dir() -> Path:
     """Where compiled kernels are kept (see the module docstring)."""
     if os.environ.get("JRLHF_CACHE_DIR"):
         return Path(os.environ["JRLHF_CACHE_DIR"]) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jrlhf" / "kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "jrlhf" / "kernels"
+    try:
+        return Path.home() / ".cache" / "jrlhf" / "kernels"
+    except RuntimeError:  # no home directory (a container's uid without a passwd entry)
+        return Path(tempfile.gettempdir()) / f"jrlhf-{os.getuid()}" / "kernels"
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+def _compiler() -> list[str]:
+    """The compiler's command: ``$CXX`` (which may carry arguments, e.g. ``ccache g++``), else
+    the first of ``c++``, ``g++``, ``clang++`` on the PATH."""
+    for command in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
+        words = shlex.split(command)
+        if words and shutil.which(words[0]):
+            return [shutil.which(words[0]), *words[1:]]
     raise BuildError("no C++ compiler found ($CXX, c++, g++ or clang++)")
 
 
@@ -71,62 +80,90 @@ def _cpu_features() -> str:
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return f"{platform.machine()} {platform.processor()}"
 
 
-def _arch_flags(compiler: str) -> tuple[str, ...]:
-    probe = subprocess.run(
-        [compiler, "-march=native", "-x", "c++", "-E", "-", "-o", os.devnull],
-        input=b"",
-        capture_output=True,
-        check=False,
-    )
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            command, capture_output=True, check=False, timeout=COMPILE_TIMEOUT_S, **kwargs
+        )
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{Path(command[0]).name} ran past {COMPILE_TIMEOUT_S} s") from None
+    except OSError as err:
+        raise BuildError(f"{Path(command[0]).name} could not run ({err})") from None
+
+
+def _arch_flags(compiler: list[str]) -> tuple[str, ...]:
+    probe = _run([*compiler, "-march=native", "-x", "c++", "-E", "-", "-o", os.devnull], input=b"")
     return ("-march=native",) if probe.returncode == 0 else ()
 
 
-def build() -> Path:
-    """The compiled kernel's path, compiling it into the cache first if needed; raises
-    ``BuildError`` in one line when it cannot be built."""
+def _failure(compiler: list[str], result: subprocess.CompletedProcess) -> BuildError:
+    """One line: the compiler, its exit status and its first error line (else its first line)."""
+    lines = [ln.strip() for ln in result.stderr.decode(errors="replace").splitlines()]
+    lines = [ln for ln in lines if ln]
+    cause = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no output")
+    name = Path(compiler[0]).name
+    return BuildError(f"{name} failed on {SOURCE.name} (exit {result.returncode}): {cause[:300]}")
+
+
+def build(rebuild: bool = False) -> Path:
+    """The compiled kernel's path, compiling it into the cache first if needed (or if
+    ``rebuild``); raises ``BuildError`` in one line when it cannot be built."""
     compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    version = _run([*compiler, "--version"]).stdout
     flags = (*_FLAGS, *_arch_flags(compiler))
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.stdout, " ".join(flags), jaxlib.__version__):
+    for part in (SOURCE.read_bytes(), version, " ".join(compiler[1:] + list(flags))):
         key.update(part if isinstance(part, bytes) else part.encode())
-    key.update(_cpu_features().encode())
+    key.update(f"{jaxlib.__version__} {_cpu_features()}".encode())
     directory = cache_dir()
     path = directory / f"paged_attention_cpu-{key.hexdigest()[:20]}.so"
-    if path.exists():
+    if path.exists() and not rebuild:
         return path
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
     except OSError as err:
-        raise BuildError(f"kernel cache {directory} is not writable ({err})") from None
-    command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        os.unlink(scratch)
-        first = next((ln for ln in result.stderr.splitlines() if "error" in ln), result.stderr)
-        raise BuildError(f"{Path(compiler).name} failed on {SOURCE.name}: {first.strip()[:300]}")
-    os.replace(scratch, path)  # atomic: a concurrent build of the same key writes the same bytes
+        raise BuildError(f"kernel cache {directory} cannot be written ({err})") from None
+    try:
+        command = [*compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
+        result = _run(command)
+        if result.returncode != 0:
+            raise _failure(compiler, result)
+        # mkstemp's file is private to its owner: a cache shared by several users needs the
+        # library readable by all of them, as the umask allows
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(scratch, 0o755 & ~umask)
+        os.replace(scratch, path)  # atomic: a concurrent build of the same key writes the same
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
     return path
 
 
 @functools.cache
 def _registered() -> str | None:
     """Builds, loads and registers the kernel once per process: None when that worked, else why
-    not (also said once in a warning)."""
+    not (also said once in a warning). A cached library that does not load (truncated by a full
+    disk, say) is compiled again once."""
     try:
-        library = ctypes.cdll.LoadLibrary(str(build()))
+        try:
+            library = ctypes.cdll.LoadLibrary(str(build()))
+        except OSError:
+            library = ctypes.cdll.LoadLibrary(str(build(rebuild=True)))
         handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
         jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
     except (BuildError, OSError, AttributeError) as err:
+        reason = " ".join(str(err).split())
         warnings.warn(
-            f"native CPU paged attention unavailable, using the blocked kernel: {err}", stacklevel=3
+            f"native CPU paged attention unavailable, using the blocked kernel: {reason}",
+            stacklevel=3,
         )
-        return str(err)
+        return reason
     return None
 
 
@@ -162,7 +199,8 @@ def paged_attention_native(
         return paged_attention_blocked(
             q_bhd, k_pool, v_pool, layer, page_table_bp, lengths_b, sliding_window
         )
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_bhd.shape, q_bhd.dtype))
+    out = jax.ShapeDtypeStruct(q_bhd.shape, q_bhd.dtype)
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     return call(
         q_bhd,
         k_pool,

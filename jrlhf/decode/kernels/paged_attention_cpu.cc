@@ -10,7 +10,8 @@
 // Semantics are those of paged_attention_reference (jrlhf/decode/kernels/reference.py): one query
 // token per sequence at position lengths[b] - 1, keys at positions [0, lengths[b]) (the last
 // `sliding_window` of them when it is > 0), page ids clipped into the pool, float32 arithmetic, and
-// zeros for a sequence of length 0 (an idle slot), as paged_attention_blocked returns.
+// zeros for a sequence with no key to attend to (an idle slot, of length 0), where the pure-JAX
+// kernels average masked keys.
 
 #include <algorithm>
 #include <atomic>
@@ -53,12 +54,12 @@ inline const float* Row(const void* base, bool bf16, int64_t offset, int64_t n, 
 
 // exp(x) for x <= 0 (scores less their maximum) in plain arithmetic, so that loops over it
 // vectorize: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
-// (relative error below 2e-7 there), times 2^k built in the exponent bits. Below -87 it returns 0,
-// which is what float32's exp rounds to within 1e-38.
+// (relative error within 3e-7 there), times 2^k built in the exponent bits. Below -87 it returns
+// 0 (float32's exp is below 1.7e-38 there), and a select keeps the loop vectorizable.
 inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  const float y = std::max(x, -87.0f);  // a NaN x stays NaN (std::max returns its first operand)
+  const float k = std::nearbyint(y * 1.44269504088896341f);
+  const float r = (y - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
   float poly = 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
   poly = poly * r + 1.0f / 24.0f;
@@ -66,10 +67,10 @@ inline float ExpNonPositive(float x) {
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(k == k ? k : 0.0f) + 127) << 23;  // NaN: any scale
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return poly * scale;
+  return x < -87.0f ? 0.0f : poly * scale;
 }
 
 // q . k over `n` elements in sixteen independent partial sums (which the compiler vectorizes
@@ -109,9 +110,12 @@ template <int64_t kFixed>
 void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
   const int64_t d = kFixed ? kFixed : p.head_dim, h = p.heads, groups = p.heads / p.kv_heads;
   const int64_t row_len = p.kv_heads * d;  // one position's K (or V) for every KV head
-  const int64_t n = std::min<int64_t>(p.lengths[b], p.max_pages * p.page_size);
-  const int64_t start = p.window > 0 ? std::max<int64_t>(0, n - p.window) : 0;
-  const int64_t count = std::max<int64_t>(0, n - start);
+  // Keys at positions [start, end): the window counts back from the query (lengths[b] - 1) even
+  // where the table holds fewer positions than that, as in the reference.
+  const int64_t length = p.lengths[b];
+  const int64_t end = std::min<int64_t>(length, p.max_pages * p.page_size);
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const int64_t count = std::max<int64_t>(0, end - start);
   scratch.resize(2 * h * d + row_len + h * std::max<int64_t>(count, 1) + h);
   float* q = scratch.data();  // (heads, d), scaled
   float* acc = q + h * d;  // (heads, d)
@@ -217,15 +221,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.batch = qd[0], p.heads = qd[1], p.head_dim = qd[2];
   p.pages = kd[1], p.page_size = kd[2], p.kv_heads = kd[3];
   p.max_pages = td[1];
-  if (kd[4] != p.head_dim || td[0] != p.batch || lengths.dimensions()[0] != p.batch ||
-      p.kv_heads < 1 || p.heads % p.kv_heads || p.pages < 1 || p.page_size < 1)
+  auto vd = v_pool.dimensions();
+  bool same_pools = vd.size() == kd.size();
+  for (size_t i = 0; same_pools && i < kd.size(); ++i) same_pools = vd[i] == kd[i];
+  if (!same_pools || kd[4] != p.head_dim || td[0] != p.batch ||
+      lengths.dimensions()[0] != p.batch || p.kv_heads < 1 || p.heads % p.kv_heads ||
+      kd[0] < 1 || p.pages < 1 || p.page_size < 1)
     return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   p.q = q.untyped_data(), p.k_pool = k_pool.untyped_data(), p.v_pool = v_pool.untyped_data();
   p.table = table.typed_data(), p.lengths = lengths.typed_data();
   p.out = out->untyped_data();
   p.q_bf16 = IsBf16(q.element_type()), p.pool_bf16 = IsBf16(k_pool.element_type());
   p.window = sliding_window;
-  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, kd[0] - 1);
+  // A negative layer counts from the end, as array indexing does; others clip into the pool.
+  const int64_t index = layer.typed_data()[0];
+  p.layer = std::clamp<int64_t>(index < 0 ? index + kd[0] : index, 0, kd[0] - 1);
 
   auto shared = std::make_shared<Shared>();
   shared->problem = p;
