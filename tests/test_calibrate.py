@@ -404,9 +404,7 @@ def test_collective_fit_recovers_bandwidth_and_latency(shared):
         return est._comm_s(received, 1, g, profile)
 
     small, large = 64 * 1024 * 7 / 8, 8 * 2**20 * 7 / 8
-    got_bw, got_lat = cal.collective_fit(
-        (small, extra(small)), (large, extra(large)), n, shared, cores
-    )
+    got_bw, got_lat = cal.collective_fit((small, extra(small)), (large, extra(large)), n, shared)
     assert got_bw == pytest.approx(bw, rel=1e-9)
     assert got_lat == pytest.approx(lat, rel=1e-6)
 
@@ -476,6 +474,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
             forward_layer_overhead_once_s=1e-4,
             train_layer_overhead_once_s=6e-4,
             decode_layer_overhead_once_s=5e-5,
+            # every device program's decode weight reads, added to the step's FLOPs
+            decode_weight_efficiency=0.3,
             # two one-device calls at once take 0.8 x their sum
             call_core_share=0.8,
         )
@@ -509,6 +509,7 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "train_activation_efficiency",
         "decode_kv_efficiency",
         "forward_gather_efficiency",
+        "decode_weight_efficiency",
         "call_core_share",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field
@@ -577,24 +578,24 @@ def test_reshard_fit_prices_the_copy_apart_only_where_the_runs_tell_it_apart():
     }
 
 
-def test_fixed_costs_on_a_shared_host_run_host_cores_at_a_time():
-    def fixed(n, shared, cores):
+def test_fixed_costs_on_a_shared_host_grow_with_the_device_count_from_one_device():
+    """n ** fixed_device_exponent times a device's cost, from n = 1 on: on the 2-core CPU two
+    fake devices already cost more than one (a lone program's ops get both cores), so the
+    growth does not wait for the devices to outnumber the cores."""
+
+    def fixed(n, shared, exponent=1.0, cores=2):
         profile = DeviceProfile(
-            name="t", memory_bytes=1, matmul_flops=1.0, shared_host=shared, host_cores=cores
-        )
+            name="t", memory_bytes=1, matmul_flops=1.0, shared_host=shared, host_cores=cores,
+            fixed_device_exponent=exponent,
+        )  # fmt: skip
         g = est._Geometry(n, n, 1, 1, frozenset(range(n)), 1)
         return est._fixed_s(1.0, g, profile)
 
-    assert [fixed(n, True, 2) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
-    assert [fixed(n, True, 1) for n in (1, 2, 8)] == [1.0, 2.0, 8.0]  # the default: n times
-    assert [fixed(n, False, 2) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
-    # a runtime that overlaps part of the programs' costs: 4 ** 0.5 times at 8 devices
-    half = DeviceProfile(
-        name="t", memory_bytes=1, matmul_flops=1.0, shared_host=True, host_cores=2,
-        fixed_device_exponent=0.5,
-    )  # fmt: skip
-    g8 = est._Geometry(8, 8, 1, 1, frozenset(range(8)), 1)
-    assert est._fixed_s(1.0, g8, half) == pytest.approx(2.0)
+    assert [fixed(n, True) for n in (1, 2, 4, 8)] == [1.0, 2.0, 4.0, 8.0]  # the default
+    assert [fixed(n, True, cores=1) for n in (1, 2, 8)] == [1.0, 2.0, 8.0]
+    assert [fixed(n, False) for n in (1, 8)] == [1.0, 1.0]  # own cores per device
+    # a runtime that overlaps part of the programs' costs: 8 ** 0.5 times at 8 devices
+    assert [fixed(n, True, 0.5) for n in (1, 2, 8)] == pytest.approx([1.0, 2**0.5, 8**0.5])
     with pytest.raises(ValueError, match="host_cores"):
         DeviceProfile(name="t", memory_bytes=1, matmul_flops=1.0, host_cores=0)
 

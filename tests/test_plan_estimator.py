@@ -163,32 +163,34 @@ def test_reshard_pays_one_collective_latency_per_moving_parameter():
     copied = est.shard_bytes(cfg, "lm", dst) * 8
     assert 0 < gathered < copied  # the parameters that stay (replicated norms) are only copied
     assert est.reshard_seconds(w, edge, plan, shared) == pytest.approx(
-        1e-3 * 8 / 2 + gathered / 0.5e9 + copied / 2e9
+        1e-3 * 8 + gathered / 0.5e9 + copied / 2e9
     )
 
 
-def test_forward_prices_the_fsdp_gathers_writes():
-    """A forward's FSDP gathers write every device's whole gathered copy of each FSDP-sharded
-    weight: priced at forward_gather_efficiency x the link bandwidth (n times over on a shared
-    host), nothing where no weight is FSDP-sharded or the profile does not price it."""
+def test_forward_prices_every_device_programs_pass_over_its_weights():
+    """Every device program of a forward goes through its whole copy of the weights as its
+    matmuls use them (split over every axis but fsdp): priced at forward_gather_efficiency x
+    the link bandwidth (n times over on a shared host), whether FSDP gathered them or the
+    device holds them (data parallelism), and not at all where the profile does not price it."""
     cfg = tiny_config(num_kv_heads=4)
     w = _workload(cfg)
     base = DeviceProfile.load("cpu").replace(forward_gather_efficiency=0.0)
     priced = base.replace(forward_gather_efficiency=0.25)
     full = sum(math.prod(s) * size for _, _, s, size in est._param_table(cfg, "lm"))
-    for tensor in (1, 2):
-        p = flatten(8, tensor=tensor)["reference_infer"]
-        extra = est.infer_seconds(w, "reference", p, priced) - est.infer_seconds(
+    calls = len(est._chunks(w))
+
+    def extra(p):
+        return est.infer_seconds(w, "reference", p, priced) - est.infer_seconds(
             w, "reference", p, base
         )
-        calls = len(est._chunks(w))
-        # every weight of the tiny model is FSDP-sharded: each device gathers its tensor shard
+
+    for tensor in (1, 2):
+        # every weight of the tiny model splits over tensor: each device uses its tensor shard
         want = calls * 8 * full / tensor / (base.intra_node_bandwidth * 0.25)
-        assert extra == pytest.approx(want, rel=0.05), tensor
-    replicated = CallPlacement(flatten(8)["actor_generate"].mesh, "dp_tp")
-    assert est.infer_seconds(w, "reference", replicated, priced) == est.infer_seconds(
-        w, "reference", replicated, base
-    )
+        p = flatten(8, tensor=tensor)["reference_infer"]
+        assert extra(p) == pytest.approx(want, rel=0.05), tensor
+        replicated = CallPlacement(flatten(8, tensor=tensor)["actor_generate"].mesh, "dp_tp")
+        assert extra(replicated) == pytest.approx(want, rel=0.05), tensor
 
 
 def test_disjoint_move_is_priced_as_the_resharder_runs_it():
@@ -982,6 +984,32 @@ def test_decode_attention_reads_the_pages_the_blocked_kernel_visits():
     row_token = wl.kv_bytes_per_token(cfg) * short.rows
     assert kv_part(short) == pytest.approx(9 * row_token * 24 / 1e9, rel=1e-6)
     assert kv_part(long) == pytest.approx(9 * row_token * 64 / 1e9, rel=1e-6)
+
+
+def test_decode_weight_reads_add_to_the_flops_on_a_shared_host():
+    """With decode_weight_efficiency a shared host's decode step costs its FLOPs at
+    decode_efficiency plus every device program's weight shard at that fraction of the
+    bandwidth (n shards on n fake devices); without it, the roofline max of the two at
+    decode_efficiency. One decode step (gen_len 2); each term read off by halving its rate."""
+    cfg = tiny_config()
+    w = _workload(cfg, prompt_len=16, gen_len=2, decode_page_size=8)
+    base = DeviceProfile(
+        name="t", memory_bytes=2**33, matmul_flops=1e12, memory_bandwidth=1e9, shared_host=True
+    )
+    for n in (1, 4):
+        p = flatten(n, tensor=1)["actor_generate"]
+        flops = wl.decode_step_flops(cfg, w.rows, 0) / 1e12
+        shards = n * est.shard_bytes(cfg, "lm", p) / 1e9
+        assert shards > flops  # the roofline would hide the FLOPs
+
+        def halved(profile, field, p=p):  # the time the term divided by ``field`` costs
+            slow = profile.replace(**{field: getattr(profile, field) / 2})
+            return est.generate_seconds(w, p, slow) - est.generate_seconds(w, p, profile)
+
+        assert halved(base, "decode_efficiency") == pytest.approx(max(flops, shards), rel=1e-6)
+        added = base.replace(decode_weight_efficiency=0.5)
+        assert halved(added, "decode_efficiency") == pytest.approx(flops, rel=1e-6), n
+        assert halved(added, "decode_weight_efficiency") == pytest.approx(shards / 0.5, rel=1e-6)
 
 
 def test_fused_attention_keeps_no_probabilities_in_training_memory():

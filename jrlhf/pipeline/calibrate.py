@@ -257,22 +257,20 @@ def collective_fit(
     large: tuple[float, float],
     n: int,
     shared: bool,
-    cores: int = 1,
 ) -> tuple[float, float]:
     """(bandwidth, latency per collective) from two all-gathers: (bytes received per device,
     seconds beyond the same program without the gather) at a small and a large size.
 
     In the estimator's terms (``estimator._comm_s``): ``extra = received / bandwidth + latency``
     per device; on a shared host every device's copy runs on the same cores and memory, and
-    every device's thread takes part in the rendezvous, ``cores`` at a time, so
-    ``extra = n x received / bandwidth + n / min(n, cores) x latency``.
+    every device's thread takes part in the rendezvous, so (at the base profile's
+    ``fixed_device_exponent`` of 1) ``extra = n x received / bandwidth + n x latency``.
     """
     k = n if shared else 1
-    k_latency = n / min(n, cores) if shared else 1
     (b0, t0), (b1, t1) = small, large
     slope = max(t1 - t0, 1e-12) / max(b1 - b0, 1.0)  # seconds per received byte per device
     bandwidth = k / slope
-    latency = max(0.0, t0 - b0 * slope) / k_latency
+    latency = max(0.0, t0 - b0 * slope) / k
     return float(bandwidth), float(latency)
 
 
@@ -564,6 +562,9 @@ EXTRA_RATES = {
     "train": (("train_activation_efficiency", 0.0),),
     "generate": (("decode_kv_efficiency", 10.0),),
 }
+# ... and on a shared host, where n fake devices each run small decode matmuls over their own
+# weight copy, a decode step's weight reads at their own rate, added to its FLOPs' time
+SHARED_HOST_RATES = {"generate": (("decode_weight_efficiency", 0.0),)}
 # fixed_device_exponent values the shared-host fit tries
 DEVICE_EXPONENTS = tuple(i / 10 for i in range(11))
 
@@ -632,7 +633,7 @@ def _fit_linear(
                 return est.train_seconds(w, "actor", plan["actor_train"], prof) / w.train_steps
             return est.generate_seconds(w, plan["actor_generate"], prof)
 
-        rates = EXTRA_RATES[kind]
+        rates = EXTRA_RATES[kind] + (SHARED_HOST_RATES.get(kind, ()) if base.shared_host else ())
         rows, ys = [], []
         # (overrides, devices, measured seconds, micro-batches): every run's call of this kind,
         # and for training, the runs' micro-batched steps too
@@ -824,9 +825,7 @@ def measure_base(device_kind: str | None = None, quick: bool = False) -> DeviceP
             )
             for label in ("small", "large")
         }
-        coll_bw, coll_latency = collective_fit(
-            extra["small"], extra["large"], n, shared, _host_cores()
-        )
+        coll_bw, coll_latency = collective_fit(extra["small"], extra["large"], n, shared)
     else:
         copy = coll_bw = float("nan")
         coll_latency = 0.0

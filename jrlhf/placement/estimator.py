@@ -9,7 +9,9 @@ Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
   it fuses into the matmul kernels). On XLA's CPU backend it grows with tokens x width, not
   with FLOPs, and decides much of a small model's time;
 * decode: each step runs one token per sequence through the matmuls, at
-  ``max(compute, weight shard bytes / bandwidth) / decode_efficiency``, and its attention reads
+  ``max(compute, weight shard bytes / bandwidth) / decode_efficiency`` (on a shared host with
+  ``decode_weight_efficiency``: the FLOPs at ``decode_efficiency`` plus every device program's
+  weight shard at that fraction of the bandwidth), and its attention reads
   the KV pages the kernel visits (``attended_context``) at ``decode_kv_efficiency`` x the
   bandwidth;
 * collectives: FSDP all-gathers of weights (and reduce-scatter of gradients), the all-reduce of
@@ -325,9 +327,9 @@ def _activation_s(
 
 def _fixed_s(seconds: float, g: _Geometry, profile: DeviceProfile) -> float:
     """A fixed per-device cost (dispatch, per-op launch): on a shared host every device's
-    program runs its ops on the same cores, so the cost is paid n times over, ``host_cores``
-    programs at a time (8 fake devices on 2 cores: 4 times a device's cost, 1 device: once),
-    or less where the runtime overlaps them (``fixed_device_exponent`` below 1)."""
+    program runs its ops on the same cores, so the cost is paid n times over, or less where the
+    runtime overlaps them: n ** ``fixed_device_exponent`` times (fitted; 0.7 on the 2-core CPU,
+    where 2 devices already cost more than 1: a lone program's ops get both cores)."""
     return _fixed_n_s(seconds, g.n, profile)
 
 
@@ -335,7 +337,7 @@ def _fixed_n_s(seconds: float, n: int, profile: DeviceProfile) -> float:
     """``_fixed_s`` for a call on ``n`` devices."""
     if not profile.shared_host:
         return seconds
-    return seconds * (n / min(n, profile.host_cores)) ** profile.fixed_device_exponent
+    return seconds * n**profile.fixed_device_exponent
 
 
 def _link_bandwidth(nodes: int, profile: DeviceProfile) -> float:
@@ -391,19 +393,29 @@ def _replicated_grad_bytes(cfg: ModelConfig, head: str, placement: CallPlacement
     return total
 
 
-def _gather_write_s(
+def _weight_pass_s(
     cfg, head: str, p: CallPlacement, g: _Geometry, efficiency: float, profile: DeviceProfile
 ) -> float:
-    """Seconds for every device to write its gathered copy of each FSDP-sharded weight once
-    (every layer's, and the unscanned ones) at ``efficiency`` x the link bandwidth; 0 when the
-    profile does not price it apart (efficiency 0) or nothing is FSDP-sharded."""
+    """Seconds for every device program to go once through its weights as its matmuls use them
+    (``_used_weight_bytes``: FSDP-gathered or held) at ``efficiency`` x the link bandwidth; 0
+    when the profile does not price it apart (efficiency 0)."""
     if efficiency <= 0:
         return 0.0
-    layer, rest = _gathered_parts(cfg, head, p)
-    written = layer * cfg.num_layers + rest
-    if written <= 0:
-        return 0.0
-    return _work_s(written, g, _link_bandwidth(g.nodes, profile) * efficiency, profile)
+    used = _used_weight_bytes(cfg, head, p)
+    return _work_s(used, g, _link_bandwidth(g.nodes, profile) * efficiency, profile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _used_weight_bytes(cfg: ModelConfig, head: str, placement: CallPlacement) -> int:
+    """Bytes per device of every weight as a forward's matmuls use it: split over every mesh
+    axis but ``fsdp`` (FSDP gathers the rest; data parallelism holds it whole)."""
+    spec = placement.mesh
+    total = 0
+    for _path, logical, shape, size in _param_table(cfg, head):
+        axes = _dim_axes(logical, spec, placement.rules)
+        kept = [tuple(x for x in a if x != "fsdp") for a in axes]
+        total += math.prod(-(-d // axis_size(spec, a)) for d, a in zip(shape, kept)) * size
+    return total
 
 
 @functools.lru_cache(maxsize=4096)
@@ -549,7 +561,16 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
             g,
             profile,
         )
-        step = max(compute, memory) / profile.decode_efficiency + kv
+        if profile.decode_weight_efficiency > 0:  # shared host: the two add up
+            step = compute / profile.decode_efficiency + kv
+            step += _work_s(
+                weight_bytes,
+                g,
+                profile.memory_bandwidth * profile.decode_weight_efficiency,
+                profile,
+            )
+        else:
+            step = max(compute, memory) / profile.decode_efficiency + kv
         step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
         step += cfg.num_layers * profile.decode_layer_overhead_once_s
         total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
@@ -585,7 +606,7 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         tokens = -(-rows // g.batch) * seq
         t += _activation_s(cfg, tokens, seq, g, profile.forward_activation_efficiency, profile)
         t += _comm_s(gathered, cfg.num_layers, g, profile)
-        t += _gather_write_s(cfg, head, p, g, profile.forward_gather_efficiency, profile)
+        t += _weight_pass_s(cfg, head, p, g, profile.forward_gather_efficiency, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
         t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
     return t

@@ -48,16 +48,24 @@ class DeviceProfile:
     # it fuses into the matmul kernels).
     forward_activation_efficiency: float = 0.0
     train_activation_efficiency: float = 0.0
-    # The fraction of the link bandwidth at which a forward writes its FSDP-gathered weights
-    # (each device its whole gathered copy of every FSDP-sharded weight), besides the
-    # collectives' own time. 0: not priced apart. On fake CPU devices a scoring forward's
-    # gathers cost far more per byte than the collective microbenchmark's; a training step's
-    # showed no such cost in the calibration's fits, so it has none.
+    # The fraction of the link bandwidth at which a forward's device programs go through their
+    # weights: each device its whole copy of every weight as its matmuls use it (FSDP-gathered
+    # or held), besides the gathers' own collective time. 0: not priced apart. On fake CPU
+    # devices every device program's small matmuls touch (and pack) all of its weights, so
+    # scoring on n devices costs about n times one copy's pass whether the weights were
+    # gathered or replicated (data parallelism); a training step's showed no such cost in the
+    # calibration's fits, so it has none.
     forward_gather_efficiency: float = 0.0
     # the fraction of memory_bandwidth at which a decode step's attention reads the KV cache
     # (near a stream on GPUs and for the CPU's native kernel, which reads pages in place; far
     # below it for the pure-JAX kernels, which gather copies of the pages)
     decode_kv_efficiency: float = 1.0
+    # shared_host: the fraction of memory_bandwidth at which each device program's decode step
+    # reads its weight shard, priced besides the step's matmul FLOPs (their sum, not the
+    # larger: on fake CPU devices n programs each run small matmuls over their own copy of the
+    # weights, whose per-weight cost does not overlap the FLOPs). 0: the roofline
+    # max(FLOPs, weight bytes) / decode_efficiency, as on accelerators.
+    decode_weight_efficiency: float = 0.0
     # memory and links: achieved bytes/s
     memory_bandwidth: float = 1e11
     intra_node_bandwidth: float = 1e11  # per device, one direction, inside a node
@@ -103,14 +111,14 @@ class DeviceProfile:
     # (ModelConfig.attention "auto": cuDNN flash attention on GPUs), which keeps no score or
     # probability matrix in memory (workload.activation_bytes_per_token).
     fused_attention: bool = False
-    # shared_host: the cores the device programs share. A fixed per-device cost (dispatch, op
-    # launches, a collective's rendezvous) is paid by each of the n device programs, up to
-    # host_cores of them at once: n / min(n, host_cores) times over. 1 = every device program
-    # pays in turn (n times over).
+    # shared_host: the cores the device programs share (recorded by the calibration; the
+    # fixed costs below grow with the device count from one device on, not from host_cores:
+    # on the 2-core CPU a generation on 2 fake devices took 1.32x one on 1).
     host_cores: int = 1
-    # shared_host: how those per-device costs grow past host_cores device programs: by
-    # (n / host_cores) ** fixed_device_exponent. 1 = in proportion (every program's ops queue
-    # for the cores); below 1 when the runtime overlaps some of them (fitted by the calibration).
+    # shared_host: how a fixed per-device cost (dispatch, op launches, a collective's
+    # rendezvous), paid by each of the n device programs, grows with n: by
+    # n ** fixed_device_exponent. 1 = in proportion (every program's ops queue for the cores);
+    # below 1 as far as the runtime overlaps them (fitted by the calibration).
     fixed_device_exponent: float = 1.0
     # shared_host: the share of the host's cores one call keeps busy. Calls dispatched together
     # on disjoint devices (actor and critic training steps, scoring calls) take the longest
@@ -140,7 +148,11 @@ class DeviceProfile:
         ):
             if not 0 < getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in (0, 10]")
-        for field in ("forward_activation_efficiency", "train_activation_efficiency"):
+        for field in (
+            "forward_activation_efficiency",
+            "train_activation_efficiency",
+            "decode_weight_efficiency",
+        ):
             if not 0 <= getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in [0, 10]")
         if not 0 <= self.remat_forward_cost <= 2:
