@@ -423,6 +423,10 @@ def _truth_measurements(truth: DeviceProfile, dtype: str):
             "generate": est.generate_seconds(w, plan["actor_generate"], truth),
             "reshard": est.reshard_seconds(w, edge, plan, truth),
         }
+        # and the same generation stopped after its first decode step
+        short = {**overrides, "gen_len": cal.SHORT_GEN_TOKENS}
+        _, _, ws = cal._calibration_setup(short, dtype, devices)
+        seconds[cal.SHORT_GEN_KIND] = est.generate_seconds(ws, plan["actor_generate"], truth)
         if devices == 1:  # and its step on another device at the same time
             seconds[cal.PAIR_KIND] = est.concurrent_seconds([seconds["train"]] * 2, truth)
         if (index, fraction) in cal.MICROBATCH_RUNS:  # and its step in micro-batches
@@ -455,6 +459,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
         train_layer_overhead_s=1.2e-3,
         decode_efficiency=2.5,
         decode_layer_overhead_s=3e-4,
+        # what a generate call pays once (the short generations tell it from the steps)
+        decode_call_overhead_s=2e-3,
         reshard_overhead_s=1.5e-3,
         reshard_efficiency=0.8,
         # the separated run's twin copy (the resharder's path between disjoint device sets)
@@ -476,6 +482,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
             decode_layer_overhead_once_s=5e-5,
             # every device program's decode weight reads, added to the step's FLOPs
             decode_weight_efficiency=0.3,
+            # ... and its layer copies, once a call
+            decode_copy_efficiency=0.2,
             # two one-device calls at once take 0.8 x their sum
             call_core_share=0.8,
         )
@@ -510,6 +518,8 @@ def test_fit_profile_recovers_a_known_profile(shared):
         "decode_kv_efficiency",
         "forward_gather_efficiency",
         "decode_weight_efficiency",
+        "decode_call_overhead_s",
+        "decode_copy_efficiency",
         "call_core_share",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-4), field

@@ -1012,6 +1012,28 @@ def test_decode_weight_reads_add_to_the_flops_on_a_shared_host():
         assert halved(added, "decode_weight_efficiency") == pytest.approx(shards / 0.5, rel=1e-6)
 
 
+def test_a_generate_call_pays_its_fixed_cost_and_layer_copies_once():
+    """decode_call_overhead_s is paid once a call by every device program (n ** exponent on a
+    shared host), and with decode_copy_efficiency the unrolled decode's layer copies (every
+    device its weight shard) once a call at that fraction of the bandwidth, whatever the
+    number of decode steps."""
+    cfg = tiny_config()
+    base = DeviceProfile(
+        name="t", memory_bytes=2**33, matmul_flops=1e12, memory_bandwidth=1e9, shared_host=True,
+        fixed_device_exponent=0.5,
+    )  # fmt: skip
+    for n in (1, 4):
+        p = flatten(n, tensor=1)["actor_generate"]
+        shards = n * est.shard_bytes(cfg, "lm", p) / 1e9
+        for gen_len in (2, 9):
+            w = _workload(cfg, prompt_len=16, gen_len=gen_len, decode_page_size=8)
+            plain = est.generate_seconds(w, p, base)
+            called = est.generate_seconds(w, p, base.replace(decode_call_overhead_s=1e-3))
+            copied = est.generate_seconds(w, p, base.replace(decode_copy_efficiency=0.25))
+            assert called - plain == pytest.approx(1e-3 * n**0.5, rel=1e-6), (n, gen_len)
+            assert copied - plain == pytest.approx(shards / 0.25, rel=1e-6), (n, gen_len)
+
+
 def test_fused_attention_keeps_no_probabilities_in_training_memory():
     """On a profile with fused attention (the GPU ones) a bf16 model's training step saves one
     float32 log-sum-exp per head and token instead of the float32 scores/probabilities rows;

@@ -38,6 +38,7 @@ The result is a ``DeviceProfile`` JSON; raw numbers go under ``measured``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -117,8 +118,13 @@ PAIR_KIND = "train_pair"
 MICROBATCH_KIND = "train_microbatched"
 MICROBATCHES = 2
 MICROBATCH_RUNS = ((0, 1.0), (1, 1.0))
+# and in every run, right after its generation: the same generation stopped after
+# SHORT_GEN_TOKENS tokens (one decode step), so the generate fit tells what a call pays once
+# (prefill, the layer copies, dispatch and syncs) from what each decode step pays
+SHORT_GEN_KIND = "generate_short"
+SHORT_GEN_TOKENS = 2
 # every kind a run may time, in the order a round times them
-TIMED_KINDS = (*MODEL_KINDS, MICROBATCH_KIND, PAIR_KIND)
+TIMED_KINDS = (MODEL_KINDS[0], SHORT_GEN_KIND, *MODEL_KINDS[1:], MICROBATCH_KIND, PAIR_KIND)
 # bytes the memory-bandwidth microbenchmark streams (read and written in place): above the
 # last-level caches of the hosts we run on (32 MiB here), so DRAM's rate is measured
 MEMORY_MBYTES = 256
@@ -403,6 +409,13 @@ def model_tasks(
             holder["gen"] = resharder(trainers[0].state.params, gen_shardings)
         return engine.generate(holder["gen"], prompts, sp)
 
+    short = dataclasses.replace(sp, max_new_tokens=SHORT_GEN_TOKENS)
+
+    def generate_short():
+        if any(x.is_deleted() for x in jax.tree.leaves(holder["gen"])):
+            holder["gen"] = resharder(trainers[0].state.params, gen_shardings)
+        return engine.generate(holder["gen"], prompts, short)
+
     def reshard():
         holder["gen"] = jax.block_until_ready(resharder(trainers[0].state.params, gen_shardings))
 
@@ -410,6 +423,7 @@ def model_tasks(
         "forward": three_forwards,
         "train": train_steps,
         "generate": generate,
+        SHORT_GEN_KIND: generate_short,
         "reshard": reshard,
         **tasks,
     }
@@ -564,7 +578,11 @@ EXTRA_RATES = {
 }
 # ... and on a shared host, where n fake devices each run small decode matmuls over their own
 # weight copy, a decode step's weight reads at their own rate, added to its FLOPs' time
-SHARED_HOST_RATES = {"generate": (("decode_weight_efficiency", 0.0),)}
+SHARED_HOST_RATES = {
+    "generate": (("decode_weight_efficiency", 0.0), ("decode_copy_efficiency", 0.0)),
+}
+# per-call fixed costs fitted besides the per-layer ones (their coefficients read off alike)
+CALL_OVERHEADS = {"generate": "decode_call_overhead_s"}
 # fixed_device_exponent values the shared-host fit tries
 DEVICE_EXPONENTS = tuple(i / 10 for i in range(11))
 
@@ -644,10 +662,18 @@ def _fit_linear(
                 for o, n, m in measurements
                 if MICROBATCH_KIND in m
             ]
+        if kind == "generate":
+            cases += [
+                ({**o, "gen_len": SHORT_GEN_TOKENS}, n, m[SHORT_GEN_KIND], 1)
+                for o, n, m in measurements
+                if SHORT_GEN_KIND in m
+            ]
+        call_field = CALL_OVERHEADS.get(kind)
         for overrides, devices, seconds, mbs in cases:
             p0 = profile.replace(
                 **{eff_field: 1.0, layer_field: 0.0, once_field: 0.0},
                 **{field: 1.0 for field, _ in rates},
+                **({call_field: 0.0} if call_field else {}),
             )
             t0 = model_time(p0, overrides, devices, mbs)
             t_half = model_time(p0.replace(**{eff_field: 2.0}), overrides, devices, mbs)
@@ -666,6 +692,9 @@ def _fit_linear(
             row = [work * scale, layers * scale]
             if profile.shared_host:  # elsewhere both overheads are paid alike: one unknown
                 row.append(once * scale)
+            if call_field:  # the coefficient of the per-call overhead
+                t_call = model_time(p0.replace(**{call_field: 1e-3}), overrides, devices, mbs)
+                row.append((t_call - t0) / 1e-3 * scale)
             rows.append(row + [e * scale for e in extra])
             ys.append((seconds - fixed) * scale)
         x = _nnls(np.array(rows), np.array(ys))
@@ -682,6 +711,10 @@ def _fit_linear(
             "layer_overhead_s": float(layer_overhead),
             "layer_overhead_once_s": float(layer_once),
         }
+        if call_field:
+            call = float(x[2 + profile.shared_host])
+            profile = profile.replace(**{call_field: call})
+            fits[kind]["call_overhead_s"] = call
         for (field, unpriced), inv in zip(rates, x[len(x) - len(rates) :]):
             value = float(min(10.0, 1.0 / inv)) if inv > 0 else unpriced
             profile = profile.replace(**{field: value})

@@ -18,7 +18,9 @@ Every call is priced from FLOPs and bytes against a ``DeviceProfile``:
   the gradients of weights replicated over the batch (data parallelism), tensor-parallel
   all-reduces of activations (two per layer forward, four forward + backward), priced by bytes per
   device over the intra- or inter-node bandwidth (whichever the call's device span needs);
-* fixed costs: per jitted call, per layer (kernel launches / small ops), per decode step.
+* fixed costs: per jitted call, per layer (kernel launches / small ops), per decode step, per
+  generate call (``decode_call_overhead_s``: the engine's host work, dispatch and syncs; and on
+  a shared host the unrolled decode's per-layer weight copies, ``decode_copy_efficiency``).
 
 The call structure follows the trainer: generation keeps ``Workload.decode_slots`` sequences in
 flight (the KV pool holds that many at full length; with uniform lengths the rows decode in
@@ -517,7 +519,9 @@ def attended_context(prompt_len: int, gen_len: int, page_size: int) -> float:
 
 
 def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> float:
-    """Prefill in batches of <= min(slots, 64) prompts, then, per wave of up to ``slots``
+    """A call's fixed cost (``decode_call_overhead_s``) and its per-layer weight copies
+    (``decode_copy_efficiency``), prefill in batches of <= min(slots, 64) prompts, then, per
+    wave of up to ``slots``
     sequences, gen_len - 1 decode steps. Each step runs the matmuls of one token per sequence
     (compute- or weight-read-bound, at ``decode_efficiency``), and its attention reads the KV
     pages of the sequences in flight (``attended_context``) at ``decode_kv_efficiency`` of the
@@ -546,7 +550,11 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
     context = attended_context(w.prompt_len, w.gen_len, w.decode_page_size)
     weight_bytes = shard_bytes(cfg, "lm", p)
     chunks = -(-steps // max(1, w.decode_chunk_steps))
-    total = prefill
+    total = prefill + _fixed_s(profile.decode_call_overhead_s, g, profile)
+    if profile.decode_copy_efficiency > 0:  # the unrolled decode's layer copies, once a call
+        total += _work_s(
+            weight_bytes, g, profile.memory_bandwidth * profile.decode_copy_efficiency, profile
+        )
     for in_flight in _waves(w, g):
         per_shard = -(-in_flight // g.batch)
         compute = _work_s(

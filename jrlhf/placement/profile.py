@@ -66,6 +66,10 @@ class DeviceProfile:
     # weights, whose per-weight cost does not overlap the FLOPs). 0: the roofline
     # max(FLOPs, weight bytes) / decode_efficiency, as on accelerators.
     decode_weight_efficiency: float = 0.0
+    # shared_host: the fraction of memory_bandwidth at which a generate call makes the unrolled
+    # decode's per-layer weight copies (``DecodeEngine._layer_copies``, every call, every
+    # device its shard). 0: not priced apart.
+    decode_copy_efficiency: float = 0.0
     # memory and links: achieved bytes/s
     memory_bandwidth: float = 1e11
     intra_node_bandwidth: float = 1e11  # per device, one direction, inside a node
@@ -85,6 +89,9 @@ class DeviceProfile:
     # and the update's dispatch (fitted to the whole trainer on GPUs, docs/gpu.md run 23)
     train_step_overhead_s: float = 0.0
     decode_layer_overhead_s: float = 0.0  # per layer of one decode step
+    # per generate call besides its steps and layers: the engine's host work, its prefill's and
+    # chunks' dispatch and syncs (paid by every device program on a shared host)
+    decode_call_overhead_s: float = 0.0
     # The same per-layer costs' part a call pays once whatever its device count. On a shared host
     # the ``*_layer_overhead_s`` above are paid by every device program (n / min(n, host_cores)
     # times over); these are not: the calibration fits both from runs on 1, half and all the
@@ -152,6 +159,7 @@ class DeviceProfile:
             "forward_activation_efficiency",
             "train_activation_efficiency",
             "decode_weight_efficiency",
+            "decode_copy_efficiency",
         ):
             if not 0 <= getattr(self, field) <= 10:
                 raise ValueError(f"profile {self.name!r}: {field} must be in [0, 10]")
