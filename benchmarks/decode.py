@@ -119,6 +119,7 @@ def _engine(model_def, mesh, batch, prompt_len, new_tokens, args):
             chunk_steps=args.chunk_steps,
             max_prefill_rows=batch,
             kernel=args.kernel,
+            weight_layout=args.weight_layout,
         ),
     )
 
@@ -209,6 +210,7 @@ def _groups(md, params, mesh, args) -> dict:
                 chunk_steps=args.chunk_steps,
                 max_prefill_rows=args.batch,
                 kernel=args.kernel,
+                weight_layout=args.weight_layout,
                 share_prefixes=share,
             ),
         )
@@ -277,11 +279,9 @@ def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
-def _matmul_bound(
-    model_def, batch: int, out_major: bool, steps: int = 64, repeats: int = 3
-) -> dict:
+def _matmul_bound(model_def, batch: int, layout: str, steps: int = 64, repeats: int = 3) -> dict:
     """The decode step's matmuls alone, at its shapes and in the engine's weight layout
-    (``out_major``: see ``LayerWeights``): a jitted loop of ``steps`` steps of the per-layer
+    (``layout``: see ``LayerWeights``): a jitted loop of ``steps`` steps of the per-layer
     projections (q, k, v, o, gate, up, down) and the LM head on ``batch`` rows, with fresh
     weights of the model's shapes and no attention, norms or sampling. Its time per step is
     what the step would cost if everything but the matmuls were free; its FLOP/s are this
@@ -290,6 +290,7 @@ def _matmul_bound(
     import jax.numpy as jnp
 
     from jrlhf.models.transformer import left_matmul
+    from jrlhf.native.matmul import fits, panel_matmul, to_panels
 
     c = model_def.config
     e, q, kv, f = (
@@ -300,15 +301,24 @@ def _matmul_bound(
     )
     dt = c.jnp_dtype
     shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e), (e, c.vocab_size)]
-    if out_major:
-        shapes = [(n, k) for k, n in shapes]
-        mm = lambda x, w: left_matmul(w, x)  # noqa: E731
-    else:
-        mm = jnp.matmul
     keys = iter(jax.random.split(jax.random.key(1), len(shapes) * c.num_layers))
     weight = lambda shape: (0.02 * jax.random.normal(next(keys), shape)).astype(dt)  # noqa: E731
+    if layout == "out_major":
+        shapes = [(n, k) for k, n in shapes]
+        mm = lambda x, w: left_matmul(w, x)  # noqa: E731
+    elif layout == "panels":
+        mm = panel_matmul
+        plain = weight
+        weight = lambda shape: to_panels(plain(shape))  # noqa: E731
+    else:
+        mm = jnp.matmul
     layers = [[weight(s) for s in shapes[:-1]] for _ in range(c.num_layers)]
-    head = weight(shapes[-1])
+    head_mm = mm
+    if layout == "panels" and not fits(c.vocab_size):  # the engine keeps such a head out-major
+        head = plain(shapes[-1][::-1])
+        head_mm = lambda x, w: left_matmul(w, x)  # noqa: E731
+    else:
+        head = weight(shapes[-1])
     reps = q // kv
 
     @jax.jit
@@ -320,7 +330,7 @@ def _matmul_bound(
                 x = x + mm(a, wo)
                 x = x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
             # every logit is read, so no part of the head's product can be dropped
-            return 0.5 * x, acc + mm(x, head).astype(jnp.float32).max()
+            return 0.5 * x, acc + head_mm(x, head).astype(jnp.float32).max()
 
         return jax.lax.fori_loop(0, steps, body, (x, jnp.float32(0)))
 
@@ -334,7 +344,7 @@ def _matmul_bound(
     flops = 2 * batch * (c.num_layers * sum(a * b for a, b in shapes[:-1]) + e * c.vocab_size)
     step = best / steps
     return {
-        "matmul_weight_layout": "out_major" if out_major else "in_major",
+        "matmul_weight_layout": layout,
         "matmul_flops_per_step": flops,
         "matmul_only_step_ms": round(step * 1e3, 3),
         "matmul_gflops_at_decode_shapes": round(flops / step / 1e9, 1),
@@ -471,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--mesh", default=None, help='generation mesh, e.g. "data=2,tensor=4"')
     p.add_argument("--kernel", default="auto")
+    p.add_argument(
+        "--weight-layout",
+        default=None,
+        choices=("in_major", "out_major", "panels"),
+        help="EngineConfig.weight_layout of the decode steps' weight copies (default: auto)",
+    )
     p.add_argument("--chunk-steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--page-size", type=int, default=16)
@@ -610,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             res["fraction_of_weight_read_limit"] = round(res["tokens_per_s"] / limit, 3)
             # What the step's matmuls alone cost here: if this limit is below the weight-read
             # one, the step is bound by matmul throughput at batch ``batch``, not by bandwidth.
-            res.update(_matmul_bound(md, args.batch, engine.weights_out_major()))
+            res.update(_matmul_bound(md, args.batch, engine.weight_layout()))
             res["fraction_of_matmul_limit"] = round(
                 res["tokens_per_s"] / res["matmul_limit_tokens_per_s"], 3
             )

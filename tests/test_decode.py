@@ -384,35 +384,48 @@ def test_auto_layer_loop_unrolls_where_the_copies_fit():
     assert again.completion_ids == out.completion_ids
 
 
-def test_out_major_weights_decode_the_same():
-    """EngineConfig.out_major_weights (the CPU default): the per-layer copies hold every
-    projection kernel output-major and the LM head as (vocab, embed) (a tied embedding itself,
-    no copy); layers and head run over either layout give the stacked model's logits within
-    1e-5. (The engine's parity tests against transformers and across meshes run out-major, the
-    CPU default.)"""
+def test_every_weight_layout_decodes_the_same():
+    """EngineConfig.weight_layout: the per-layer copies hold every projection kernel as stored
+    (in_major), output-major (the LM head as (vocab, embed): a tied embedding itself, no copy) or
+    packed into panels for the native matmul (the head too); layers and head run over any
+    layout give the stacked model's logits within 1e-5. (The engine's parity tests against
+    transformers and across meshes run the CPU defaults: panels on one device, out-major on
+    more.)"""
     from jrlhf.models.transformer import PROJECTIONS, decode_weights
+    from jrlhf.native.matmul import from_panels
 
     cfg = tiny_config(eos_token_id=None, initializer_range=0.2)
     model = ModelDef(cfg)
     mesh = make_mesh("data=1,tensor=1")
     params = model.init_sharded(mesh, "dp_tp", seed=0)
-    weights = decode_weights(params, out_major=True)
-    assert weights.out_major and len(weights.layers) == cfg.num_layers
     layer0 = jax.tree.map(lambda a: a[0], params["layers"])
-    for group in ("attn", "mlp"):
-        for name, leaf in weights.layers[0][group].items():
-            n_in = PROJECTIONS.get(name)
-            want = np.asarray(layer0[group][name])
-            if n_in is not None:
-                want = np.transpose(want, (*range(n_in, want.ndim), *range(n_in)))
-            np.testing.assert_array_equal(np.asarray(leaf), want)
-    np.testing.assert_array_equal(np.asarray(weights.head), np.asarray(params["lm_head"]).T)
-    assert decode_weights(params, out_major=False).head is None
+    for layout in ("out_major", "panels"):
+        weights = decode_weights(params, layout)
+        assert weights.layout == layout and len(weights.layers) == cfg.num_layers
+        for group in ("attn", "mlp"):
+            for name, leaf in weights.layers[0][group].items():
+                n_in = PROJECTIONS.get(name)
+                want = np.asarray(layer0[group][name])
+                got = np.asarray(leaf)
+                if n_in is not None and layout == "out_major":
+                    want = np.transpose(want, (*range(n_in, want.ndim), *range(n_in)))
+                elif n_in is not None:
+                    want = want.reshape(int(np.prod(want.shape[:n_in])), -1)
+                    got = np.asarray(from_panels(leaf))
+                np.testing.assert_array_equal(got, want)
+    head = np.asarray(params["lm_head"])
+    np.testing.assert_array_equal(np.asarray(decode_weights(params, "out_major").head), head.T)
+    np.testing.assert_array_equal(
+        np.asarray(from_panels(decode_weights(params, "panels").head)), head
+    )
+    assert decode_weights(params, "in_major").head is None
     tied = {k: v for k, v in params.items() if k != "lm_head"}  # a tied model's parameters
-    assert decode_weights(tied, out_major=True).head is tied["embedding"]
+    assert decode_weights(tied, "out_major").head is tied["embedding"]
+    with pytest.raises(ValueError, match="weight layout 'diagonal' unknown"):
+        decode_weights(params, "diagonal")
 
-    # The layers run over either copy give the stacked model's logits (the forward the
-    # engine's decode steps take, with the full-sequence attend hook).
+    # The layers run over each copy give the stacked model's logits (the forward the engine's
+    # decode steps take, with the full-sequence attend hook).
     from jrlhf.models.attention import dense_attend
 
     tokens = jnp.asarray(_prompts((9, 9), vocab=cfg.vocab_size))
@@ -428,9 +441,53 @@ def test_out_major_weights_decode_the_same():
         return bound.logits(hidden, copies)
 
     want = np.asarray(logits(params, None))
-    for out_major in (False, True):
-        got = logits(params, decode_weights(params, out_major))
-        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    for layout in ("in_major", "out_major", "panels"):
+        got = logits(params, decode_weights(params, layout))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=layout)
+
+
+def test_weight_layout_default_refusals_and_same_samples():
+    """On CPU a float32 model on one device decodes over packed panels (where the host has the
+    AVX-512 the kernel is written for), on more devices out-major; an explicit "panels" that
+    cannot apply is refused in one line before anything compiles. Engines over each layout
+    generate the same tokens, their log-probs within float rounding."""
+    from jrlhf.native import matmul as native_matmul
+
+    engine, params = _engine("llama3")
+    if jax.default_backend() == "cpu":
+        fast = native_matmul.fast_here() and native_matmul.available()
+        assert engine.weight_layout() == ("panels" if fast else "out_major")
+        two, _ = _engine("llama3", "data=2,tensor=2")
+        assert two.weight_layout() == "out_major"
+    model_def, _, _ = _hf("llama3", "data=2,tensor=2")
+    with pytest.raises(ValueError, match="'panels': the native matmul runs on a one-device mesh"):
+        DecodeEngine(model_def, make_mesh("data=2,tensor=2"), "dp_tp", _layout("panels"))
+    bf16 = ModelDef(tiny_config(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="'panels': the native matmul multiplies float32"):
+        DecodeEngine(bf16, make_mesh("data=1,tensor=1"), "dp_tp", _layout("panels"))
+    with pytest.raises(ValueError, match="EngineConfig.weight_layout 'rows' unknown"):
+        _layout("rows")
+
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, num_samples=2, seed=11)
+    mesh = make_mesh("data=1,tensor=1")
+    runs = {
+        layout: DecodeEngine(engine.model_def, mesh, "dp_tp", _layout(layout)).generate(
+            params, prompts, sp
+        )
+        for layout in ("in_major", "out_major", "panels")
+    }
+    base = runs["in_major"]
+    for layout, got in runs.items():
+        assert got.completion_ids == base.completion_ids, layout
+        for x, y in zip(got.raw_logprobs, base.raw_logprobs):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0, err_msg=layout)
+
+
+def _layout(layout: str) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(ENGINE, weight_layout=layout)
 
 
 def test_fused_prefill_takes_the_causal_call(monkeypatch):

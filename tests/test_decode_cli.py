@@ -170,3 +170,21 @@ def test_bench_decode_prints_json(capsys):
         < (cmp["mixed_prompt_lengths_pages"]["pages_dense_max_length"])
     )
     assert cmp["greedy_outputs_identical"] is True
+
+
+@pytest.mark.parametrize("layout", ["in_major", "out_major", "panels"])
+def test_bench_decode_matmul_bound_in_each_weight_layout(layout):
+    """The throughput section's matmul-only step runs in the engine's weight layout, whichever
+    it is, and counts the same FLOPs in each."""
+    from jrlhf.models.config import tiny_config
+    from jrlhf.models.model_def import ModelDef
+
+    md = ModelDef(tiny_config(vocab_size=72))  # a vocabulary that does not pack: head out-major
+    got = bench._matmul_bound(md, 3, layout, steps=2, repeats=1)
+    assert got["matmul_weight_layout"] == layout and got["matmul_only_step_ms"] > 0
+    c = md.config
+    per_layer = 2 * c.hidden_size * (c.num_heads + c.num_kv_heads) * c.head_dim  # q, k, v, o
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    assert got["matmul_flops_per_step"] == 2 * 3 * (
+        c.num_layers * per_layer + c.hidden_size * c.vocab_size
+    )

@@ -15,6 +15,7 @@ from jrlhf.decode.kernels import (
 )
 from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.models.attention import attention_mask, masked_attention
+from jrlhf.native import build as native_build
 
 L, P, PS, K, D, H = 2, 12, 16, 2, 32, 4
 
@@ -179,12 +180,12 @@ def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_pat
     assert native_cpu.build() == path and path.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
     with monkeypatch.context() as m:
-        m.setattr(native_cpu.shutil, "which", lambda name: None)
-        with pytest.raises(native_cpu.BuildError, match="no C\\+\\+ compiler found"):
+        m.setattr(native_build.shutil, "which", lambda name: None)
+        with pytest.raises(native_build.BuildError, match="no C\\+\\+ compiler found"):
             native_cpu.build()
-    monkeypatch.setattr(native_cpu, "_compiler", lambda: ["/bin/false"])
+    monkeypatch.setattr(native_build, "compiler", lambda: ["/bin/false"])
     with pytest.raises(
-        native_cpu.BuildError, match=r"^false failed on paged_attention_cpu.cc \(exit 1\)"
+        native_build.BuildError, match=r"^false failed on paged_attention_cpu.cc \(exit 1\)"
     ):
         native_cpu.build()
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
@@ -193,8 +194,8 @@ def test_native_kernel_builds_once_and_names_a_failed_build(monkeypatch, tmp_pat
     # $CXX may carry arguments (ccache g++, g++ -m64)
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "g++ -m64")
-    if native_cpu.shutil.which("g++"):
-        assert native_cpu._compiler()[1:] == ["-m64"]
+    if native_build.shutil.which("g++"):
+        assert native_build.compiler()[1:] == ["-m64"]
 
 
 @pytest.mark.parametrize("block_pages", [None, 1, 3, 4])

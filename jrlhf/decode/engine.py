@@ -52,7 +52,8 @@ from jrlhf.models.attention import (
     fused_attention_fits,
 )
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.models.transformer import LayerWeights, decode_weights
+from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
+from jrlhf.native import matmul as native_matmul
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -72,9 +73,14 @@ class EngineConfig:
     on accelerators when ``layer_copies_fit`` (one process only, so that every process of a
     multi-controller job compiles the same program).
 
-    ``out_major_weights`` stores those per-layer copies with every projection kernel output-major
-    (see ``LayerWeights``), which XLA:CPU multiplies by a few token rows almost twice as fast;
-    None: on CPU only (elsewhere the layout is the compiler's or the kernel library's business).
+    ``weight_layout`` is how those per-layer copies store every projection kernel
+    (``jrlhf.models.transformer.WEIGHT_LAYOUTS``, see ``LayerWeights``): ``"panels"`` packs them
+    for the native few-row matmul (``jrlhf.native.matmul``), which streams each weight once;
+    ``"out_major"`` stores them output-major, which XLA:CPU multiplies by a few token rows
+    almost twice as fast as input-major. None: on CPU panels where they apply (a float32 model
+    whose projections pack, on a one-device mesh, on a host with AVX-512 where the kernel
+    builds), else out-major; elsewhere the layout is the compiler's or the kernel library's
+    business (input-major).
 
     ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
     and land on the same data shard share that prompt's prefill and its full KV pages (tokens
@@ -91,7 +97,7 @@ class EngineConfig:
     min_prefill_len: int = 16
     kernel: str = "auto"
     unroll_layers: bool | None = None
-    out_major_weights: bool | None = None
+    weight_layout: str | None = None
     share_prefixes: bool = True
 
     def __post_init__(self):
@@ -110,6 +116,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
         if self.kernel not in KERNELS:
             raise ValueError(f"EngineConfig.kernel {self.kernel!r} unknown (use one of {KERNELS})")
+        if self.weight_layout is not None and self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(
+                f"EngineConfig.weight_layout {self.weight_layout!r} unknown (use one of "
+                f"{WEIGHT_LAYOUTS} or None)"
+            )
 
     @property
     def max_seq_len(self) -> int:
@@ -378,6 +389,7 @@ class DecodeEngine:
                     f"{self.cfg.num_heads} query heads over tensor size {q_tensor} do not nest "
                     f"with KV groups of {group} heads"
                 )
+        self._weight_layout = self._choose_layout()
         self.pages_per_shard = ec.total_pages // self.num_shards
         self.slots_per_shard = ec.num_slots // self.num_shards
         self.state_shardings = jax.tree.map(
@@ -709,15 +721,37 @@ class DecodeEngine:
             return True
         return jax.process_count() == 1 and layer_copies_fit(layers)
 
-    def weights_out_major(self) -> bool:
-        """Whether the unrolled layer copies are output-major (``out_major_weights``)."""
-        if self.config.out_major_weights is not None:
-            return self.config.out_major_weights
-        return jax.default_backend() == "cpu"
+    def weight_layout(self) -> str:
+        """How the unrolled layer copies store their kernels (``EngineConfig.weight_layout``)."""
+        return self._weight_layout
+
+    def _choose_layout(self) -> str:
+        """``EngineConfig.weight_layout``, resolved (see there); a "panels" that cannot apply
+        here is refused in one line naming why, before anything compiles."""
+        cpu = jax.default_backend() == "cpu"
+        why = None
+        if not cpu:
+            why = f"runs on CPU, not {jax.default_backend()}"
+        elif jnp.dtype(self.cfg.jnp_dtype) != jnp.float32:
+            why = f"multiplies float32, not the model's {self.cfg.dtype}"
+        elif not panels_fit(self.cfg):
+            why = f"needs every projection's outputs a multiple of {native_matmul.LANES}"
+        elif self.mesh.devices.size != 1:
+            why = f"runs on a one-device mesh, not {dict(self.mesh.shape)}"
+        elif not native_matmul.available():
+            why = native_matmul.unavailable_reason()
+        wanted = self.config.weight_layout
+        if wanted == "panels" and why is not None:
+            raise ValueError(f"EngineConfig.weight_layout 'panels': the native matmul {why}")
+        if wanted is not None:
+            return wanted
+        if why is None and native_matmul.fast_here():
+            return "panels"
+        return "out_major" if cpu else "in_major"
 
     def _layer_copies(self, params: Params) -> LayerWeights:
         """The per-layer weight copies unrolled decode steps run on (``unroll_layers``)."""
-        return decode_weights(params, self.weights_out_major())
+        return decode_weights(params, self._weight_layout)
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (for tests and logs)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from jrlhf.meshes.context import constrain
 from jrlhf.models.attention import AttendFn, aligned_attend, dense_attend, fused_attention_fits
 from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.rope import apply_rope, rope_cos_sin
+from jrlhf.native.matmul import fits, panel_matmul, to_panels
 
 HEADS = ("lm", "value")
 
@@ -45,10 +47,14 @@ def token_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
 def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
     """``x``'s last axis contracted with ``kernel``'s ``n_in`` input axes (merged), the output's
     last axis the kernel's output axes merged. The kernel is input-major as the modules store it,
-    or output-major while unrolled ``LayerWeights(out_major=True)`` run (decode on CPU)."""
-    if not _OUT_MAJOR.get():
-        return token_matmul(x, kernel.reshape(math.prod(kernel.shape[:n_in]), -1))
-    return left_matmul(kernel.reshape(-1, math.prod(kernel.shape[kernel.ndim - n_in :])), x)
+    or in the layout of the unrolled ``LayerWeights`` being run (decode on CPU): output-major, or
+    packed panels (``jrlhf.native.matmul``)."""
+    layout = _LAYOUT.get()
+    if layout == "panels":
+        return panel_matmul(x, kernel)
+    if layout == "out_major":
+        return left_matmul(kernel.reshape(-1, math.prod(kernel.shape[kernel.ndim - n_in :])), x)
+    return token_matmul(x, kernel.reshape(math.prod(kernel.shape[:n_in]), -1))
 
 
 def left_matmul(matrix: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
@@ -77,8 +83,11 @@ PROJECTIONS = {
     "down_kernel": 1,
 }
 
-# Whether the layers being traced read their projection kernels output-major (see LayerWeights).
-_OUT_MAJOR = contextvars.ContextVar("jrlhf_out_major_kernels", default=False)
+# How the unrolled layers' projection kernels are stored (see LayerWeights).
+WEIGHT_LAYOUTS = ("in_major", "out_major", "panels")
+
+# The layout of the projection kernels the layers being traced read (see LayerWeights).
+_LAYOUT = contextvars.ContextVar("jrlhf_kernel_layout", default="in_major")
 
 
 @jax.tree_util.register_dataclass
@@ -86,56 +95,85 @@ _OUT_MAJOR = contextvars.ContextVar("jrlhf_out_major_kernels", default=False)
 class LayerWeights:
     """One pure parameter dict per layer, for running the layers unrolled (``unstack_layers``).
 
-    ``out_major``: every projection kernel (``PROJECTIONS``) is stored with its output axes
-    first, like a torch ``Linear`` weight, and ``project`` multiplies it as the left operand.
-    XLA:CPU packs a product's right operand, so ``x @ W`` with a few token rows (a decode step)
-    repacks the whole weight at every call; ``W_out_major @ x.T`` streams it instead (the decode
-    step's matmuls at 16 rows of the bench model: 11 ms against 20 ms a step).
+    ``layout`` (``WEIGHT_LAYOUTS``) is how every projection kernel (``PROJECTIONS``) is stored:
+
+    * ``in_major``: as the modules store it;
+    * ``out_major``: output axes first, like a torch ``Linear`` weight, multiplied as the left
+      operand. XLA:CPU packs a product's right operand, so ``x @ W`` with a few token rows (a
+      decode step) repacks the whole weight at every call; ``W_out_major @ x.T`` streams it
+      instead (the decode step's matmuls at 16 rows of the bench model: 11 ms against 20 ms);
+    * ``panels``: packed for the native few-row matmul (``jrlhf.native.matmul.to_panels``),
+      which streams each weight once (float32 on a single-device CPU mesh: it is one custom
+      call, which XLA does not partition).
+
+    ``head`` is the LM head for ``Transformer.logits``: (vocab, embed) when out-major (or
+    panels whose vocab does not pack), panels of the (embed, vocab) head when packed.
     """
 
     layers: tuple[Any, ...]
-    out_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    head: jax.Array | None = None  # the LM head as (vocab, embed), for Transformer.logits
+    layout: str = dataclasses.field(default="in_major", metadata=dict(static=True))
+    head: jax.Array | None = None
 
 
-def _out_major(path, leaf: jax.Array) -> jax.Array:
+def _relayout(layout: str, path, leaf: jax.Array) -> jax.Array:
     n_in = PROJECTIONS.get(getattr(path[-1], "key", None))
-    if n_in is None:
+    if n_in is None or layout == "in_major":
         return leaf
-    return jnp.transpose(leaf, (*range(n_in, leaf.ndim), *range(n_in)))
+    if layout == "out_major":
+        return jnp.transpose(leaf, (*range(n_in, leaf.ndim), *range(n_in)))
+    return to_panels(leaf.reshape(math.prod(leaf.shape[:n_in]), -1))
 
 
-def unstack_layers(layers: Any, out_major: bool = False) -> LayerWeights:
+def unstack_layers(layers: Any, layout: str = "in_major") -> LayerWeights:
     """Per-layer parameter dicts from the stacked ``params["layers"]`` (a copy of each weight),
-    with the projection kernels output-major when ``out_major``."""
+    with the projection kernels in ``layout`` (``WEIGHT_LAYOUTS``)."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {layout!r} unknown (use one of {WEIGHT_LAYOUTS})")
     num = jax.tree.leaves(layers)[0].shape[0]
     per_layer = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num))
-    if out_major:
-        per_layer = tuple(jax.tree_util.tree_map_with_path(_out_major, p) for p in per_layer)
-    return LayerWeights(per_layer, out_major)
+    relayout = functools.partial(_relayout, layout)
+    per_layer = tuple(jax.tree_util.tree_map_with_path(relayout, p) for p in per_layer)
+    return LayerWeights(per_layer, layout)
 
 
-_unstack_program = jax.jit(unstack_layers, static_argnames=("out_major",))
+_unstack_program = jax.jit(unstack_layers, static_argnames=("layout",))
 
 
-def decode_weights(params: Any, out_major: bool) -> LayerWeights:
-    """``unstack_layers`` of an LM's parameters (one compiled copy program); when ``out_major``,
-    with the LM head as a (vocab, embed) matrix too: the tied embedding itself, or a transposed
-    copy of ``lm_head``."""
-    weights = _unstack_program(params["layers"], out_major=out_major)
-    if not out_major:
+def panels_fit(cfg: ModelConfig) -> bool:
+    """Whether every layer projection of ``cfg`` packs into whole panels (``layout="panels"``)."""
+    outs = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    return all(fits(n) for n in outs)
+
+
+def decode_weights(params: Any, layout: str) -> LayerWeights:
+    """``unstack_layers`` of an LM's parameters (one compiled copy program) and, unless
+    ``in_major``, the LM head in the same layout: out-major the tied embedding itself or a
+    transposed copy of ``lm_head``; as panels a packed copy (out-major where the vocabulary does
+    not pack)."""
+    weights = _unstack_program(params["layers"], layout=layout)
+    if layout == "in_major":
         return weights
     head = params["lm_head"].T if "lm_head" in params else params["embedding"]
+    if layout == "panels" and fits(head.shape[0]):
+        head = _panels_program(head.T)
     return dataclasses.replace(weights, head=head)
 
 
+_panels_program = jax.jit(to_panels)
+
+
 @contextlib.contextmanager
-def _kernels_out_major(on: bool) -> Iterator[None]:
-    token = _OUT_MAJOR.set(on)
+def _kernel_layout(layout: str) -> Iterator[None]:
+    token = _LAYOUT.set(layout)
     try:
         yield
     finally:
-        _OUT_MAJOR.reset(token)
+        _LAYOUT.reset(token)
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init: str = "normal") -> nnx.Param:
@@ -285,7 +323,7 @@ class Transformer(nnx.Module):
         if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
         if layer_params is not None:
-            with _kernels_out_major(layer_params.out_major):
+            with _kernel_layout(layer_params.layout):
                 for idx, params in enumerate(layer_params.layers):
                     layer_state = jax.tree.map(lambda v: v, state, is_leaf=_is_variable)
                     nnx.replace_by_pure_dict(layer_state, params)
@@ -309,6 +347,8 @@ class Transformer(nnx.Module):
         """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given)."""
         dt = self.config.jnp_dtype
         if weights is not None and weights.head is not None:
+            if weights.head.ndim == 3:  # panels
+                return panel_matmul(hidden_bte, weights.head)
             return left_matmul(weights.head.astype(dt), hidden_bte, jnp.float32)
         if self.config.tie_word_embeddings:
             kernel = self.embedding[...].astype(dt).T

@@ -882,13 +882,18 @@ def _unrolled_layer_bytes(
     """Per-device bytes of the per-layer weight copies a generate call holds when its decode steps
     run the layers unrolled (DecodeConfig.layer_loop 'unroll', or 'auto' on CPU, where the
     engine unrolls by default): every layer weight's shard once more, and on CPU, where the
-    copies are output-major (``EngineConfig.out_major_weights``), an untied LM head's shard too
-    (a tied embedding serves as it is). 'auto' on accelerators unrolls only into memory the plan
-    leaves free (``layer_copies_fit``): nothing here."""
+    copies are output-major or packed panels (``EngineConfig.weight_layout``), an untied LM
+    head's shard too, and on one device (where the engine packs panels) a tied embedding's
+    packed copy as well. 'auto' on accelerators unrolls only into memory the plan leaves free
+    (``layer_copies_fit``): nothing here."""
     loop = w.decode_layer_loop
     if not (loop == "unroll" or (loop == "auto" and profile.shared_host)):
         return 0
-    copied = ("layers", "lm_head") if profile.shared_host else ("layers",)
+    copied = ("layers",)
+    if profile.shared_host:
+        copied += ("lm_head",)
+        if len(p.devices) == 1 and cfg.tie_word_embeddings:
+            copied += ("embedding",)
     return shard_bytes(cfg, "lm", p, only=copied)
 
 
