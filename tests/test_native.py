@@ -50,3 +50,60 @@ def test_panel_matmul_falls_back_to_xla_and_refuses_bad_shapes(monkeypatch):
         panel_matmul(x[:, :23], to_panels(w))
     with pytest.raises(ValueError, match="30 output columns does not pack into panels of 16"):
         to_panels(w[:, :30])
+
+
+@pytest.mark.parametrize(
+    "t,heads,kv_heads,dim", [(5, 2, 2, 16), (70, 8, 4, 16), (33, 4, 1, 24), (19, 6, 2, 32)]
+)
+def test_native_masked_attention_matches_the_xla_form(t, heads, kv_heads, dim, monkeypatch):
+    """Forward and gradients of the native kernel against masked_attention's XLA form: packed
+    rows (two segments and padding, whose rows attend to nothing and average every value),
+    grouped-query heads, head dims it unrolls (16, 32) and one it does not (24), key counts
+    below and above its 64-key blocks."""
+    from jrlhf.models import attention
+    from jrlhf.native import attention as native
+
+    rng = np.random.default_rng(t)
+    b = 3
+    q = jnp.asarray(rng.standard_normal((b, t, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, kv_heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, kv_heads, dim)), jnp.float32)
+    cut = max(1, t // 2)
+    segments = np.ones((b, t), np.int32)
+    segments[1, cut:] = 2
+    segments[2, cut:] = 0  # padding
+    positions = np.where(np.arange(t) < cut, np.arange(t), np.arange(t) - cut)
+    positions = jnp.asarray(np.broadcast_to(positions, (b, t)))
+    mask = attention.attention_mask(positions, positions, segments, segments, 0)
+    weights = jnp.asarray(rng.standard_normal((b, t, heads, dim)), jnp.float32)
+
+    def loss(fn):
+        return jax.value_and_grad(lambda q, k, v: (fn(q, k, v, mask) * weights).sum(), (0, 1, 2))
+
+    assert native.available(), native.unavailable_reason()
+    want_loss, want = loss(attention.masked_attention)(q, k, v)
+    got_out = native.masked_attention(q, k, v, mask, attention.MASK_VALUE)
+    monkeypatch.setattr(attention, "NATIVE_ON_CPU", False)
+    ref_out = attention.masked_attention(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(ref_out), atol=2e-6, rtol=0)
+    ref_loss, ref = loss(attention.masked_attention)(q, k, v)
+    np.testing.assert_allclose(float(want_loss), float(ref_loss), rtol=1e-5)
+    for got_grad, ref_grad in zip(want, ref):
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(ref_grad), atol=5e-6, rtol=0)
+
+
+def test_native_attention_only_where_it_fits():
+    """The native kernel runs for float32 on one device; bfloat16, or a trace under a mesh of
+    several devices (XLA does not partition the custom call), keep the XLA form."""
+    from jrlhf.meshes import make_mesh
+    from jrlhf.meshes.context import activation_sharding
+    from jrlhf.models import attention
+
+    q = jnp.zeros((2, 4, 2, 16), jnp.float32)
+    assert attention.native_fits(q, q, q) == (jax.default_backend() == "cpu")
+    half = q.astype(jnp.bfloat16)
+    assert not attention.native_fits(half, half, half)
+    with activation_sharding(make_mesh("data=2,tensor=1"), "dp_tp"):
+        assert not attention.native_fits(q, q, q)
+    with activation_sharding(make_mesh("data=1,tensor=1"), "dp_tp"):
+        assert attention.native_fits(q, q, q) == (jax.default_backend() == "cpu")

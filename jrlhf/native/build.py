@@ -1,10 +1,12 @@
 """Compiling, caching and registering the native CPU kernels (see ``jrlhf.native``).
 
-A kernel is one C++ source file written against the FFI headers jaxlib ships. ``build(source)``
+A kernel is one C++ source file in this directory, written against the FFI headers jaxlib ships
+and the headers beside it. ``build(source)``
 compiles it with the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) for
 the host's own instruction set (``-march=native``) and caches the library by a key of everything
-the binary depends on (the source, the compiler's version and flags, jaxlib's version, the CPU's
-feature flags), so each machine compiles each kernel once (a few seconds). The cache is
+the binary depends on (the source and the headers beside it, the compiler's version and flags,
+jaxlib's version, the CPU's feature flags), so each machine compiles each kernel once (a few
+seconds). The cache is
 ``$JRLHF_CACHE_DIR/kernels``, else ``$XDG_CACHE_HOME/jrlhf/kernels``, else
 ``~/.cache/jrlhf/kernels``; concurrent processes each write a private file and rename it into
 place, so none ever loads a partial one. ``register(source, symbol, target)`` builds, loads and
@@ -28,6 +30,7 @@ import jax
 import jaxlib
 
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+NATIVE_DIR = Path(__file__).parent  # the kernels' sources and the headers they share
 COMPILE_TIMEOUT_S = 300
 
 
@@ -80,8 +83,17 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def _arch_flags(command: list[str]) -> tuple[str, ...]:
-    probe = _run([*command, "-march=native", "-x", "c++", "-E", "-", "-o", os.devnull], input=b"")
-    return ("-march=native",) if probe.returncode == 0 else ()
+    """-march=native where the compiler takes it; on AVX-512 hosts also full-width vectors for
+    the loops the compiler vectorizes by itself (GCC prefers 256-bit ones on many Intel CPUs)."""
+    flags = ["-march=native"]
+    if "avx512f" in cpu_features().split():
+        flags.append("-mprefer-vector-width=512")
+    while flags:
+        probe = _run([*command, *flags, "-x", "c++", "-E", "-", "-o", os.devnull], input=b"")
+        if probe.returncode == 0:
+            return tuple(flags)
+        flags.pop()
+    return ()
 
 
 def _failure(command: list[str], source: Path, result: subprocess.CompletedProcess) -> BuildError:
@@ -100,7 +112,8 @@ def build(source: Path, rebuild: bool = False) -> Path:
     version = _run([*command, "--version"]).stdout
     flags = (*_FLAGS, *_arch_flags(command))
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version, " ".join(command[1:] + list(flags))):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, version, " ".join(command[1:] + list(flags))):
         key.update(part if isinstance(part, bytes) else part.encode())
     key.update(f"{jaxlib.__version__} {cpu_features()}".encode())
     directory = cache_dir()
@@ -114,7 +127,8 @@ def build(source: Path, rebuild: bool = False) -> Path:
     except OSError as err:
         raise BuildError(f"kernel cache {directory} cannot be written ({err})") from None
     try:
-        result = _run([*command, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", scratch])
+        includes = (f"-I{jax.ffi.include_dir()}", f"-I{source.parent}")
+        result = _run([*command, *flags, *includes, str(source), "-o", scratch])
         if result.returncode != 0:
             raise _failure(command, source, result)
         # mkstemp's file is private to its owner: a cache shared by several users needs the

@@ -1,6 +1,6 @@
 """Paged decode attention compiled for the host CPU, called from XLA:CPU through the XLA FFI.
 
-The kernel (``paged_attention_cpu.cc`` beside this file) has the contract of
+The kernel (``jrlhf/native/paged_attention_cpu.cc``) has the contract of
 ``paged_attention_reference``. Each sequence's pages are read in place, in position order, once for
 the scores and once for the values, with the sequences shared out over XLA's intra-op threads: no
 page is copied, where the pure-JAX kernels gather (and transpose) every page they read. On the
@@ -25,8 +25,9 @@ import numpy as np
 
 from jrlhf.decode.kernels.blocked import paged_attention_blocked
 from jrlhf.native import build as native_build
+from jrlhf.native.build import NATIVE_DIR
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+SOURCE = NATIVE_DIR / "paged_attention_cpu.cc"
 TARGET = "jrlhf_paged_attention_cpu"
 SYMBOL = "JrlhfPagedAttention"
 DTYPES = (jnp.float32, jnp.bfloat16)  # of the queries and of the pools; others go blocked

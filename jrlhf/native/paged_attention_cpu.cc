@@ -1,5 +1,5 @@
 // Paged decode attention for XLA:CPU, called through the XLA FFI (jrlhf/decode/kernels/native_cpu.py
-// compiles this file on first use and registers the handler).
+// has jrlhf/native/build.py compile this file on first use and registers the handler).
 //
 // Why a compiled kernel on CPU: written in JAX, one decode step's attention is a while loop of page
 // gathers (copies of every page read, transposed for the contractions) and small batched products,
@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,27 +51,6 @@ inline const float* Row(const void* base, bool bf16, int64_t offset, int64_t n, 
   const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
   for (int64_t i = 0; i < n; ++i) buffer[i] = Bf16ToFloat(src[i]);
   return buffer;
-}
-
-// exp(x) for x <= 0 (scores less their maximum) in plain arithmetic, so that loops over it
-// vectorize: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
-// (relative error within 3e-7 there), times 2^k built in the exponent bits. Below -87 it returns
-// 0 (float32's exp is below 1.7e-38 there), and a select keeps the loop vectorizable.
-inline float ExpNonPositive(float x) {
-  const float y = std::max(x, -87.0f);  // a NaN x stays NaN (std::max returns its first operand)
-  const float k = std::nearbyint(y * 1.44269504088896341f);
-  const float r = (y - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float poly = 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k == k ? k : 0.0f) + 127) << 23;  // NaN: any scale
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : poly * scale;
 }
 
 // q . k over `n` elements in sixteen independent partial sums (which the compiler vectorizes
@@ -145,14 +125,9 @@ void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
   }
   for (int64_t head = 0; head < h; ++head) {
     float* row = scores + head * count;
-    float m = -INFINITY;
-    for (int64_t s = 0; s < count; ++s) m = std::max(m, row[s]);
-    float sum = 0.0f;
-    for (int64_t s = 0; s < count; ++s) {
-      row[s] = ExpNonPositive(row[s] - m);
-      sum += row[s];
-    }
-    total[head] = sum;
+    const float m = jrlhf::MaxOf(row, count);
+    for (int64_t s = 0; s < count; ++s) row[s] = jrlhf::ExpNonPositive(row[s] - m);
+    total[head] = jrlhf::SumOf(row, count);
   }
   for (int64_t s = 0; s < count; ++s) {
     const float* v = Row(p.v_pool, p.pool_bf16, offset(start + s), row_len, buffer);
