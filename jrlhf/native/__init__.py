@@ -1,8 +1,13 @@
 """Native CPU kernels called from XLA:CPU through the XLA FFI, and the one place that builds them.
 
-``jrlhf.native.build`` compiles a kernel's C++ source on first use with the system's compiler,
-caches the library and registers its handler with JAX; each kernel's Python side says what it
-falls back to where no compiler is found. The kernels: the few-row matmul over packed weight
-panels (``jrlhf.native.matmul``, decode steps on CPU) here, and paged decode attention in
-``jrlhf.decode.kernels.native_cpu``.
+``jrlhf.native.build`` compiles a kernel's C++ source (in this directory, with the headers beside
+it: ``vector_math.h``, ``share_out.h``) on first use with the system's compiler, caches the
+library and registers its handlers with JAX; each kernel's Python side says what runs instead
+where no compiler is found. The kernels:
+
+* ``panel_matmul.cc`` (``jrlhf.native.matmul``): few-row matmuls over packed weight panels, the
+  decode steps' projections on CPU;
+* ``masked_attention.cc`` (``jrlhf.native.attention``): full-sequence masked attention, forward
+  and backward, for training, scoring and prefill on one CPU device;
+* ``paged_attention_cpu.cc`` (``jrlhf.decode.kernels.native_cpu``): paged decode attention.
 """

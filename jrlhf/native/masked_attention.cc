@@ -17,14 +17,13 @@
 // reciprocal of its exponentials' sum, so the backward recomputes the same probabilities.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "share_out.h"
 #include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -124,28 +123,6 @@ void Scores(const Dims& d, const float* __restrict__ q, const float* __restrict_
   for (int64_t s = d.keys; s < d.padded_keys; ++s) out[s] = -INFINITY;
 }
 
-// Work items (b, g) claimed one at a time by the calling thread and the pool's.
-template <typename Item>
-void RunItems(ffi::ThreadPool& pool, int64_t items, Item item) {
-  struct Shared {
-    Item item;
-    int64_t items;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    void Work() {
-      for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-        item(i);
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto shared = std::shared_ptr<Shared>(new Shared{item, items});
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-}
-
 ffi::Error CheckDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
                      ffi::Buffer<ffi::PRED>& mask, float mask_value, Dims* d) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
@@ -214,10 +191,10 @@ struct Arrays {
 // One (sequence, KV head) of the forward. kDim: the head dimension when known at compile time
 // (the common sizes, whose loops the compiler then unrolls), else 0.
 template <int64_t kDim>
-void ForwardItem(const Dims& d, const Arrays& a, int64_t item) {
+void ForwardItem(const Dims& d, const Arrays& a, int64_t item, std::vector<float>& scratch) {
   const int64_t b = item / d.kv_heads, g = item % d.kv_heads;
   const int64_t dim = kDim ? kDim : d.head_dim, sp = d.padded_keys;
-  std::vector<float> scratch(2 * sp * dim + sp);
+  scratch.resize(2 * sp * dim + sp);
   float* __restrict__ k_cols = scratch.data();
   float* __restrict__ v_rows = k_cols + sp * dim;
   float* __restrict__ p = v_rows + sp * dim;
@@ -237,11 +214,11 @@ void ForwardItem(const Dims& d, const Arrays& a, int64_t item) {
 // gradients kept for the whole item, so that no key's gradient row is read and written again
 // for every query row.
 template <int64_t kDim>
-void BackwardItem(const Dims& d, const Arrays& a, int64_t item) {
+void BackwardItem(const Dims& d, const Arrays& a, int64_t item, std::vector<float>& scratch) {
   const int64_t b = item / d.kv_heads, g = item % d.kv_heads;
   const int64_t dim = kDim ? kDim : d.head_dim, sp = d.padded_keys;
   const int64_t rows = d.groups * d.queries;  // r = (head in the group, query)
-  std::vector<float> scratch(3 * sp * dim + 2 * rows * sp + 2 * rows * dim);
+  scratch.resize(3 * sp * dim + 2 * rows * sp + 2 * rows * dim + 2 * rows);
   float* __restrict__ k_rows = scratch.data();
   float* __restrict__ k_cols = k_rows + sp * dim;
   float* __restrict__ v_cols = k_cols + sp * dim;
@@ -277,36 +254,46 @@ void BackwardItem(const Dims& d, const Arrays& a, int64_t item) {
   // column s of the (rows, keys) arrays, gathered into one contiguous row first.
   Dims over_rows = d;
   over_rows.keys = rows;
-  std::vector<float> column(2 * rows);
+  float* __restrict__ column = do_rows + rows * dim;  // (2 rows,)
   for (int64_t s = 0; s < d.keys; ++s) {
     for (int64_t r = 0; r < rows; ++r) {
       column[r] = d_scores[r * sp + s];
       column[rows + r] = probs[r * sp + s];
     }
     const int64_t at = ((b * d.keys + s) * d.kv_heads + g) * dim;
-    WeightedRowSum<kDim>(over_rows, column.data(), q_rows, a.d_k + at);
-    WeightedRowSum<kDim>(over_rows, column.data() + rows, do_rows, a.d_v + at);
+    WeightedRowSum<kDim>(over_rows, column, q_rows, a.d_k + at);
+    WeightedRowSum<kDim>(over_rows, column + rows, do_rows, a.d_v + at);
   }
 }
 
 template <template <int64_t> class Item>
 void Dispatch(ffi::ThreadPool& pool, const Dims& d, const Arrays& a) {
+  const int64_t items = d.batch * d.kv_heads;
+  auto run = [&](auto dim) {
+    jrlhf::ShareOut(pool, items, [&](int64_t i, std::vector<float>& scratch) {
+      Item<decltype(dim)::value>::Run(d, a, i, scratch);
+    });
+  };
   switch (d.head_dim) {
-    case 16: return RunItems(pool, d.batch * d.kv_heads, [&](int64_t i) { Item<16>::Run(d, a, i); });
-    case 32: return RunItems(pool, d.batch * d.kv_heads, [&](int64_t i) { Item<32>::Run(d, a, i); });
-    case 64: return RunItems(pool, d.batch * d.kv_heads, [&](int64_t i) { Item<64>::Run(d, a, i); });
-    case 128: return RunItems(pool, d.batch * d.kv_heads, [&](int64_t i) { Item<128>::Run(d, a, i); });
-    default: return RunItems(pool, d.batch * d.kv_heads, [&](int64_t i) { Item<0>::Run(d, a, i); });
+    case 16: return run(std::integral_constant<int64_t, 16>{});
+    case 32: return run(std::integral_constant<int64_t, 32>{});
+    case 64: return run(std::integral_constant<int64_t, 64>{});
+    case 128: return run(std::integral_constant<int64_t, 128>{});
+    default: return run(std::integral_constant<int64_t, 0>{});
   }
 }
 
 template <int64_t kDim>
 struct ForwardOf {
-  static void Run(const Dims& d, const Arrays& a, int64_t i) { ForwardItem<kDim>(d, a, i); }
+  static void Run(const Dims& d, const Arrays& a, int64_t i, std::vector<float>& scratch) {
+    ForwardItem<kDim>(d, a, i, scratch);
+  }
 };
 template <int64_t kDim>
 struct BackwardOf {
-  static void Run(const Dims& d, const Arrays& a, int64_t i) { BackwardItem<kDim>(d, a, i); }
+  static void Run(const Dims& d, const Arrays& a, int64_t i, std::vector<float>& scratch) {
+    BackwardItem<kDim>(d, a, i, scratch);
+  }
 };
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,

@@ -14,14 +14,12 @@
 // kernels average masked keys.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "share_out.h"
 #include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -153,6 +151,7 @@ void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
 
 void Attend(const Problem& p, int64_t b, std::vector<float>& scratch) {
   switch (p.head_dim) {
+    case 16: return AttendOne<16>(p, b, scratch);
     case 32: return AttendOne<32>(p, b, scratch);
     case 64: return AttendOne<64>(p, b, scratch);
     case 96: return AttendOne<96>(p, b, scratch);
@@ -161,23 +160,6 @@ void Attend(const Problem& p, int64_t b, std::vector<float>& scratch) {
     default: return AttendOne<0>(p, b, scratch);
   }
 }
-
-// Work shared by the calling thread and the pool's: items are claimed one at a time, so the caller
-// only ever waits for items another thread is already working on (never for a task to start).
-struct Shared {
-  Problem problem;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    std::vector<float> scratch;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      Attend(problem, i, scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
 
 bool IsBf16(ffi::DataType t) { return t == ffi::DataType::BF16; }
 bool Supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
@@ -212,13 +194,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int64_t index = layer.typed_data()[0];
   p.layer = std::clamp<int64_t>(index < 0 ? index + kd[0] : index, 0, kd[0] - 1);
 
-  auto shared = std::make_shared<Shared>();
-  shared->problem = p;
-  shared->items = p.batch;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->items) std::this_thread::yield();
+  jrlhf::ShareOut(pool, p.batch,
+                  [&p](int64_t b, std::vector<float>& scratch) { Attend(p, b, scratch); });
   return ffi::Error::Success();
 }
 

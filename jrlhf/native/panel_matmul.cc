@@ -13,12 +13,10 @@
 // threads. Each output is a sum over k in order, in float32.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "share_out.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -86,32 +84,20 @@ void AllRows(int64_t rows, const float* x, int64_t k, const float* panels, float
   }
 }
 
-// Work shared by the calling thread and the pool's: blocks of panels are claimed one at a time,
-// so the caller only ever waits for blocks another thread is already working on.
-struct Shared {
-  const float* x;
-  const float* panels;
-  float* out;
-  int64_t rows, k, n, num_panels, blocks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-      const int64_t p0 = b * kPanelsPerBlock;
-      const float* first = panels + p0 * k * kLanes;
-      const int64_t n0 = p0 * kLanes;
-      const int64_t count = std::min(kPanelsPerBlock, num_panels - p0);
-      if (count == 3)
-        AllRows<3>(rows, x, k, first, out, n, n0);
-      else if (count == 2)
-        AllRows<2>(rows, x, k, first, out, n, n0);
-      else
-        AllRows<1>(rows, x, k, first, out, n, n0);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
+// Panels [16 p0, ...) of the product: one block of kPanelsPerBlock (fewer at the end).
+void PanelBlock(const float* x, const float* panels, float* out, int64_t rows, int64_t k,
+                int64_t n, int64_t num_panels, int64_t block) {
+  const int64_t p0 = block * kPanelsPerBlock;
+  const float* first = panels + p0 * k * kLanes;
+  const int64_t n0 = p0 * kLanes;
+  const int64_t count = std::min(kPanelsPerBlock, num_panels - p0);
+  if (count == 3)
+    AllRows<3>(rows, x, k, first, out, n, n0);
+  else if (count == 2)
+    AllRows<2>(rows, x, k, first, out, n, n0);
+  else
+    AllRows<1>(rows, x, k, first, out, n, n0);
+}
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::F32> panels, ffi::Result<ffi::Buffer<ffi::F32>> out) {
@@ -120,20 +106,20 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("panel matmul: x, panels or out of wrong rank");
   if (pd[2] != kLanes || pd[1] != xd[1] || od[0] != xd[0] || od[1] != pd[0] * kLanes)
     return ffi::Error::InvalidArgument("panel matmul: shapes do not agree");
-  auto shared = std::make_shared<Shared>();
-  shared->x = x.typed_data(), shared->panels = panels.typed_data();
-  shared->out = out->typed_data();
-  shared->rows = xd[0], shared->k = xd[1], shared->n = od[1], shared->num_panels = pd[0];
-  shared->blocks = (pd[0] + kPanelsPerBlock - 1) / kPanelsPerBlock;
-  if (shared->rows == 0 || shared->blocks == 0) return ffi::Error::Success();
-  if (shared->k == 0) {
-    std::fill(shared->out, shared->out + shared->rows * shared->n, 0.0f);
+  const float* xp = x.typed_data();
+  const float* pp = panels.typed_data();
+  float* op = out->typed_data();
+  const int64_t rows = xd[0], k = xd[1], n = od[1], num_panels = pd[0];
+  const int64_t blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
+  if (rows == 0 || blocks == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(op, op + rows * n, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->blocks) std::this_thread::yield();
+  // Blocks of panels are claimed one at a time by the calling thread and the pool's.
+  jrlhf::ShareOut(pool, blocks, [=](int64_t block, std::vector<float>&) {
+    PanelBlock(xp, pp, op, rows, k, n, num_panels, block);
+  });
   return ffi::Error::Success();
 }
 
