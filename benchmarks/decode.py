@@ -23,7 +23,11 @@ decode step) / step time / peak bandwidth (``--peak-gbps``, default from the dev
 Elsewhere (CPU) the throughput run measures this machine's streaming read bandwidth in the same
 process (a jitted sum over a 256 MiB array, best of a few) and reports tokens/s as a fraction of
 the weight-read limit: batch / (bytes of weights read per decode step / bandwidth). The untied
-embedding table is not counted (a step gathers one row per sequence from it). It also
+embedding table is not counted (a step gathers one row per sequence from it). The limit is a
+decode step's, and the prefill (matmul-bound) is part of the whole call's time, so the steps
+after it are also reported alone: ``decode_steps_tokens_per_s`` (tokens after each sequence's
+first, over the call's time less ``prefill_and_first_token_s``) and its
+``fraction_of_weight_read_limit_decode_steps``. It also
 times the step's matmuls alone at their decode shapes (a loop of the same projections on
 ``--batch`` rows, no attention) and large square matmuls (the machine's matmul peak): at batch 16
 in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
@@ -624,6 +628,16 @@ def main(argv: list[str] | None = None) -> int:
             res["weight_bytes_read_per_step"] = read
             res["weight_read_limit_tokens_per_s"] = round(limit, 1)
             res["fraction_of_weight_read_limit"] = round(res["tokens_per_s"] / limit, 3)
+            # The limit is a decode step's: every step after the first token reads the weights
+            # once for ``batch`` tokens. The prefill before it (the prompts' tokens at once) is
+            # bound by matmul throughput, not by the weights' read, so the steps alone are
+            # measured against the limit too: tokens after the first ones over the time after
+            # the prefill call's (``prefill_and_first_token_s``).
+            steps_s = res["seconds"] - res["prefill_and_first_token_s"]
+            if steps_s > 0:
+                rate = (res["generated_tokens"] - args.batch) / steps_s
+                res["decode_steps_tokens_per_s"] = round(rate, 1)
+                res["fraction_of_weight_read_limit_decode_steps"] = round(rate / limit, 3)
             # What the step's matmuls alone cost here: if this limit is below the weight-read
             # one, the step is bound by matmul throughput at batch ``batch``, not by bandwidth.
             res.update(_matmul_bound(md, args.batch, engine.weight_layout()))

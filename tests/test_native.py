@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jrlhf.native import matmul as native_matmul
-from jrlhf.native.matmul import LANES, from_panels, panel_matmul, to_panels
+from jrlhf.native.matmul import LANES, from_panels, panel_matmul, panel_matmuls, to_panels
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,28 @@ def test_panel_matmul_matches_numpy(rows, k, panels):
     batched = jax.jit(panel_matmul)(jnp.asarray(x).reshape(1, rows, k), packed)
     assert batched.shape == (1, rows, n)
     np.testing.assert_array_equal(np.asarray(batched)[0], got)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 16, 20])
+def test_panel_matmuls_of_several_weights_in_one_call(rows):
+    """Several weights in one call (the threads' runs of blocks cross from one weight into the
+    next, and a weight of 1 or 2 panels ends in a short block): each output equals its own
+    single-weight call bit for bit (the same sums in the same order) and a float64 product."""
+    rng = np.random.default_rng(rows)
+    k = 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ws = [rng.standard_normal((k, p * LANES)).astype(np.float32) for p in (1, 5, 2, 3, 4, 7)]
+    packed = [to_panels(jnp.asarray(w)) for w in ws]
+    together = jax.jit(panel_matmuls)(jnp.asarray(x), packed)
+    assert len(together) == len(ws)
+    for w, p, got in zip(ws, packed, together):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(panel_matmul(x, p)))
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="panel matmuls of no weights"):
+        panel_matmuls(jnp.asarray(x), [])
+    with pytest.raises(ValueError, match="panel matmul of x"):
+        panel_matmuls(jnp.asarray(x), [packed[0], to_panels(jnp.asarray(ws[1][:40]))])
 
 
 def test_panel_matmul_falls_back_to_xla_and_refuses_bad_shapes(monkeypatch):

@@ -12,7 +12,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ from jrlhf.meshes.context import constrain
 from jrlhf.models.attention import AttendFn, aligned_attend, dense_attend, fused_attention_fits
 from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.rope import apply_rope, rope_cos_sin
-from jrlhf.native.matmul import fits, panel_matmul, to_panels
+from jrlhf.native.matmul import fits, panel_matmul, panel_matmuls, to_panels
 
 HEADS = ("lm", "value")
 
@@ -55,6 +55,14 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
     if layout == "out_major":
         return left_matmul(kernel.reshape(-1, math.prod(kernel.shape[kernel.ndim - n_in :])), x)
     return token_matmul(x, kernel.reshape(math.prod(kernel.shape[:n_in]), -1))
+
+
+def project_all(x: jax.Array, kernels: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """``project(x, kernel)`` for each of ``kernels`` (one input axis each): with packed panels
+    one native call for all of them (they read the same rows), else one product each."""
+    if _LAYOUT.get() == "panels":
+        return panel_matmuls(x, kernels)
+    return tuple(project(x, kernel) for kernel in kernels)
 
 
 def left_matmul(matrix: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
@@ -219,10 +227,11 @@ class Attention(nnx.Module):
         dt = self.dtype
         b, t = x_bte.shape[:2]
 
-        def heads(kernel):  # -> (b, t, heads, head_dim)
-            return project(x_bte, kernel[...].astype(dt)).reshape(b, t, -1, self.head_dim)
-
-        q, k, v = heads(self.q_kernel), heads(self.k_kernel), heads(self.v_kernel)
+        kernels = (self.q_kernel, self.k_kernel, self.v_kernel)
+        q, k, v = (
+            out.reshape(b, t, -1, self.head_dim)  # (b, t, heads, head_dim)
+            for out in project_all(x_bte, [kernel[...].astype(dt) for kernel in kernels])
+        )
         if self.use_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -249,8 +258,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_bte):
         dt = self.dtype
-        gate = project(x_bte, self.gate_kernel[...].astype(dt))
-        up = project(x_bte, self.up_kernel[...].astype(dt))
+        gate, up = project_all(
+            x_bte, (self.gate_kernel[...].astype(dt), self.up_kernel[...].astype(dt))
+        )
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
         return project(hidden, self.down_kernel[...].astype(dt))
 

@@ -36,16 +36,11 @@ struct Dims {
   float scale, mask_value;
 };
 
-// 16 floats, one AVX-512 register (the compiler splits it where registers are narrower). Keys are
-// padded to a multiple of 16, and head dimensions that are multiples of 16 run in these.
-typedef float Lanes __attribute__((vector_size(16 * sizeof(float))));
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+// Keys are padded to a multiple of 16 (one vector, jrlhf::Lanes), and head dimensions that are
+// multiples of 16 run in vectors.
+using jrlhf::Lanes;
+using jrlhf::Load;
+using jrlhf::Store;
 
 // out[s] = sum_i x[i] cols[i, s] for s in [0, padded keys): x (dim,) against (dim, padded keys)
 // columns, each 16 keys' sum held in a register over i, four blocks of 16 at a time (so that the

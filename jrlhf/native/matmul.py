@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -76,15 +77,29 @@ def from_panels(panels: jax.Array) -> jax.Array:
 
 def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     """``x @ w`` for float32 ``x`` (..., K) and ``w`` packed by ``to_panels``: (..., N)."""
-    p, k, lanes = panels.shape
-    if x.shape[-1] != k or lanes != LANES:
-        raise ValueError(f"panel matmul of x {x.shape} with panels {panels.shape}")
+    return panel_matmuls(x, (panels,))[0]
+
+
+def panel_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """``x @ w`` for each ``w`` of ``weights`` (packed by ``to_panels``, all of ``x``'s K), in
+    one kernel call: the projections that read the same rows (a layer's query, key and value)
+    share one hand-off to the threads and one stream of panels."""
+    if not weights:
+        raise ValueError("panel matmuls of no weights")
+    k = x.shape[-1]
+    for panels in weights:
+        if panels.ndim != 3 or panels.shape[1] != k or panels.shape[2] != LANES:
+            raise ValueError(f"panel matmul of x {x.shape} with panels {panels.shape}")
     lead = x.shape[:-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    panels = panels.astype(jnp.float32)
+    weights = [panels.astype(jnp.float32) for panels in weights]
+    widths = [panels.shape[0] * LANES for panels in weights]
     if jax.default_backend() == "cpu" and available():
-        out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], p * lanes), rows.dtype))
-        out = out(rows, panels)
+        shapes = [jax.ShapeDtypeStruct((rows.shape[0], n), rows.dtype) for n in widths]
+        outs = jax.ffi.ffi_call(TARGET, shapes)(rows, *weights)
     else:
-        out = jnp.einsum("mk,pkj->mpj", rows, panels).reshape(rows.shape[0], p * lanes)
-    return out.reshape(*lead, p * lanes)
+        outs = [
+            jnp.einsum("mk,pkj->mpj", rows, panels).reshape(rows.shape[0], n)
+            for panels, n in zip(weights, widths)
+        ]
+    return tuple(out.reshape(*lead, n) for out, n in zip(outs, widths))

@@ -27,6 +27,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jrlhf::Lanes;
+using jrlhf::Load;
+using jrlhf::Store;
+
 inline float Bf16ToFloat(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float out;
@@ -42,29 +46,25 @@ inline uint16_t FloatToBf16(float value) {  // round to nearest even, as XLA con
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// A row of `n` pool or query elements as float32: the row itself for float32 arrays (no copy),
-// else converted into `buffer`.
-inline const float* Row(const void* base, bool bf16, int64_t offset, int64_t n, float* buffer) {
+// Rows [pos, pos + n) of sequence-relative pool positions, as float32: the pool's own rows for a
+// float32 pool (a block never crosses a page, so its rows are contiguous there), else converted
+// into `buffer`.
+inline const float* Rows(const void* base, bool bf16, int64_t offset, int64_t count,
+                         float* buffer) {
   if (!bf16) return static_cast<const float*>(base) + offset;
   const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-  for (int64_t i = 0; i < n; ++i) buffer[i] = Bf16ToFloat(src[i]);
+  for (int64_t i = 0; i < count; ++i) buffer[i] = Bf16ToFloat(src[i]);
   return buffer;
 }
 
-// q . k over `n` elements in sixteen independent partial sums (which the compiler vectorizes
-// without reordering any one of them), added up as a tree: a serial sum of the sixteen would be a
-// chain of dependent additions longer than the products themselves.
-template <int64_t kFixed>
-inline float Dot(const float* a, const float* b, int64_t n_runtime) {
-  const int64_t n = kFixed ? kFixed : n_runtime;
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  for (int j = 0; i < n; ++i, ++j) acc[j] += a[i] * b[i];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
+// Asks for `bytes` from `at` to be brought into L2 ahead of use. The pool's pages are scattered,
+// so the hardware's prefetchers, which follow one address stream, see each page start as a miss;
+// a decode step's K/V (tens of MB) comes from memory, not cache, so those misses were most of
+// the kernel's time (20.3 GB/s of K/V with the pool in cache, 11.8 after 256 MiB read between
+// calls, as a decode step's weights are).
+inline void Prefetch(const void* at, int64_t bytes) {
+  const char* c = static_cast<const char*>(at);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
 struct Problem {
@@ -79,47 +79,91 @@ struct Problem {
   int64_t layer;
 };
 
-// Attention of every query head of sequence `b` over its pages, read in place in position order
-// (a page's positions and KV heads are contiguous in the pool). kFixed: the head dimension when
-// known at compile time (the common sizes, whose loops the compiler then unrolls: at head_dim
-// 32, the `bench rl` model's, a layer's attention over 32 sequences at context 45 took 94 us
-// against 112 us through the runtime-sized loops), else 0.
+constexpr int64_t kBlock = 16;  // positions a block of scores is computed for (one vector)
+
+// Sequence b's keys: positions [start, end) (the window counts back from the query, lengths[b] - 1,
+// even where the table holds fewer positions than that, as in the reference), with the pool
+// offset of each position's row (all KV heads of one position are contiguous in a page).
+struct Span {
+  int64_t start, end;
+  const int32_t* pages;
+  const Problem* p;
+  Span(const Problem& problem, int64_t b) : p(&problem) {
+    const int64_t length = problem.lengths[b];
+    end = std::min<int64_t>(length, problem.max_pages * problem.page_size);
+    start = problem.window > 0 ? std::max<int64_t>(0, length - problem.window) : 0;
+    end = std::max(end, start);
+    pages = problem.table + b * problem.max_pages;
+  }
+  // The end of the block starting at `pos`: at most kBlock positions, within one page.
+  int64_t BlockEnd(int64_t pos) const {
+    return std::min({end, pos + kBlock, (pos / p->page_size + 1) * p->page_size});
+  }
+  // The element offset of (layer, page of pos, slot of pos, 0, 0) in a pool.
+  int64_t Offset(int64_t pos) const {
+    const int64_t page = std::clamp<int64_t>(pages[pos / p->page_size], 0, p->pages - 1);
+    return ((p->layer * p->pages + page) * p->page_size + pos % p->page_size) * p->kv_heads *
+           p->head_dim;
+  }
+};
+
+// Attention of every query head of sequence `b` over its keys, read in place, in blocks of up to
+// 16 positions within a page. Scores: for each head, 16 vector partial products (one per
+// position, over the head dimension) summed across lanes at once (SumEach16), instead of one
+// horizontal sum per position and head. Values: a head's output accumulates in registers over a
+// block's positions. While a block's scores are computed, the next block's keys and this block's
+// values are prefetched; while the values are summed, the first keys of `next` (the sequence
+// this thread takes next, or -1). kFixed: the head dimension when known at compile time (the
+// common sizes, whose loops the compiler then unrolls), else 0.
 template <int64_t kFixed>
-void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
+void AttendOne(const Problem& p, int64_t b, int64_t next, std::vector<float>& scratch) {
   const int64_t d = kFixed ? kFixed : p.head_dim, h = p.heads, groups = p.heads / p.kv_heads;
-  const int64_t row_len = p.kv_heads * d;  // one position's K (or V) for every KV head
-  // Keys at positions [start, end): the window counts back from the query (lengths[b] - 1) even
-  // where the table holds fewer positions than that, as in the reference.
-  const int64_t length = p.lengths[b];
-  const int64_t end = std::min<int64_t>(length, p.max_pages * p.page_size);
-  const int64_t start = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t count = std::max<int64_t>(0, end - start);
-  scratch.resize(2 * h * d + row_len + h * std::max<int64_t>(count, 1) + h);
+  const int64_t vecs = d / 16, row_len = p.kv_heads * d;
+  const int64_t elem = p.pool_bf16 ? 2 : 4, row_bytes = row_len * elem;
+  const Span span(p, b);
+  const int64_t count = span.end - span.start;
+  scratch.resize(2 * h * d + kBlock * row_len + h * std::max<int64_t>(count, 1) + h);
   float* q = scratch.data();  // (heads, d), scaled
   float* acc = q + h * d;  // (heads, d)
-  float* buffer = acc + h * d;  // (kv_heads * d,): a bfloat16 row converted
-  float* scores = buffer + row_len;  // (heads, count)
+  float* buffer = acc + h * d;  // (kBlock, kv_heads * d): a bfloat16 block converted
+  float* scores = buffer + kBlock * row_len;  // (heads, count)
   float* total = scores + h * std::max<int64_t>(count, 1);  // (heads,)
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t q_row = b * h * d;
   if (p.q_bf16)
-    Row(p.q, true, q_row, h * d, q);
+    Rows(p.q, true, q_row, h * d, q);
   else
     std::memcpy(q, static_cast<const float*>(p.q) + q_row, h * d * sizeof(float));
   for (int64_t i = 0; i < h * d; ++i) q[i] *= scale;
   std::fill(acc, acc + h * d, 0.0f);
+  const char* k_bytes = static_cast<const char*>(p.k_pool);
+  const char* v_bytes = static_cast<const char*>(p.v_pool);
 
-  // Offset of (layer, page, slot in page, 0, 0) in a pool.
-  const int32_t* pages = p.table + b * p.max_pages;
-  auto offset = [&](int64_t pos) {
-    const int64_t page = std::clamp<int64_t>(pages[pos / p.page_size], 0, p.pages - 1);
-    return ((p.layer * p.pages + page) * p.page_size + pos % p.page_size) * row_len;
-  };
-
-  for (int64_t s = 0; s < count; ++s) {
-    const float* k = Row(p.k_pool, p.pool_bf16, offset(start + s), row_len, buffer);
-    for (int64_t head = 0; head < h; ++head)
-      scores[head * count + s] = Dot<kFixed>(q + head * d, k + head / groups * d, d);
+  for (int64_t pos = span.start; pos < span.end;) {
+    const int64_t stop = span.BlockEnd(pos), n = stop - pos, off = span.Offset(pos);
+    if (stop < span.end)
+      Prefetch(k_bytes + span.Offset(stop) * elem, (span.BlockEnd(stop) - stop) * row_bytes);
+    Prefetch(v_bytes + off * elem, n * row_bytes);
+    const float* k = Rows(p.k_pool, p.pool_bf16, off, n * row_len, buffer);
+    for (int64_t head = 0; head < h; ++head) {
+      const float* qh = q + head * d;
+      const float* kh = k + head / groups * d;
+      Lanes part[kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) {
+        Lanes a{};
+        if (j < n) {
+          const float* kr = kh + j * row_len;
+          for (int64_t c = 0; c < vecs; ++c) a += Load(qh + 16 * c) * Load(kr + 16 * c);
+          float tail = 0.0f;
+          for (int64_t i = 16 * vecs; i < d; ++i) tail += qh[i] * kr[i];
+          a[0] += tail;
+        }
+        part[jrlhf::kSumSlot[j]] = a;
+      }
+      const Lanes s = jrlhf::SumEach16(part);
+      std::memcpy(scores + head * count + (pos - span.start), &s, n * sizeof(float));
+    }
+    pos = stop;
   }
   for (int64_t head = 0; head < h; ++head) {
     float* row = scores + head * count;
@@ -127,14 +171,34 @@ void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
     for (int64_t s = 0; s < count; ++s) row[s] = jrlhf::ExpNonPositive(row[s] - m);
     total[head] = jrlhf::SumOf(row, count);
   }
-  for (int64_t s = 0; s < count; ++s) {
-    const float* v = Row(p.v_pool, p.pool_bf16, offset(start + s), row_len, buffer);
+  const Span after = next >= 0 ? Span(p, next) : Span(p, b);
+  int64_t ahead = next >= 0 ? after.start : after.end;  // the next sequence's keys to prefetch
+  for (int64_t pos = span.start; pos < span.end;) {
+    const int64_t stop = span.BlockEnd(pos), n = stop - pos;
+    if (ahead < after.end && pos - span.start < 2 * kBlock) {
+      const int64_t ahead_stop = after.BlockEnd(ahead);
+      Prefetch(k_bytes + after.Offset(ahead) * elem, (ahead_stop - ahead) * row_bytes);
+      ahead = ahead_stop;
+    }
+    const float* v = Rows(p.v_pool, p.pool_bf16, span.Offset(pos), n * row_len, buffer);
+    const int64_t rel = pos - span.start;
     for (int64_t head = 0; head < h; ++head) {
-      const float w = scores[head * count + s];
+      const float* w = scores + head * count + rel;
       const float* vh = v + head / groups * d;
       float* a = acc + head * d;
-      for (int64_t i = 0; i < d; ++i) a[i] += w * vh[i];
+      if constexpr (kFixed > 0 && kFixed % 16 == 0 && kFixed <= 256) {
+        constexpr int64_t kVecs = kFixed / 16;
+        Lanes sum[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) sum[c] = Load(a + 16 * c);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < kVecs; ++c) sum[c] += Load(vh + j * row_len + 16 * c) * w[j];
+        for (int64_t c = 0; c < kVecs; ++c) Store(a + 16 * c, sum[c]);
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t i = 0; i < d; ++i) a[i] += w[j] * vh[j * row_len + i];
+      }
     }
+    pos = stop;
   }
   for (int64_t head = 0; head < h; ++head) {
     const float inv = count > 0 ? 1.0f / total[head] : 0.0f;
@@ -149,15 +213,15 @@ void AttendOne(const Problem& p, int64_t b, std::vector<float>& scratch) {
   }
 }
 
-void Attend(const Problem& p, int64_t b, std::vector<float>& scratch) {
+void Attend(const Problem& p, int64_t b, int64_t next, std::vector<float>& scratch) {
   switch (p.head_dim) {
-    case 16: return AttendOne<16>(p, b, scratch);
-    case 32: return AttendOne<32>(p, b, scratch);
-    case 64: return AttendOne<64>(p, b, scratch);
-    case 96: return AttendOne<96>(p, b, scratch);
-    case 128: return AttendOne<128>(p, b, scratch);
-    case 256: return AttendOne<256>(p, b, scratch);
-    default: return AttendOne<0>(p, b, scratch);
+    case 16: return AttendOne<16>(p, b, next, scratch);
+    case 32: return AttendOne<32>(p, b, next, scratch);
+    case 64: return AttendOne<64>(p, b, next, scratch);
+    case 96: return AttendOne<96>(p, b, next, scratch);
+    case 128: return AttendOne<128>(p, b, next, scratch);
+    case 256: return AttendOne<256>(p, b, next, scratch);
+    default: return AttendOne<0>(p, b, next, scratch);
   }
 }
 
@@ -194,8 +258,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int64_t index = layer.typed_data()[0];
   p.layer = std::clamp<int64_t>(index < 0 ? index + kd[0] : index, 0, kd[0] - 1);
 
-  jrlhf::ShareOut(pool, p.batch,
-                  [&p](int64_t b, std::vector<float>& scratch) { Attend(p, b, scratch); });
+  // Each thread takes a contiguous run of sequences, so that it knows which one comes next and
+  // can prefetch its keys.
+  const int64_t runs = std::min<int64_t>(p.batch, std::max<int64_t>(1, pool.num_threads()));
+  jrlhf::ShareOut(pool, runs, [&p, runs](int64_t run, std::vector<float>& scratch) {
+    const int64_t first = p.batch * run / runs, last = p.batch * (run + 1) / runs;
+    for (int64_t b = first; b < last; ++b) Attend(p, b, b + 1 < last ? b + 1 : -1, scratch);
+  });
   return ffi::Error::Success();
 }
 
