@@ -3,10 +3,12 @@
 A decode step multiplies a few token rows by every weight of the model, so on a CPU its time is
 the weights' read. ``to_panels`` packs a (K, N) weight as N / 16 panels of shape (K, 16), each
 one contiguous run; ``panel_matmul`` streams them once, front to back, on XLA's intra-op
-threads. At 16 rows of the bench model's MLP shape (16 x 512 x 1408) it took 170 us a product
-against XLA's 316 us, with the weights streamed from memory as in a decode step (BUILD.md,
-"Benchmarks"). The kernel's register blocking is written for AVX-512 (``fast_here``); it builds
-and is correct elsewhere too.
+threads, each thread prefetching the next block of panels while it multiplies one;
+``panel_matmuls`` multiplies several weights that read the same rows in one call. At 16 rows of
+the bench model's MLP shape (16 x 512 x 1408) it took 141 us a product against XLA's 316 us,
+with the weights streamed from memory as in a decode step (BUILD.md, "Benchmarks"). The
+kernel's register blocking is written for AVX-512 (``fast_here``); it builds and is correct
+elsewhere too.
 
 The kernel is built on first use by ``jrlhf.native.build``. Where it cannot be (no compiler),
 ``available()`` is False and says why once in a warning; ``panel_matmul`` then computes the same
