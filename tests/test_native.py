@@ -59,15 +59,19 @@ def test_panel_matmuls_of_several_weights_in_one_call(rows):
 
 
 def test_panel_matmul_falls_back_to_xla_and_refuses_bad_shapes(monkeypatch):
-    """Without the kernel the same product runs in XLA; shapes that do not agree, and weights
-    whose outputs do not fill whole panels, are refused in one line."""
+    """Without the kernel the same products (one weight or several) run in XLA; shapes that do
+    not agree, and weights whose outputs do not fill whole panels, are refused in one line."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((4, 24)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
     native = np.asarray(panel_matmul(x, to_panels(w)))
+    both = [np.asarray(o) for o in panel_matmuls(x, [to_panels(w), to_panels(w[:, :16])])]
     monkeypatch.setattr(native_matmul, "_registered", lambda: "no C++ compiler found")
     assert not native_matmul.available()
     np.testing.assert_allclose(np.asarray(panel_matmul(x, to_panels(w))), native, rtol=1e-5)
+    fallback = panel_matmuls(x, [to_panels(w), to_panels(w[:, :16])])
+    for got, want in zip(fallback, both, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="panel matmul of x \\(4, 23\\)"):
         panel_matmul(x[:, :23], to_panels(w))
     with pytest.raises(ValueError, match="30 output columns does not pack into panels of 16"):
