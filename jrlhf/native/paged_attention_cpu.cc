@@ -67,6 +67,14 @@ inline void Prefetch(const void* at, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+// Part `part` of `parts` of Prefetch(at, bytes), whole cache lines: issued a part at a time
+// between pieces of work, the requests keep the memory busy without stalling one piece.
+inline void PrefetchPart(const void* at, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64;
+  const int64_t from = lines * part / parts, to = lines * (part + 1) / parts;
+  Prefetch(static_cast<const char*>(at) + 64 * from, 64 * (to - from));
+}
+
 struct Problem {
   const void* q;  // (batch, heads, head_dim)
   const void* k_pool;  // (layers, pages, page_size, kv_heads, head_dim)
@@ -112,9 +120,9 @@ struct Span {
 // position, over the head dimension) summed across lanes at once (SumEach16), instead of one
 // horizontal sum per position and head. Values: a head's output accumulates in registers over a
 // block's positions. While a block's scores are computed, the next block's keys and this block's
-// values are prefetched; while the values are summed, the first keys of `next` (the sequence
-// this thread takes next, or -1). kFixed: the head dimension when known at compile time (the
-// common sizes, whose loops the compiler then unrolls), else 0.
+// values are prefetched (a part before each head); while the values are summed, the first keys
+// of `next` (the sequence this thread takes next, or -1). kFixed: the head dimension when known
+// at compile time (the common sizes, whose loops the compiler then unrolls), else 0.
 template <int64_t kFixed>
 void AttendOne(const Problem& p, int64_t b, int64_t next, std::vector<float>& scratch) {
   const int64_t d = kFixed ? kFixed : p.head_dim, h = p.heads, groups = p.heads / p.kv_heads;
@@ -141,11 +149,13 @@ void AttendOne(const Problem& p, int64_t b, int64_t next, std::vector<float>& sc
 
   for (int64_t pos = span.start; pos < span.end;) {
     const int64_t stop = span.BlockEnd(pos), n = stop - pos, off = span.Offset(pos);
-    if (stop < span.end)
-      Prefetch(k_bytes + span.Offset(stop) * elem, (span.BlockEnd(stop) - stop) * row_bytes);
-    Prefetch(v_bytes + off * elem, n * row_bytes);
+    const char* next_k = k_bytes + (stop < span.end ? span.Offset(stop) * elem : 0);
+    const int64_t next_k_bytes = stop < span.end ? (span.BlockEnd(stop) - stop) * row_bytes : 0;
     const float* k = Rows(p.k_pool, p.pool_bf16, off, n * row_len, buffer);
     for (int64_t head = 0; head < h; ++head) {
+      // The next block's keys and this block's values, an h-th before each head's scores
+      PrefetchPart(next_k, next_k_bytes, head, h);
+      PrefetchPart(v_bytes + off * elem, n * row_bytes, head, h);
       const float* qh = q + head * d;
       const float* kh = k + head / groups * d;
       Lanes part[kBlock];
@@ -258,9 +268,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int64_t index = layer.typed_data()[0];
   p.layer = std::clamp<int64_t>(index < 0 ? index + kd[0] : index, 0, kd[0] - 1);
 
-  // Each thread takes a contiguous run of sequences, so that it knows which one comes next and
-  // can prefetch its keys.
-  const int64_t runs = std::min<int64_t>(p.batch, std::max<int64_t>(1, pool.num_threads()));
+  // The threads take runs of consecutive sequences, so that each knows which one it attends
+  // over next and can prefetch its keys; four runs a thread, so that one that starts late
+  // leaves the others less to wait for (over 8 layers at context ~128: 1.69 against 1.82-1.84 ms
+  // with one or two runs a thread, all with the prefetches spread over the heads).
+  const int64_t runs = std::min<int64_t>(p.batch, 4 * std::max<int64_t>(1, pool.num_threads()));
   jrlhf::ShareOut(pool, runs, [&p, runs](int64_t run, std::vector<float>& scratch) {
     const int64_t first = p.batch * run / runs, last = p.batch * (run + 1) / runs;
     for (int64_t b = first; b < last; ++b) Attend(p, b, b + 1 < last ? b + 1 : -1, scratch);
