@@ -20,6 +20,16 @@ inline Lanes Load(const float* p) {
 }
 inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Lanes of (a, b) picked by index into their concatenation (0-15: a's, 16-31: b's), indices
+// known at compile time. GCC has had __builtin_shuffle since 4.7 (__builtin_shufflevector only
+// since 12); clang has only __builtin_shufflevector.
+typedef int32_t LaneIndex __attribute__((vector_size(16 * sizeof(int32_t))));
+#if defined(__clang__)
+#define JRLHF_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define JRLHF_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (LaneIndex{__VA_ARGS__}))
+#endif
+
 // The lane sums of 16 vectors as one vector, in 15 steps that each add the halves of two
 // vectors interleaved (two shuffles and an add) instead of a horizontal sum of each vector: the
 // sum of x[kSumSlot[j]]'s lanes lands in lane j.
@@ -28,25 +38,23 @@ constexpr int kSumSlot[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 
 inline Lanes SumEach16(const Lanes x[16]) {
   Lanes y[8], z[4], w[2];
   for (int m = 0; m < 8; ++m)  // lanes 0-7: partial sums of x[2m]; 8-15: of x[2m + 1]
-    y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                   20, 21, 22, 23) +
-           __builtin_shufflevector(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
+    y[m] = JRLHF_SHUFFLE(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                         22, 23) +
+           JRLHF_SHUFFLE(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                         29, 30, 31);
   for (int m = 0; m < 4; ++m)  // groups of 4 lanes: x[4m], x[4m + 2], x[4m + 1], x[4m + 3]
-    z[m] = __builtin_shufflevector(y[2 * m], y[2 * m + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
-                                   11, 24, 25, 26, 27) +
-           __builtin_shufflevector(y[2 * m], y[2 * m + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
-                                   15, 28, 29, 30, 31);
+    z[m] = JRLHF_SHUFFLE(y[2 * m], y[2 * m + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                         26, 27) +
+           JRLHF_SHUFFLE(y[2 * m], y[2 * m + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                         30, 31);
   for (int m = 0; m < 2; ++m)  // pairs of lanes: x[8m + {0, 4, 2, 6, 1, 5, 3, 7}]
-    w[m] = __builtin_shufflevector(z[2 * m], z[2 * m + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
-                                   25, 12, 13, 28, 29) +
-           __builtin_shufflevector(z[2 * m], z[2 * m + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
-                                   27, 14, 15, 30, 31);
+    w[m] = JRLHF_SHUFFLE(z[2 * m], z[2 * m + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                         28, 29) +
+           JRLHF_SHUFFLE(z[2 * m], z[2 * m + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                         30, 31);
   // lane 2i: x[{0, 4, 2, 6, 1, 5, 3, 7}[i]], lane 2i + 1: x[8 + that]
-  return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
-                                 14, 30) +
-         __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
-                                 15, 31);
+  return JRLHF_SHUFFLE(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         JRLHF_SHUFFLE(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 // exp(x) for x <= 0 (scores less their maximum) in plain arithmetic, so that loops over it
