@@ -1,4 +1,5 @@
-"""Native CPU kernels: the few-row panel matmul against NumPy, its fallback, and its refusals."""
+"""Native CPU kernels: the few-row panel matmul against NumPy, its fallback, and its refusals;
+the token pick against the XLA sampler and NumPy."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrlhf.decode.sampling import sample_tokens
 from jrlhf.native import matmul as native_matmul
+from jrlhf.native import token_pick
 from jrlhf.native.matmul import LANES, from_panels, panel_matmul, panel_matmuls, to_panels
 
 
@@ -163,3 +166,73 @@ def test_native_attention_in_a_rematerialized_model_gradient(monkeypatch):
     xla = jax.jit(jax.grad(loss))(params)
     for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    top = x.max(-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("vocab", [5, 33, 300, 8197])
+@pytest.mark.parametrize("greedy,temperature", [(True, 1.0), (False, 1.0), (False, 0.7)])
+def test_token_pick_matches_the_xla_sampler(vocab, greedy, temperature):
+    """The native token pick (one call: argmax and log-probs) against ``sample_tokens``'s XLA
+    form on the same keys: the same tokens (ties to the first index, rows all -inf, an infinite
+    logit, vocabularies that are not a multiple of 16 lanes; a NaN wins), log-probs within 1e-5
+    of it and of a float64 log-softmax."""
+    assert token_pick.available(), token_pick.unavailable_reason()
+    rng = np.random.default_rng(vocab)
+    rows = 12
+    x = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties
+    x[2, [vocab // 2, vocab - 1]] = np.nan
+    x[3] = -np.inf
+    x[4, vocab // 3] = np.inf
+    x[5, -1] = 40.0  # the maximum in the tail past the last whole 16 lanes
+    logits = jnp.asarray(x)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(vocab), rows))
+    t = jnp.float32(temperature)
+
+    def pick(native):
+        fn = lambda lg, k, t: sample_tokens(  # noqa: E731
+            lg, k, t, jnp.int32(0), jnp.float32(1.0), greedy=greedy, filtered=False, native=native
+        )
+        return [np.asarray(a) for a in jax.jit(fn)(logits, keys, t)]
+
+    tok, slp, rlp = pick(True)
+    want_tok, want_slp, want_rlp = pick(False)
+    assert tok.dtype == np.int32
+    # A NaN row's token is its first NaN, as jnp.argmax and NumPy give; XLA:CPU's max over a
+    # long row can drop the NaN, so the XLA form is compared on the other rows.
+    assert tok[2] == vocab // 2 and np.isnan(rlp[2])
+    ok = ~np.isnan(x).any(-1)
+    np.testing.assert_array_equal(tok[ok], want_tok[ok])
+    np.testing.assert_allclose(rlp[ok], want_rlp[ok], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(slp[ok], want_slp[ok], atol=1e-5, rtol=0)
+    finite = np.isfinite(x).all(-1)
+    assert finite.sum() >= rows - 4
+    rows_f = np.flatnonzero(finite)
+    raw64 = _log_softmax64(x[rows_f])[np.arange(len(rows_f)), tok[rows_f]]
+    np.testing.assert_allclose(rlp[rows_f], raw64, atol=1e-5, rtol=0)
+    if greedy:
+        np.testing.assert_array_equal(tok, np.argmax(x, -1))  # NumPy's argmax: a NaN wins too
+        np.testing.assert_array_equal(slp, 0.0)
+    else:
+        scaled64 = _log_softmax64(x[rows_f] / np.float32(temperature))
+        want = scaled64[np.arange(len(rows_f)), tok[rows_f]]
+        np.testing.assert_allclose(slp[rows_f], want, atol=1e-5, rtol=0)
+
+
+def test_token_pick_refusals_and_where_the_sampler_keeps_xla():
+    """Shapes that do not agree are refused in one line; filtered sampling (top-k / top-p) keeps
+    the XLA form under ``native=True``, the same arrays bit for bit."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 40)), jnp.float32)
+    with pytest.raises(ValueError, match=r"noise of shape \(4, 39\) for logits of \(4, 40\)"):
+        token_pick.pick_tokens(logits, jnp.zeros((4, 39)), jnp.float32(1.0))
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 4))
+    args = (logits, keys, jnp.float32(0.9), jnp.int32(5), jnp.float32(0.8))
+    native = sample_tokens(*args, greedy=False, filtered=True, native=True)
+    xla = sample_tokens(*args, greedy=False, filtered=True, native=False)
+    for a, b in zip(native, xla, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

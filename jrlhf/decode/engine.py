@@ -54,6 +54,7 @@ from jrlhf.models.attention import (
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
 from jrlhf.native import matmul as native_matmul
+from jrlhf.native import token_pick
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -390,6 +391,11 @@ class DecodeEngine:
                     f"with KV groups of {group} heads"
                 )
         self._weight_layout = self._choose_layout()
+        # The token choice in one native call (jrlhf.native.token_pick): a custom call, which
+        # XLA does not partition, so one device only
+        self._native_pick = (
+            jax.default_backend() == "cpu" and mesh.devices.size == 1 and token_pick.available()
+        )
         self.pages_per_shard = ec.total_pages // self.num_shards
         self.slots_per_shard = ec.num_slots // self.num_shards
         self.state_shardings = jax.tree.map(
@@ -534,7 +540,14 @@ class DecodeEngine:
         keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_m)
         step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_m))
         tok, slp, rlp = sample_tokens(
-            logits, step_keys, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+            logits,
+            step_keys,
+            temperature,
+            top_k,
+            top_p,
+            greedy=greedy,
+            filtered=filtered,
+            native=self._native_pick,
         )
         done = self._is_stop(tok, stop_ids) | (max_new_m <= 1)
         put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
@@ -634,7 +647,14 @@ class DecodeEngine:
             logits = model.logits(hidden[:, 0], layer_params)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
         tok, slp, rlp = sample_tokens(
-            logits, step_keys, temperature, top_k, top_p, greedy=greedy, filtered=filtered
+            logits,
+            step_keys,
+            temperature,
+            top_k,
+            top_p,
+            greedy=greedy,
+            filtered=filtered,
+            native=self._native_pick,
         )
         active = state.active
         slots = jnp.arange(active.shape[0])
