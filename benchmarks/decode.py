@@ -27,7 +27,9 @@ embedding table is not counted (a step gathers one row per sequence from it). Th
 decode step's, and the prefill (matmul-bound) is part of the whole call's time, so the steps
 after it are also reported alone: ``decode_steps_tokens_per_s`` (tokens after each sequence's
 first, over the call's time less ``prefill_and_first_token_s``) and its
-``fraction_of_weight_read_limit_decode_steps``. It also
+``fraction_of_weight_read_limit_decode_steps``; ``fraction_of_read_limit_decode_steps`` is the
+same rate against the limit of all the bytes a step reads, its sequences' K/V too
+(``kv_bytes_read_per_step``, averaged over the steps). It also
 times the step's matmuls alone at their decode shapes (a loop of the same projections on
 ``--batch`` rows, no attention) and large square matmuls (the machine's matmul peak): at batch 16
 in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
@@ -158,7 +160,6 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
     tokens = int(best.stats["generated_tokens"])
     seconds = float(best.stats["seconds"])
     dense_pages = batch * math.ceil((prompt_len + new_tokens) / page_size)
-    c = model_def.config
     result = {
         "kernel": engine.kernel_name,
         "seconds": round(seconds, 4),
@@ -181,10 +182,8 @@ def _paged(engine, params, prompts, new_tokens, args, peer=None):
             "_completions": peer_best[1],
         }
     if jax.default_backend() == "gpu":
-        itemsize = jax.numpy.dtype(c.dtype).itemsize
         weight_bytes = _weight_read_bytes(model_def)
-        avg_ctx = sum(len(p) for p in prompts) / batch + new_tokens / 2
-        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize * avg_ctx * batch
+        kv_bytes = _kv_read_bytes(model_def, prompts, new_tokens)
         step_s = seconds / new_tokens
         result["bytes_per_step"] = int(weight_bytes + kv_bytes)
         result["achieved_gbps"] = round((weight_bytes + kv_bytes) / step_s / 1e9, 1)
@@ -365,6 +364,17 @@ def _weight_read_bytes(model_def) -> int:
     if not c.tie_word_embeddings:
         n -= c.vocab_size * c.hidden_size
     return n * jax.numpy.dtype(c.param_dtype).itemsize
+
+
+def _kv_read_bytes(model_def, prompts, new_tokens: int) -> float:
+    """Bytes of K and V a decode step reads, averaged over the steps: every layer's keys and
+    values of each sequence's context (its prompt and half the new tokens, on average)."""
+    import jax
+
+    c = model_def.config
+    itemsize = jax.numpy.dtype(c.dtype).itemsize
+    avg_ctx = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize * avg_ctx * len(prompts)
 
 
 def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
@@ -638,6 +648,13 @@ def main(argv: list[str] | None = None) -> int:
                 rate = (res["generated_tokens"] - args.batch) / steps_s
                 res["decode_steps_tokens_per_s"] = round(rate, 1)
                 res["fraction_of_weight_read_limit_decode_steps"] = round(rate / limit, 3)
+                # A step also reads its sequences' K/V (a third of the weights' bytes on the
+                # bench model): the same steps against the limit of all the bytes they read
+                kv = _kv_read_bytes(md, prompts, args.new_tokens)
+                res["kv_bytes_read_per_step"] = int(kv)
+                res["fraction_of_read_limit_decode_steps"] = round(
+                    rate / (args.batch * gbps * 1e9 / (read + kv)), 3
+                )
             # What the step's matmuls alone cost here: if this limit is below the weight-read
             # one, the step is bound by matmul throughput at batch ``batch``, not by bandwidth.
             res.update(_matmul_bound(md, args.batch, engine.weight_layout()))

@@ -172,6 +172,60 @@ def test_bench_decode_prints_json(capsys):
     assert cmp["greedy_outputs_identical"] is True
 
 
+def test_bench_decode_throughput_fractions(capsys):
+    """The throughput section on a tiny model: its weight and K/V bytes a step (recounted here
+    from the shapes) and the decode steps' fractions of the read limits, which agree with each
+    other and with the tokens/s and stream rate reported beside them."""
+    rc = bench.main(
+        [
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--mlp",
+            "64",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--chunk-steps",
+            "8",
+            "--page-size",
+            "4",
+            "--only",
+            "throughput",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)["throughput"]
+    assert rc == 0 and out["generated_tokens"] == 16
+    # untied: embedding and LM head 64 x 32 each; one layer: q, o 32 x 32, k, v 32 x 16, gate,
+    # up, down 32 x 64, two norms of 32; the final norm; the embedding is not read by a step
+    params = 2 * 64 * 32 + (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32
+    assert out["model"]["params"] == params
+    assert out["weight_bytes_read_per_step"] == 4 * (params - 64 * 32)
+    # K and V of 1 layer x 2 KV heads x 8 dims, 2 sequences of 8 + 8 / 2 positions on average
+    assert out["kv_bytes_read_per_step"] == 2 * 1 * 2 * 8 * 4 * (8 + 4) * 2
+    w, kv = out["weight_bytes_read_per_step"], out["kv_bytes_read_per_step"]
+    rate, gbps = out["decode_steps_tokens_per_s"], out["stream_read_gbps"]
+    weight_limit = 2 * gbps * 1e9 / w
+    assert out["fraction_of_weight_read_limit_decode_steps"] == pytest.approx(
+        rate / weight_limit, abs=2e-3
+    )
+    assert out["fraction_of_read_limit_decode_steps"] == pytest.approx(
+        out["fraction_of_weight_read_limit_decode_steps"] * (w + kv) / w, abs=2e-3
+    )
+
+
 @pytest.mark.parametrize("layout", ["in_major", "out_major", "panels"])
 def test_bench_decode_matmul_bound_in_each_weight_layout(layout):
     """The throughput section's matmul-only step runs in the engine's weight layout, whichever

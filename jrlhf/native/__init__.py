@@ -9,5 +9,7 @@ where no compiler is found. The kernels:
   decode steps' projections on CPU;
 * ``masked_attention.cc`` (``jrlhf.native.attention``): full-sequence masked attention, forward
   and backward, for training, scoring and prefill on one CPU device;
-* ``paged_attention_cpu.cc`` (``jrlhf.decode.kernels.native_cpu``): paged decode attention.
+* ``paged_attention_cpu.cc`` (``jrlhf.decode.kernels.native_cpu``): paged decode attention;
+* ``token_pick.cc`` (``jrlhf.native.token_pick``): a decode step's token choice (argmax or
+  Gumbel-max) and its log-probs from the logits, in one call.
 """
