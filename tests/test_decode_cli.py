@@ -118,6 +118,35 @@ def test_generate_cli_missing_file(tmp_path, capsys):
     assert rc == 2 and "prompts file not found" in capsys.readouterr().err
 
 
+# The throughput model of the bench tests: tiny, one layer
+TINY_THROUGHPUT = [
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--vocab",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--mlp",
+    "64",
+    "--batch",
+    "2",
+    "--prompt-len",
+    "8",
+    "--new-tokens",
+    "8",
+    "--repeats",
+    "1",
+    "--chunk-steps",
+    "8",
+    "--page-size",
+    "4",
+]
+
+
 def test_bench_decode_prints_json(capsys):
     rc = bench.main(
         [
@@ -133,30 +162,7 @@ def test_bench_decode_prints_json(capsys):
             "8",
             "--cmp-new-tokens",
             "16",
-            "--hidden",
-            "32",
-            "--layers",
-            "1",
-            "--vocab",
-            "64",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--mlp",
-            "64",
-            "--batch",
-            "2",
-            "--prompt-len",
-            "8",
-            "--new-tokens",
-            "8",
-            "--repeats",
-            "1",
-            "--chunk-steps",
-            "8",
-            "--page-size",
-            "4",
+            *TINY_THROUGHPUT,
             "--only",
             "comparison",
         ]
@@ -176,36 +182,7 @@ def test_bench_decode_throughput_fractions(capsys):
     """The throughput section on a tiny model: its weight and K/V bytes a step (recounted here
     from the shapes) and the decode steps' fractions of the read limits, which agree with each
     other and with the tokens/s and stream rate reported beside them."""
-    rc = bench.main(
-        [
-            "--hidden",
-            "32",
-            "--layers",
-            "1",
-            "--vocab",
-            "64",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--mlp",
-            "64",
-            "--batch",
-            "2",
-            "--prompt-len",
-            "8",
-            "--new-tokens",
-            "8",
-            "--repeats",
-            "1",
-            "--chunk-steps",
-            "8",
-            "--page-size",
-            "4",
-            "--only",
-            "throughput",
-        ]
-    )
+    rc = bench.main([*TINY_THROUGHPUT, "--only", "throughput"])
     out = json.loads(capsys.readouterr().out)["throughput"]
     assert rc == 0 and out["generated_tokens"] == 16
     # untied: embedding and LM head 64 x 32 each; one layer: q, o 32 x 32, k, v 32 x 16, gate,

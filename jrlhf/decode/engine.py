@@ -457,6 +457,19 @@ class DecodeEngine:
             raw_lp=jnp.zeros((s, n), jnp.float32),
         )
 
+    def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
+        """``sample_tokens`` of one step, with the native token pick where it applies."""
+        return sample_tokens(
+            logits,
+            step_keys,
+            temperature,
+            top_k,
+            top_p,
+            greedy=greedy,
+            filtered=filtered,
+            native=self._native_pick,
+        )
+
     def _is_stop(self, tok, stop_ids):
         return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
@@ -539,16 +552,7 @@ class DecodeEngine:
         )
         keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_m)
         step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_m))
-        tok, slp, rlp = sample_tokens(
-            logits,
-            step_keys,
-            temperature,
-            top_k,
-            top_p,
-            greedy=greedy,
-            filtered=filtered,
-            native=self._native_pick,
-        )
+        tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
         done = self._is_stop(tok, stop_ids) | (max_new_m <= 1)
         put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
         return state.replace(
@@ -646,16 +650,7 @@ class DecodeEngine:
             )
             logits = model.logits(hidden[:, 0], layer_params)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
-        tok, slp, rlp = sample_tokens(
-            logits,
-            step_keys,
-            temperature,
-            top_k,
-            top_p,
-            greedy=greedy,
-            filtered=filtered,
-            native=self._native_pick,
-        )
+        tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
         active = state.active
         slots = jnp.arange(active.shape[0])
         col = jnp.where(active, state.num_generated, state.tokens.shape[1])  # idle: dropped
