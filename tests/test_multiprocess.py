@@ -8,6 +8,7 @@ them as a step of their own (`.ci/run`; `python -m pytest -q -m multiprocess`).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,14 @@ def launch(processes: int, devices: int, entry: str, *args: str, env_extra=None,
         "--devices-per-process", str(devices), "--", entry, *args,
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def why(out: subprocess.CompletedProcess) -> str:
+    """A failed launch's diagnosis: its processes' error and fatal-log lines from anywhere in
+    stderr (a dying process's stack traces push the cause out of any tail), then the tail."""
+    cause = re.compile(r"Error|error:|Check fail|DEADLINE|eartbeat|\] F\d{4}|^\[p\d\] F\d{4}")
+    lines = [ln for ln in out.stderr.splitlines() if cause.search(ln) and " @ " not in ln]
+    return "\n".join(lines[:40]) + "\n...\n" + out.stderr[-1500:]
 
 
 def rows(run_dir: Path, stage: str) -> list[dict]:
@@ -96,7 +105,7 @@ def test_two_processes_equal_one_through_a_lost_process_and_resume(single, tmp_p
     assert "process 1" in last, killed.stderr[-3000:]
     assert (run_dir / "checkpoints" / "1").is_dir()
     resumed = launch(2, 4, "train", *args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, why(resumed)
     assert_same_metrics(single, run_dir)
     one = json.loads((single / "summary.json").read_text())
     two = json.loads((run_dir / "summary.json").read_text())
@@ -122,7 +131,7 @@ def test_four_processes_ppo_and_resume_on_another_process_count(single, tmp_path
         f"critic/RoleConfig.init='ckpt:{single}/rm'",
     ]
     out = launch(4, 2, "train", "--run-dir", str(run_dir), "--quiet", *PIPELINE, *start)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why(out)
     assert_same_metrics(single, run_dir, stages=("ppo",))
     more = [*PIPELINE, *start, "RLConfig.iterations=4"]
     assert train.main(["--run-dir", str(run_dir), "--quiet", "--resume", *more]) == 0
@@ -147,7 +156,7 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     ]
     two, one = tmp_path / "grpo2", tmp_path / "grpo1"
     out = launch(2, 4, "train", "--run-dir", str(two), "--quiet", *grpo)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why(out)
     assert train.main(["--run-dir", str(one), "--quiet", *grpo]) == 0
     assert_same_metrics(one, two, stages=("grpo",))
 
@@ -155,7 +164,7 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     mesh = "data=2,tensor=2@2:6"
     ev = [f"--checkpoint={single}", f"--mesh={mesh}", "--samples=2"]
     out = launch(2, 4, "evaluate", *ev, f"--output={tmp_path / 'eval2.json'}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why(out)
     from jrlhf.cli import evaluate
 
     assert evaluate.main([*ev, f"--output={tmp_path / 'eval1.json'}"]) == 0
@@ -166,7 +175,7 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
 
     # export: the files written by two processes equal one process's
     out = launch(2, 4, "convert", f"--from={single}", f"--to-hf={tmp_path / 'hf2'}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why(out)
     from jrlhf.cli import convert
 
     assert convert.main([f"--from={single}", f"--to-hf={tmp_path / 'hf1'}"]) == 0
@@ -178,7 +187,7 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt_ids": [1, 5 + i, 7]}) + "\n" for i in range(6)))
     gen = [f"--hf={tmp_path / 'hf1'}", f"--prompts={prompts}", "--max-new-tokens=8", "--greedy"]
     out = launch(2, 4, "generate", *gen, f"--output={tmp_path / 'gen2.jsonl'}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why(out)
     from jrlhf.cli import generate
 
     assert generate.main([*gen, f"--output={tmp_path / 'gen1.jsonl'}"]) == 0
@@ -225,7 +234,7 @@ def test_separated_processes_equal_one_process_through_a_lost_process_and_resume
     assert "process 1" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
     assert (run_dir / "checkpoints" / "1").is_dir()
     resumed = launch(2, 4, "train", *args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, why(resumed)
     assert_same_metrics(separate_single, run_dir)
     ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
     assert [r["step"] for r in ppo] == [1, 2, 3]
@@ -292,7 +301,7 @@ def test_async_generation_and_training_processes_equal_one_process_through_a_res
     assert "process 1" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
     assert (run_dir / "checkpoints" / "1").is_dir()
     resumed = launch(2, 4, "train", *args, "--resume", timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, why(resumed)
     assert_same_metrics(one, run_dir, stages=("ppo",))
     ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
     assert [r["step"] for r in ppo] == [1, 2, 3]
