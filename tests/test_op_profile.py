@@ -25,14 +25,18 @@ def test_exclusive_times_subtract_directly_nested_ops():
 
 
 def test_a_traced_call_puts_its_matmul_first():
-    a, c = jnp.ones((512, 512)), jnp.ones((64,))
+    """The product (2.1 GFLOP, milliseconds) comes first, ahead of a tanh of 64 values. Its share
+    is only required to be most of the op time: on a shared 2-core machine the tanh once took
+    0.4 ms of a 512 x 512 product's 1.9 ms call (a share of 0.77, where 0.9 was asked)."""
+    a, c = jnp.ones((1024, 1024)), jnp.ones((64,))
     f = jax.jit(lambda a, c: (a @ a, jnp.tanh(c)))
     prof = op_profile(lambda: jax.block_until_ready(f(a, c)), calls=3)
     cats = prof["categories"]
     assert len(cats) == 2, prof  # the product and the tanh, each once a call
     assert all(row["events_per_call"] == 1 for row in cats.values()), prof
-    first = next(iter(cats.values()))
-    assert first["share"] > 0.9, prof  # 268 MFLOP against 64 tanh
+    first_name, first = next(iter(cats.items()))
+    assert "tanh" not in first_name, prof
+    assert first["share"] > 0.5, prof
     assert sum(prof["top_ops_ms_per_call"].values()) == pytest.approx(
         prof["op_ms_per_call"], abs=0.02
     )
