@@ -271,6 +271,16 @@ def test_first_argmax_and_sampling_match_jax():
     x[3, [7, 20]] = np.nan
     x[4] = -np.inf
     np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+    # Rows of 8197, where XLA:CPU's max can drop a NaN: the first NaN still wins, after the
+    # maximum or after an infinity too
+    long = rng.standard_normal((6, 8197)).astype(np.float32)
+    long[0, 8000] = np.nan
+    long[1, [10, 100]] = np.nan
+    long[2, 50], long[2, 60] = np.inf, np.nan
+    long[3] = -np.inf
+    long[4, 4096] = 40.0
+    for fn in (first_argmax, jax.jit(first_argmax)):
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(long))), np.argmax(long, -1))
     logits = jnp.asarray(3 * rng.standard_normal((32, 300)), jnp.float32)
     keys = jax.random.key_data(jax.random.split(jax.random.key(1), 32))
     tokens, _, raw = sample_tokens(
