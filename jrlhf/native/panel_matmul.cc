@@ -43,22 +43,40 @@ inline Lanes Load(const float* p) {
   return v;
 }
 
-// Rows [0, R) of x (row stride k) times P consecutive panels, into out (row stride n) at
-// columns [n0, n0 + 16 P); meanwhile k-steps [ahead_from, ahead_to) of the `ahead_panels` panels
-// at `ahead` (the block this thread multiplies next) are prefetched into L2.
+// How far a block's k-steps are walked at a time by all its row passes (see AllRows), and how
+// many k-steps ahead of the first pass each panel's stream is prefetched.
+constexpr int64_t kChunk = 64;
+constexpr int64_t kAhead = 32;
+
+// Rows [0, R) of x (row stride k) times P consecutive panels over k-steps [i0, i1), added to
+// the sums in out (row stride n) at columns [n0, n0 + 16 P), or written there if `fresh`. If
+// `prefetch` (a chunk's first pass), each panel's line kAhead k-steps on is prefetched, which
+// past the block's last k-step is the corresponding line of the `ahead_panels` panels at
+// `ahead` (the run's next block; none if it is null).
 template <int R, int P>
 void Block(const float* x, int64_t k, const float* panels, float* out, int64_t n, int64_t n0,
-           const float* ahead, int64_t ahead_panels, int64_t ahead_from, int64_t ahead_to) {
+           int64_t i0, int64_t i1, bool fresh, bool prefetch, const float* ahead,
+           int64_t ahead_panels) {
   const int64_t panel_stride = k * kLanes;
   Lanes acc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = Lanes{};
-  for (int64_t i = 0; i < k; ++i) {
+    for (int p = 0; p < P; ++p)
+      if (fresh)
+        acc[r][p] = Lanes{};
+      else
+        acc[r][p] = Load(out + r * n + n0 + p * kLanes);
+  for (int64_t i = i0; i < i1; ++i) {
     Lanes w[P];
     for (int p = 0; p < P; ++p) w[p] = Load(panels + p * panel_stride + i * kLanes);
-    if (i >= ahead_from && i < ahead_to)  // one k-step of a panel is one cache line
-      for (int64_t p = 0; p < ahead_panels; ++p)
-        __builtin_prefetch(ahead + p * panel_stride + i * kLanes, 0, 2);
+    if (prefetch) {  // one k-step of a panel is one cache line
+      if (i + kAhead < k) {
+        for (int p = 0; p < P; ++p)
+          __builtin_prefetch(panels + p * panel_stride + (i + kAhead) * kLanes, 0, 0);
+      } else if (ahead != nullptr) {
+        for (int64_t p = 0; p < ahead_panels; ++p)
+          __builtin_prefetch(ahead + p * panel_stride + (i + kAhead - k) * kLanes, 0, 0);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const float s = x[r * k + i];
       for (int p = 0; p < P; ++p) acc[r][p] += w[p] * s;
@@ -69,29 +87,35 @@ void Block(const float* x, int64_t k, const float* panels, float* out, int64_t n
       std::memcpy(out + r * n + n0 + p * kLanes, &acc[r][p], sizeof(Lanes));
 }
 
-// All rows times P panels, kRowBlock rows at a time: the first pass reads the panels from memory,
-// the others from cache. The prefetch of the next block is spread evenly over the passes.
+// All rows times P panels. The k-steps are walked kChunk at a time, each chunk by every pass of
+// kRowBlock rows in turn, the running sums kept in `out` between chunks: the first pass reads
+// the chunk's lines from memory (prefetched kAhead k-steps before) and the others from L1, so
+// the weights stream at one steady rate instead of in bursts a pass apart, with more of them in
+// flight (on a 2-core AMD EPYC, bench decode's steps 1.17x faster, paired over 8 alternations;
+// BUILD.md, "Stop 56"). Each output is still one sum over k in order.
 template <int P>
 void AllRows(int64_t rows, const float* x, int64_t k, const float* panels, float* out, int64_t n,
              int64_t n0, const float* ahead, int64_t ahead_panels) {
-  const int64_t passes = (rows + kRowBlock - 1) / kRowBlock;
-  auto from = [&](int64_t pass) { return ahead ? k * pass / passes : k; };
-  int64_t r = 0, pass = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock, ++pass)
-    Block<kRowBlock, P>(x + r * k, k, panels, out + r * n, n, n0, ahead, ahead_panels, from(pass),
-                        from(pass + 1));
-  const float* xr = x + r * k;
-  float* o = out + r * n;
-  const int64_t f = from(pass), t = from(pass + 1);
-  switch (rows - r) {
-    case 1: return Block<1, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 2: return Block<2, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 3: return Block<3, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 4: return Block<4, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 5: return Block<5, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 6: return Block<6, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    case 7: return Block<7, P>(xr, k, panels, o, n, n0, ahead, ahead_panels, f, t);
-    default: return;
+  for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
+    const int64_t i1 = std::min(k, i0 + kChunk);
+    const bool fresh = i0 == 0;
+    int64_t r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock)
+      Block<kRowBlock, P>(x + r * k, k, panels, out + r * n, n, n0, i0, i1, fresh, r == 0, ahead,
+                          ahead_panels);
+    const float* xr = x + r * k;
+    float* o = out + r * n;
+    const bool pf = r == 0;
+    switch (rows - r) {
+      case 1: Block<1, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 2: Block<2, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 3: Block<3, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 4: Block<4, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 5: Block<5, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 6: Block<6, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      case 7: Block<7, P>(xr, k, panels, o, n, n0, i0, i1, fresh, pf, ahead, ahead_panels); break;
+      default: break;
+    }
   }
 }
 
