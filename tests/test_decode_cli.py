@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -200,6 +201,17 @@ def test_bench_decode_throughput_fractions(capsys):
     )
     assert out["fraction_of_read_limit_decode_steps"] == pytest.approx(
         out["fraction_of_weight_read_limit_decode_steps"] * (w + kv) / w, abs=2e-3
+    )
+    # each timed call against the stream measured right after it, the median of those; the
+    # best stream of the run is the one the figures above take
+    calls, streams = out["seconds_each_call"], out["stream_read_gbps_after_each_call"]
+    repeats = int(TINY_THROUGHPUT[TINY_THROUGHPUT.index("--repeats") + 1])
+    assert len(calls) == len(streams) == repeats and max(streams) <= gbps
+    assert min(calls) == out["seconds"]
+    prefill = out["prefill_and_first_token_s"]
+    paired = [(16 - 2) / (t - prefill) / (2 * g * 1e9 / w) for t, g in zip(calls, streams)]
+    assert out["fraction_of_weight_read_limit_decode_steps_paired"] == pytest.approx(
+        statistics.median(paired), rel=0.02, abs=6e-4
     )
 
 
