@@ -40,9 +40,12 @@ times the step's matmuls alone at their decode shapes (a loop of the same projec
 in float32 a step does 8 FLOPs per weight byte read, so where the peak FLOP/s over the bandwidth
 is lower than that, the step is compute-bound and ``weight_read_fraction_at_matmul_peak``
 (weight-read time over FLOPs at peak) bounds the fraction of the weight-read limit any
-implementation can reach. ``prefill_and_first_token_s`` times a generate call with one new
-token (best of ``--repeats``), and ``matmul_limit_with_prefill_tokens_per_s`` is the whole call's
-rate if every step after it cost only its matmuls (no attention, norms or sampling at all): an
+implementation can reach; ``roofline_step_ms`` is the longer of the step's bytes (weights and
+K/V) at the stream rate and its matmul FLOPs at the peak, and
+``fraction_of_roofline_decode_steps`` the decode steps' time against it.
+``prefill_and_first_token_s`` times a generate call with one new token (best of ``--repeats``),
+and ``matmul_limit_with_prefill_tokens_per_s`` is the whole call's rate if every step after it
+cost only its matmuls (no attention, norms or sampling at all): an
 upper bound on tokens/s for this engine's matmuls on this machine. ``--peers`` also
 runs transformers' ``generate`` (greedy, float32, same batch, prompts and lengths) on the same
 weights, exported with ``save_hf``, in a child process, alternating with the engine repeat by
@@ -714,6 +717,16 @@ def main(argv: list[str] | None = None) -> int:
             res["weight_read_fraction_at_matmul_peak"] = round(
                 (read / (gbps * 1e9)) / (res["matmul_flops_per_step"] / peak), 3
             )
+            if "decode_steps_tokens_per_s" in res:
+                # The step's roofline on this machine: its bytes (weights and K/V) at the best
+                # stream rate or its matmul FLOPs at the peak, whichever takes longer. At batch
+                # 16 in float32 the two are close here, so a step near the roofline must keep
+                # the memory and the multiply-adds busy at once.
+                roofline_s = max((read + kv) / (gbps * 1e9), res["matmul_flops_per_step"] / peak)
+                res["roofline_step_ms"] = round(roofline_s * 1e3, 3)
+                res["fraction_of_roofline_decode_steps"] = round(
+                    roofline_s / (args.batch / res["decode_steps_tokens_per_s"]), 3
+                )
         if peer is not None:
             hf = res.pop("_peer")
             same = sum(a == b for a, b in zip(completions, hf.pop("_completions")))

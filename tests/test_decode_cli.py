@@ -213,6 +213,14 @@ def test_bench_decode_throughput_fractions(capsys):
     assert out["fraction_of_weight_read_limit_decode_steps_paired"] == pytest.approx(
         statistics.median(paired), rel=0.02, abs=6e-4
     )
+    # the roofline: the longer of all the step's bytes at the stream rate and its FLOPs at peak
+    roofline = max(
+        (w + kv) / (gbps * 1e9), out["matmul_flops_per_step"] / (out["matmul_peak_gflops"] * 1e9)
+    )
+    assert out["roofline_step_ms"] == pytest.approx(roofline * 1e3, rel=2e-3, abs=2e-3)
+    assert out["fraction_of_roofline_decode_steps"] == pytest.approx(
+        roofline * rate / 2, rel=2e-3, abs=2e-3
+    )
 
 
 @pytest.mark.parametrize("layout", ["in_major", "out_major", "panels"])
