@@ -16,6 +16,7 @@ from jrlhf import checkpoint
 from jrlhf.cli import train
 from jrlhf.config import ConfigError, RLConfig
 from jrlhf.ppo import staleness
+from jrlhf.ppo.schedules import BoundedStaleness
 from jrlhf.ppo.trainer import RLTrainer
 
 
@@ -103,18 +104,17 @@ def async_run(base_run, tmp_path_factory, monkeypatch_module):
     """Four PPO iterations with max_staleness=1 and truncated IS (checkpoints at 2 and 4),
     recording what each iteration trained on."""
     seen = []
-    original = RLTrainer.score_batch
+    original = BoundedStaleness._train
 
-    def recording(self, gen):
-        arrays = original(self, gen)
+    def recording(self, iteration, gen, arrays, timer):
         # KL to the reference of the policy that sampled (per-sequence sum of k1), as scored
         kl = (arrays["old_logprobs"] - arrays["ref_logprobs"]) * arrays["mask"]
         kl = float(np.mean(kl.sum(axis=1)))
-        seen.append((self.iteration, gen.index, [v.copy() for v in gen.token_versions],
+        seen.append((iteration, gen.index, [v.copy() for v in gen.token_versions],
                      [len(c) for c in gen.completions], kl))  # fmt: skip
-        return arrays
+        return original(self, iteration, gen, arrays, timer)
 
-    monkeypatch_module.setattr(RLTrainer, "score_batch", recording)
+    monkeypatch_module.setattr(BoundedStaleness, "_train", recording)
     run_dir = tmp_path_factory.mktemp("async") / "run"
     args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *ASYNC)]
     assert train.main(args) == 0

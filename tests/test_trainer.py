@@ -220,16 +220,16 @@ def test_dynamic_sampling_trains_full_batches_of_groups_with_signal(
     """DAPO's dynamic sampling: groups of equal scores are dropped and the loader's next prompts
     generated until 16 groups with signal are there, for at most 2 rounds, then dropped groups
     fill up; the update always gets the compiled 16 x 4 rows."""
-    from jrlhf.ppo.trainer import RLTrainer
+    from jrlhf.ppo.update import Update
 
     batches = []
-    update = RLTrainer.update
+    step = Update.step
 
-    def recording_update(self, arrays, kl_coef):
+    def recording_step(self, arrays, kl_coef, iteration):
         batches.append({k: arrays[k].copy() for k in ("mask", "train_scores", "advantages")})
-        return update(self, arrays, kl_coef)
+        return step(self, arrays, kl_coef, iteration)
 
-    monkeypatch.setattr(RLTrainer, "update", recording_update)
+    monkeypatch.setattr(Update, "step", recording_step)
     run_dir = tmp_path / "dapo"
     bindings = [
         "RunConfig.stages=('grpo',)",

@@ -58,11 +58,32 @@ def host_barrier(name: str) -> None:
     client.wait_at_barrier(f"jrlhf:{name}:{next(_host_barriers)}", HOST_BARRIER_TIMEOUT_S * 1000)
 
 
+# The directory of jrlhf's keys in the coordination service's key-value store.
+_KEYS = "jrlhf"
+
+
 def post(key: str, value: bytes) -> None:
     """Publish ``value`` under ``key`` in JAX's coordination service (its key-value store), for
-    another process to :func:`fetch`; each key once per job. Small values only (samples and
-    metrics, not weights)."""
-    _jax_distributed.global_state.client.key_value_set_bytes(f"jrlhf:{key}", value)
+    another process to :func:`take`; each key once per job. Small control messages only (ids,
+    shapes, versions, metrics): the store lives in process 0's memory and serves every process
+    through one server."""
+    _jax_distributed.global_state.client.key_value_set_bytes(f"{_KEYS}/{key}", value)
+
+
+def take(key: str, timeout_s: float = HOST_BARRIER_TIMEOUT_S) -> bytes:
+    """:func:`fetch` ``key``, then delete it: a message read by its one reader, so the store
+    holds only messages in flight."""
+    value = fetch(key, timeout_s)
+    _jax_distributed.global_state.client.key_value_delete(f"{_KEYS}/{key}")
+    return value
+
+
+def stored_keys() -> int:
+    """How many of jrlhf's keys the coordination service holds now (every process sees the
+    same store)."""
+    if jax.process_count() == 1:
+        return 0
+    return len(_jax_distributed.global_state.client.key_value_dir_get_bytes(_KEYS))
 
 
 def fetch(key: str, timeout_s: float = HOST_BARRIER_TIMEOUT_S) -> bytes:
@@ -70,7 +91,7 @@ def fetch(key: str, timeout_s: float = HOST_BARRIER_TIMEOUT_S) -> bytes:
     (then a TimeoutError naming the key)."""
     client = _jax_distributed.global_state.client
     try:
-        return client.blocking_key_value_get_bytes(f"jrlhf:{key}", int(timeout_s * 1000))
+        return client.blocking_key_value_get_bytes(f"{_KEYS}/{key}", int(timeout_s * 1000))
     except Exception as e:  # JAX raises its runtime error type for a deadline
         if "DEADLINE" not in str(e).upper():
             raise

@@ -158,20 +158,17 @@ def run_rl(
         return [r.prompt_ids for r in batch], [r.meta for r in batch]
 
     freezer = WarmFreeze(cfg.run.gc_freeze, stage)
+
+    def on_iteration(metrics: dict[str, float]) -> None:
+        logger.log(trainer.iteration, metrics)
+        bar.update(trainer.iteration, metrics)
+        freezer.step_done()
+        every = cfg.rl.checkpoint_every
+        if (every and trainer.iteration % every == 0) or trainer.iteration == cfg.rl.iterations:
+            trainer.save(loader.state_dict())
+
     try:
-        while trainer.iteration < cfg.rl.iterations:
-            if cfg.rl.max_staleness:
-                # Bounded staleness: the trainer draws prompts for batches ahead of training.
-                metrics = trainer.run_async_iteration(next_prompts)
-            else:
-                # Dynamic sampling draws more batches from the loader through next_prompts.
-                metrics = trainer.run_iteration(*next_prompts(), refill=next_prompts)
-            logger.log(trainer.iteration, metrics)
-            bar.update(trainer.iteration, metrics)
-            freezer.step_done()
-            every = cfg.rl.checkpoint_every
-            if (every and trainer.iteration % every == 0) or trainer.iteration == cfg.rl.iterations:
-                trainer.save(loader.state_dict())
+        trainer.fit(next_prompts, on_iteration)
     finally:
         # A run that stops (e.g. diverged) still completes the saves already under way: each was
         # checked finite before it started.

@@ -1,0 +1,290 @@
+"""The update: one scored batch in, trained actor (and critic) states out.
+
+Group selection (dynamic sampling), DAPO's overlong shaping of the scores, advantages, the
+off-policy correction (proximal log-probs and importance weights), the epochs of minibatch
+steps on the training meshes with donated state, the KL controller, and the update's metrics.
+Everything the update reads comes in as arguments; what it keeps across iterations is the
+training state, the KL controller and the non-finite update guard.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jrlhf import checkpoint
+from jrlhf.config import Config
+from jrlhf.data.batch import fit_microbatches
+from jrlhf.meshes.batch import batch_shards, to_host
+from jrlhf.ppo import batch as rl_batch
+from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo.losses import actor_loss, critic_loss, make_advantage_fn
+from jrlhf.runtime.guard import UpdateGuard
+from jrlhf.runtime.model_source import load_weights
+from jrlhf.runtime.roles import RoleSetup, make_infer
+from jrlhf.runtime.steps import (
+    OptimizerConfig,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
+
+_ACTOR_FIELDS = (
+    "tokens",
+    "positions",
+    "segment_ids",
+    "response_tokens",
+    "mask",
+    "old_logprobs",
+    "advantages",
+    "ref_logprobs",
+)
+_CRITIC_FIELDS = ("tokens", "positions", "segment_ids", "mask", "old_values", "returns")
+
+
+def optimizer_config(setup: RoleSetup) -> OptimizerConfig:
+    """The optimizer a role's ``RoleConfig`` asks for."""
+    rc = setup.config
+    return OptimizerConfig(
+        learning_rate=rc.learning_rate,
+        warmup_steps=rc.warmup_steps,
+        weight_decay=rc.weight_decay,
+        grad_clip=rc.grad_clip,
+    )
+
+
+def shaped_scores(rl, max_response_len: int, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The scores advantages see: the reward's, minus DAPO's overlong penalty when
+    ``RLConfig.overlong_buffer`` is set."""
+    if not rl.overlong_buffer:
+        return arrays["scores"]
+    penalty = algos.overlong_penalty(
+        arrays["mask"], rl.overlong_buffer, rl.overlong_penalty, max_response_len
+    )
+    return (arrays["scores"] - np.asarray(penalty)).astype(np.float32)
+
+
+class Update:
+    """The trained roles' states and the steps that update them (``trained``: the actor, and the
+    critic for PPO), built on their training meshes from their configured sources."""
+
+    def __init__(self, cfg: Config, algorithm: str, roles: Mapping[str, RoleSetup]):
+        self.rl, self.algorithm, self.roles = cfg.rl, algorithm, roles
+        self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
+        self.seed = seed = cfg.run.seed
+        self.use_critic = algorithm == "ppo"
+        # Without a KL term (algos.uses_reference) the reference is neither built nor scored.
+        self.use_reference = algos.uses_reference(cfg.rl)
+        kl_in_loss = algos.kl_in_loss(cfg.rl, algorithm)
+        kl_estimator = algos.kl_estimator_name(cfg.rl, algorithm)
+        self.kl_estimator = kl_estimator
+        self.trained = ["actor", "critic"] if self.use_critic else ["actor"]
+        losses = {
+            "actor": actor_loss(self.P, self.rl, kl_in_loss, kl_estimator),
+            "critic": critic_loss(self.P, self.rl),
+        }
+        self.opts, self.states, self.steps = {}, {}, {}
+        for i, role in enumerate(self.trained):
+            setup = roles[role]
+            mesh, rules = setup.meshes["train"], setup.rules["train"]
+            self.opts[role] = make_optimizer(optimizer_config(setup))
+            params = load_weights(setup.source, mesh, rules, seed + i)
+            self.states[role] = init_train_state(
+                setup.model, self.opts[role], mesh, rules, params=params
+            )
+            self.steps[role] = make_train_step(
+                setup.model, self.opts[role], losses[role], mesh, rules,
+                microbatches=setup.config.microbatches,
+            )  # fmt: skip
+        # Off-policy correction: the actor's proximal log-probs, recomputed on its training mesh
+        # with the weights the update starts from.
+        self.prox_logprobs = None
+        if self.rl.off_policy_correction != "none":
+            actor = roles["actor"]
+            self.prox_logprobs = make_infer(
+                actor.model,
+                actor.meshes["train"],
+                actor.rules["train"],
+                rl_batch.logprobs_fn(self.P),
+                self.rl.infer_batch_size,
+            )
+        self.group = cfg.rl.samples_per_prompt
+        self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
+        self.kl_ctl = algos.make_kl_controller(
+            "adaptive" if self.rl.adaptive_kl_target > 0 else "fixed",
+            self.rl.kl_coef,
+            target=self.rl.adaptive_kl_target or None,
+            horizon=self.rl.adaptive_kl_horizon,
+        )
+        self.guard = UpdateGuard(cfg.run.max_nonfinite_updates, algorithm)
+
+    def set_kl_coef(self, value: float) -> None:
+        """Take the KL coefficient another process's update reached (or a checkpoint's)."""
+        self.kl_ctl = dataclasses.replace(self.kl_ctl, value=jnp.float32(value))
+
+    # -- before the steps ----------------------------------------------------------------------
+    def prepare(
+        self, arrays: dict[str, np.ndarray], n_groups: int, rounds: int
+    ) -> tuple[dict[str, np.ndarray], np.float32, dict[str, float]]:
+        """The batch the steps train on, the KL coefficient they use, and the sampling and
+        off-policy metrics: groups selected, advantages and returns added, the off-policy
+        correction applied."""
+        batch, metrics = self.select_groups(arrays, n_groups, rounds)
+        # The update's own copy: the off-policy correction replaces its old_logprobs with the
+        # proximal ones, while the metrics and the KL controller read the log-probs of the
+        # policy that sampled (arrays).
+        batch = dict(batch)
+        if not self.use_reference:
+            # The rollout's own log-probs stand in for the reference's: the KL is exactly 0 and
+            # so is its coefficient, and advantages and the compiled step stay those of a run
+            # that scores the reference (the same programs give bit-identical updates).
+            batch = dict(batch, ref_logprobs=batch["old_logprobs"])
+        kl_coef = np.float32(self.kl_ctl.value)
+        adv, returns = self.advantages(
+            batch["train_scores"],
+            batch["old_logprobs"],
+            batch["ref_logprobs"],
+            batch["old_values"],
+            batch["mask"],
+            kl_coef,
+        )
+        batch["advantages"] = np.asarray(adv)
+        batch["returns"] = np.asarray(returns)
+        metrics.update(self.correct_off_policy(batch))
+        return batch, kl_coef, metrics
+
+    def select_groups(
+        self, arrays: dict[str, np.ndarray], n_groups: int, rounds: int
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The ``n_groups`` groups to train on, and the sampling metrics (none without dynamic
+        sampling, which trains on everything generated)."""
+        if not self.rl.dynamic_sampling:
+            return arrays, {}
+        keep_g = np.asarray(algos.groups_with_signal(arrays["train_scores"], self.group))
+        chosen_g = np.asarray(algos.select_groups(keep_g, n_groups))
+        rows = (chosen_g[:, None] * self.group + np.arange(self.group)).reshape(-1)
+        kept = int(keep_g.sum())
+        metrics = {
+            "sampling/rounds": float(rounds),
+            "sampling/groups_kept": float(kept),
+            "sampling/groups_dropped": float(len(keep_g) - kept),
+            # Dropped groups trained on because max_sampling_rounds ran out (under a group
+            # baseline their advantage is 0: they add only the KL and entropy terms' gradients).
+            "sampling/filler_groups": float(max(n_groups - kept, 0)),
+        }
+        return {k: v[rows] for k, v in arrays.items()}, metrics
+
+    def correct_off_policy(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """With ``RLConfig.off_policy_correction``: recompute the proximal log-probs with the
+        actor's training weights, make them the ``old_logprobs`` the PPO ratio is taken against,
+        keep the generation's as ``behaviour_logprobs``, and add the per-token importance
+        weights (``is_weights``). Returns the ``offpolicy/*`` metrics (none when off)."""
+        if self.prox_logprobs is None:
+            return {}
+        keys = ("tokens", "positions", "segment_ids", "response_tokens", "mask")
+        prox = self.prox_logprobs(self.states["actor"].params, {k: batch[k] for k in keys})
+        prox = np.asarray(to_host(prox), np.float32)
+        weights, m = algos.behaviour_importance_weights(
+            prox, batch["old_logprobs"], batch["mask"], self.rl.off_policy_correction,
+            self.rl.is_cap,
+        )  # fmt: skip
+        batch["behaviour_logprobs"] = batch["old_logprobs"]
+        batch["old_logprobs"] = prox
+        batch["is_weights"] = np.asarray(weights, np.float32)
+        return {f"offpolicy/{k}": float(v) for k, v in to_host(m).items()}
+
+    # -- the steps -------------------------------------------------------------------------------
+    def pack(self, batch: dict[str, np.ndarray], role: str) -> tuple[dict[str, np.ndarray], int]:
+        """(batch, micro-batches) for the role's train step. With ``RLConfig.pack_samples``,
+        the minibatch's samples packed into rows without padding (jrlhf.ppo.batch.pack_segments),
+        one block per micro-batch. With ``RoleConfig.microbatch_tokens``, the fewest
+        micro-batches within that many tokens per device (jrlhf.data.batch.fit_microbatches),
+        else ``RoleConfig.microbatches``."""
+        setup = self.roles[role]
+        shards = batch_shards(setup.meshes["train"], setup.rules["train"])
+        budget = setup.config.microbatch_tokens
+        if budget:
+            m, batch = fit_microbatches(batch, budget, shards, self.P, pack=self.rl.pack_samples)
+            return batch, m
+        m = setup.config.microbatches
+        if not self.rl.pack_samples:
+            return batch, m
+        packed = rl_batch.pack_segments(batch, self.P, self.P + self.R, m, shards)
+        return packed, m
+
+    def step(self, arrays: dict[str, np.ndarray], kl_coef, iteration: int) -> dict[str, float]:
+        """The epochs of minibatch steps of iteration ``iteration`` on ``arrays``; returns the
+        ``train/*`` metrics (fetched: the call is synchronous)."""
+        rows = arrays["mask"].shape[0]
+        mb = self.rl.minibatch_size
+        fields = _ACTOR_FIELDS + (("is_weights",) if "is_weights" in arrays else ())
+        rng = np.random.default_rng([self.seed, iteration, 7])
+        # Metrics stay on device until the end, so actor and critic steps (which may run on
+        # different devices) are dispatched back to back without a host sync in between.
+        collected: list[dict] = []
+        splits: dict[str, list[int]] = collections.defaultdict(list)
+        for _ in range(self.rl.epochs):
+            order = rng.permutation(rows)
+            for start in range(0, rows, mb):
+                idx = order[start : start + mb]
+                batch, split = self.pack({k: arrays[k][idx] for k in fields}, "actor")
+                batch["kl_coef"] = np.full((len(idx),), kl_coef, np.float32)
+                step = self.steps["actor"]
+                self.states["actor"], m = step(self.states["actor"], batch, split)
+                splits["train/microbatches"].append(split)
+                if self.use_critic:
+                    cbatch, split = self.pack({k: arrays[k][idx] for k in _CRITIC_FIELDS}, "critic")
+                    step = self.steps["critic"]
+                    self.states["critic"], cm = step(self.states["critic"], cbatch, split)
+                    splits["train/critic/microbatches"].append(split)
+                    m = {**m, **{f"critic/{k}": v for k, v in cm.items()}}
+                collected.append(m)
+        stacked = to_host({k: [m[k] for m in collected] for k in collected[0]})
+        where = f"iteration {iteration + 1}"  # as metrics and checkpoints number it
+        out = {
+            "train/skipped_updates": float(self.guard.record("actor", stacked["skipped"], where))
+        }
+        if self.use_critic:
+            skipped = self.guard.record("critic", stacked["critic/skipped"], where)
+            out["train/critic/skipped_updates"] = float(skipped)
+        skip = {"weight", "critic/weight", "num_tokens", "skipped", "critic/skipped"}
+        if not self.use_reference:  # the KL loss term against the stand-in is 0 by construction
+            skip |= {"kl_loss", "kl_clampfrac"}
+        out.update({f"train/{k}": float(np.mean(v)) for k, v in stacked.items() if k not in skip})
+        # With a token budget the split varies with the batch: its mean over the minibatches.
+        for role, key in (("actor", "train/microbatches"), ("critic", "train/critic/microbatches")):
+            if key in splits and self.roles[role].config.microbatch_tokens:
+                out[key] = float(np.mean(splits[key]))
+        return out
+
+    # -- after the steps -------------------------------------------------------------------------
+    def observe_kl(self, arrays: Mapping[str, np.ndarray], rows: int) -> float | None:
+        """Feed the adaptive KL controller the sampled policy's per-token KL to the reference
+        (the configured estimator's; see ``RLConfig.adaptive_kl_target``); returns it (None
+        without a reference)."""
+        if not self.use_reference:
+            return None
+        kl_token = float(
+            algos.observed_kl(
+                arrays["old_logprobs"], arrays["ref_logprobs"], arrays["mask"], self.kl_estimator
+            )
+        )
+        self.kl_ctl = self.kl_ctl.update(kl_token, rows)
+        return kl_token
+
+    def state_targets(self) -> dict[str, Any]:
+        """Abstract restore targets of the trained states on their training shardings."""
+        targets = {}
+        for role in self.trained:
+            setup = self.roles[role]
+            shardings = state_shardings(
+                setup.model, self.opts[role], setup.meshes["train"], setup.rules["train"]
+            )
+            targets[role] = checkpoint.restore_target(self.states[role], shardings)
+        return targets
