@@ -196,6 +196,36 @@ def test_disjoint_devices_round_trips():
         assert t.bytes_moved == sum(bytes_per_device(t.dst, t.avals).values())
 
 
+@pytest.mark.parametrize(
+    "train, gen, out_path, back_path",
+    [
+        ("fsdp=2,tensor=2@0:4", "data=1,tensor=2@4:6", "stack+device_put", "device_put+stack"),
+        ("fsdp=2@0:2", "data=2,tensor=2@4:8", "device_put+stack", "stack+device_put"),
+    ],
+)
+def test_disjoint_devices_of_different_counts_round_trip(train, gen, out_path, back_path):
+    """Training on 4 devices and generation on 2 others (or 2 and 4): the larger side lays the
+    layout out stacked, and every transfer is shard for shard (what JAX can do between
+    processes); values exact, each direction compiled once, the bytes what crosses."""
+    resharder = _round_trips(MeshSpec.parse(train), MeshSpec.parse(gen), 3)
+    paths = [t.path for t in resharder.transitions]
+    assert paths == [out_path, back_path]
+    for t in resharder.transitions:
+        dst = sum(bytes_per_device(t.dst, t.avals).values())
+        src = sum(bytes_per_device(t.src, t.avals).values())
+        if t.path == "stack+device_put":  # every target slice crosses once
+            assert t.bytes_moved == dst
+        else:  # the source layout once per group of target devices
+            assert t.bytes_moved == src * (len(t.dst[0].device_set) // len(t.src[0].device_set))
+
+
+def test_disjoint_devices_whose_counts_do_not_divide_take_jax_device_put_in_one_process():
+    train, gen = make_mesh(MeshSpec.parse("fsdp=2@0:2")), make_mesh(MeshSpec.parse("tensor=3@2:5"))
+    x = jax.device_put(np.zeros((6, 6), np.float32), NamedSharding(train, P("fsdp")))
+    t = Resharder().plan(x, NamedSharding(gen, P(None, "tensor")))
+    assert t.path == "device_put"  # one process: JAX's own device_put does it
+
+
 def test_bfloat16_parameters_reshard_on_both_paths():
     """bfloat16 trees (``RoleConfig.param_dtype='bfloat16'``) plan, compile and move like
     float32 ones: the transition key keeps the dtype by name (its array-protocol string is a

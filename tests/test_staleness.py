@@ -15,7 +15,7 @@ from run_helpers import assert_rows_close, metric_rows, ppo_bindings
 from jrlhf import checkpoint
 from jrlhf.cli import train
 from jrlhf.config import ConfigError, RLConfig
-from jrlhf.ppo import staleness
+from jrlhf.ppo import samples, staleness
 from jrlhf.ppo.schedules import BoundedStaleness
 from jrlhf.ppo.trainer import RLTrainer
 
@@ -46,24 +46,62 @@ def test_per_token_staleness_metrics_and_bound():
         staleness.check_staleness(versions, mask, current=4, max_staleness=3)
 
 
-def test_generated_batch_survives_json_exactly():
+def _batch(**kwargs) -> staleness.GeneratedBatch:
     rng = np.random.default_rng(0)
-    g = staleness.GeneratedBatch(
+    kwargs = {"meta": [{"answer": 1}, {"answer": 2}], **kwargs}
+    return staleness.GeneratedBatch(
         index=3,
         prompts=[[1, 2], [3]],
-        meta=[{"answer": 1}, {"answer": 2}],
         prompt_index=np.array([0, 0, 1, 1]),
         completions=[[4, 5], [6], [7, 8, 9], []],
         raw_logprobs=[rng.normal(size=n).astype(np.float32) for n in (2, 1, 3, 0)],
         token_versions=[np.array(v) for v in ([2, 2], [2], [1, 2, 2], [])],
+        **kwargs,
     )
-    back = staleness.GeneratedBatch.from_json(json.loads(json.dumps(g.to_json())))
+
+
+def _assert_same_batch(back: staleness.GeneratedBatch, g: staleness.GeneratedBatch) -> None:
     assert back.index == 3 and back.prompts == g.prompts and back.meta == g.meta
     assert back.completions == g.completions and back.sample_prompts == [[1, 2]] * 2 + [[3]] * 2
     for a, b in zip(back.raw_logprobs, g.raw_logprobs):
         assert a.dtype == np.float32 and np.array_equal(a, b)
     for a, b in zip(back.token_versions, g.token_versions):
         assert np.array_equal(a, b)
+    assert back.finished == g.finished and back.passes == g.passes
+    assert np.array_equal(back.prompt_index, g.prompt_index)
+
+
+def test_generated_batch_survives_json_exactly():
+    g = _batch()
+    _assert_same_batch(staleness.GeneratedBatch.from_json(json.loads(json.dumps(g.to_json()))), g)
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"finished": [True, False, True, False], "passes": [1, 2, 1, 3]}, {"meta": None}]
+)
+def test_generated_batch_survives_the_data_plane_exactly(extra):
+    """A batch packed into the one byte array the sample channel moves between processes, and
+    the header the control plane carries: unpacked, every field is equal, and the header's size
+    does not grow with the batch."""
+    g = _batch(**extra)
+    header, data = samples.pack_batch(g)
+    assert data.dtype == np.uint8 and data.ndim == 1 and header["bytes"] == data.size
+    _assert_same_batch(samples.unpack_batch(json.loads(json.dumps(header)), data.copy()), g)
+    big = staleness.GeneratedBatch(
+        index=3,
+        prompts=[[1] * 50] * 64,
+        meta=None if "meta" in extra else [{"answer": i} for i in range(64)],
+        prompt_index=np.repeat(np.arange(64), 8),
+        completions=[[2] * 300] * 512,
+        raw_logprobs=[np.zeros(300, np.float32)] * 512,
+        token_versions=[np.zeros(300, np.int64)] * 512,
+        finished=None if "finished" not in extra else [True] * 512,
+        passes=None if "passes" not in extra else [1] * 512,
+    )
+    big_header, big_data = samples.pack_batch(big)
+    assert big_data.size > 100 * data.size
+    # only its numbers' digits grow: 512 samples x 300 tokens against 4 samples x 3 tokens
+    assert len(json.dumps(big_header)) < min(2 * len(json.dumps(header)), 1024)
 
 
 def test_config_checks():
@@ -106,13 +144,13 @@ def async_run(base_run, tmp_path_factory, monkeypatch_module):
     seen = []
     original = BoundedStaleness._train
 
-    def recording(self, iteration, gen, arrays, timer):
+    def recording(self, iteration, gen, arrays, timer, before_sync=None):
         # KL to the reference of the policy that sampled (per-sequence sum of k1), as scored
         kl = (arrays["old_logprobs"] - arrays["ref_logprobs"]) * arrays["mask"]
         kl = float(np.mean(kl.sum(axis=1)))
         seen.append((iteration, gen.index, [v.copy() for v in gen.token_versions],
                      [len(c) for c in gen.completions], kl))  # fmt: skip
-        return original(self, iteration, gen, arrays, timer)
+        return original(self, iteration, gen, arrays, timer, before_sync)
 
     monkeypatch_module.setattr(BoundedStaleness, "_train", recording)
     run_dir = tmp_path_factory.mktemp("async") / "run"

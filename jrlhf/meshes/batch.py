@@ -10,7 +10,7 @@ shards, and ``to_host`` gives every process the same global result.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -61,33 +61,85 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh, rules: Rules | str) -> dict[s
     return jax.device_put(batch, batch_shardings(batch, mesh, rules))
 
 
-# Inside process_local(): host reads involve no other process (see there).
-_process_local = False
+# Inside process_group(...): host reads involve the processes of that group only (see there).
+_group: frozenset[int] | None = None
 
 
 @contextlib.contextmanager
-def process_local() -> Iterator[None]:
-    """Within the block, :func:`to_host` reads only arrays this process holds whole, with no
-    collective: for code that runs on one process's devices while the other processes do
-    something else (asynchronous RL with generation and training on different processes). An
-    array with shards on other processes' devices raises instead of waiting for them."""
-    global _process_local
-    before, _process_local = _process_local, True
+def process_group(processes: Iterable[int]) -> Iterator[None]:
+    """Within the block, :func:`to_host` involves only the processes of ``processes``: for code
+    that runs on one group's devices while the other processes do something else (asynchronous
+    RL with generation and training on different process groups). Every process of the group
+    must make the same reads in the same order (SPMD within the group); an array with shards on
+    a process outside the group raises instead of waiting for it."""
+    global _group
+    before, _group = _group, frozenset(processes)
     try:
         yield
     finally:
-        _process_local = before
+        _group = before
 
 
-def _leaf_to_host_local(x: Any) -> Any:
+def process_local() -> contextlib.AbstractContextManager[None]:
+    """:func:`process_group` of this process alone: host reads with no collective."""
+    return process_group([jax.process_index()])
+
+
+def _group_devices(group: frozenset[int]) -> tuple[jax.Device, ...]:
+    """One device of each process of ``group`` (its first), in process order."""
+    first: dict[int, jax.Device] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return tuple(first[p] for p in sorted(group))
+
+
+_pickers: dict[tuple, Any] = {}
+
+
+def _group_broadcast(value: np.ndarray | None, shape, dtype, source: int, group) -> np.ndarray:
+    """``value`` of process ``source`` on every process of ``group`` (a collective of the
+    group's processes only: one row per process, the source's row picked, exactly)."""
+    devices = _group_devices(group)
+    mesh = Mesh(np.array(devices, dtype=object), ("group",))
+    me = jax.process_index()
+    raw = np.dtype(dtype) == np.dtype(bool)
+    row = np.zeros(shape, np.uint8 if raw else dtype) if value is None else value
+    row = row.view(np.uint8) if raw else row
+    mine = next(d for d in devices if d.process_index == me)
+    rows = jax.make_array_from_single_device_arrays(
+        (len(devices), *row.shape),
+        NamedSharding(mesh, PartitionSpec("group")),
+        [jax.device_put(row[None], mine)],
+    )
+    index = sorted(group).index(source)
+    key = (devices, index)
+    pick = _pickers.get(key)
+    if pick is None:
+        pick = _pickers[key] = jax.jit(
+            lambda a: a[index], out_shardings=NamedSharding(mesh, PartitionSpec())
+        )
+    out = np.asarray(pick(rows).addressable_data(0))
+    return out.view(bool) if raw else out
+
+
+def _leaf_to_host_in_group(x: Any, group: frozenset[int]) -> Any:
     if not isinstance(x, jax.Array):
         return x
-    if not x.is_fully_addressable:
+    held = owners(x.sharding)
+    me = jax.process_index()
+    if not held <= group:
         raise RuntimeError(
-            f"process {jax.process_index()}: an array of shape {x.shape} has shards on other "
-            "processes' devices and cannot be read process-locally"
+            f"process {me}: an array of shape {x.shape} has shards on processes "
+            f"{sorted(held - group)}, outside this group {sorted(group)}"
         )
-    return np.asarray(jax.device_get(x))
+    value = None
+    if me in held and x.is_fully_addressable:
+        value = np.asarray(jax.device_get(x))
+    elif me in held:  # the owners replicate it (a collective of theirs only) and read it
+        value = np.asarray(_replicate(x).addressable_data(0))
+    if held == group:
+        return value
+    return _group_broadcast(value, x.shape, x.dtype, min(held), group)
 
 
 def _leaf_to_host(x: Any) -> Any:
@@ -106,8 +158,8 @@ def to_host(tree: Any) -> Any:
     processes' devices is all-gathered (or, on a mesh that lacks some process, broadcast by its
     first owner: :func:`to_host_many`), which every process must do at the same point of the
     program (SPMD)."""
-    if _process_local:
-        return jax.tree.map(_leaf_to_host_local, tree)
+    if _group is not None:
+        return jax.tree.map(lambda x: _leaf_to_host_in_group(x, _group), tree)
     leaves, treedef = jax.tree.flatten(tree)
     # The same choice on every process (a mesh's owners see its arrays fully addressable).
     apart = [

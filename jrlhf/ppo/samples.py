@@ -3,26 +3,135 @@
 With generation and training on different processes (asynchronous RL), the generating side sends
 each batch it generates to the training side, and the training side sends back what the
 generating side needs of each update (its metrics, for the logs process 0 writes, and the KL
-coefficient). Every message is read once by its one reader and deleted then, so the coordination
-service holds only messages in flight however long the run. ``control_bytes`` counts what went
-through it, for the metrics.
+coefficient).
+
+Two planes, as in the systems this follows:
+
+* data plane: a batch (token ids, behaviour log-probs, per-token policy versions, prompts, meta)
+  is packed into one byte array (:func:`pack_batch`) on a device of the sender and moved to a
+  device of every receiving process with JAX's cross-host transfer (``jax.device_put`` to a
+  one-device twin sharding; the sender and that receiver make the call, the sender first and
+  without waiting). The sender keeps the source buffer until the receivers have certainly
+  read it (:meth:`SampleChannel.release_through`, after the update that trained on it).
+* control plane: JAX's coordination service carries a small header per batch (its index and
+  the byte layout, whatever the batch size) and the per-iteration result. Every key is read once
+  by its one reader and deleted then, so the service holds only messages in flight.
+
+``data_bytes`` and ``control_bytes`` count what this process sent and received, per iteration
+(:meth:`SampleChannel.counts`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrlhf.meshes.processes import post, take
 from jrlhf.ppo.staleness import GeneratedBatch
 
 
-class SampleChannel:
-    """Messages of one asynchronous run between its generating and its training side."""
+def _ragged(rows: Sequence[Sequence[Any]], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of different lengths as a zero-padded [n, max_len] array and the lengths."""
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    out = np.zeros((len(rows), max(int(lengths.max(initial=0)), 1)), dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = np.asarray(r, dtype)
+    return out, lengths
 
-    def __init__(self, prefix: str = "async"):
-        self.prefix = prefix
-        self.control_bytes = 0  # bytes through the coordination service so far, both ways
+
+def _unragged(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    return [values[i, : int(n)] for i, n in enumerate(lengths)]
+
+
+def pack_batch(batch: GeneratedBatch) -> tuple[dict[str, Any], np.ndarray]:
+    """A batch as (header, bytes): every field in one uint8 array, the header says where."""
+    completions, lengths = _ragged(batch.completions, np.int32)
+    fields = {
+        "completions": completions,
+        "lengths": lengths,
+        "raw_logprobs": _ragged(batch.raw_logprobs, np.float32)[0],
+        "token_versions": _ragged(batch.token_versions, np.int64)[0],
+        "prompt_index": np.asarray(batch.prompt_index, np.int32),
+    }
+    fields["prompts"], fields["prompt_lengths"] = _ragged(batch.prompts, np.int32)
+    if batch.finished is not None:
+        fields["finished"] = np.asarray(batch.finished, np.uint8)
+    if batch.passes is not None:
+        fields["passes"] = np.asarray(batch.passes, np.int32)
+    if batch.meta is not None:
+        fields["meta"] = np.frombuffer(json.dumps([dict(m) for m in batch.meta]).encode(), np.uint8)
+    layout, parts, offset = [], [], 0
+    for name, a in fields.items():
+        raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        layout.append([name, a.dtype.str, list(a.shape), offset])
+        parts.append(raw)
+        offset += raw.size
+    return {"index": batch.index, "layout": layout, "bytes": offset}, np.concatenate(parts)
+
+
+def unpack_batch(header: dict[str, Any], data: np.ndarray) -> GeneratedBatch:
+    """The inverse of :func:`pack_batch`."""
+    f = {}
+    for name, dtype, shape, offset in header["layout"]:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        f[name] = data[offset : offset + n].view(dt).reshape(shape)
+    lengths = f["lengths"]
+    meta = json.loads(f["meta"].tobytes()) if "meta" in f else None
+    return GeneratedBatch(
+        index=int(header["index"]),
+        prompts=[p.tolist() for p in _unragged(f["prompts"], f["prompt_lengths"])],
+        meta=meta,
+        prompt_index=f["prompt_index"].astype(np.int64),
+        completions=[c.tolist() for c in _unragged(f["completions"], lengths)],
+        raw_logprobs=[x.copy() for x in _unragged(f["raw_logprobs"], lengths)],
+        token_versions=[v.copy() for v in _unragged(f["token_versions"], lengths)],
+        finished=None if "finished" not in f else [bool(x) for x in f["finished"]],
+        passes=None if "passes" not in f else [int(x) for x in f["passes"]],
+    )
+
+
+def _on(device: jax.Device) -> NamedSharding:
+    return NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())
+
+
+class SampleChannel:
+    """Messages of one asynchronous run between the generating and the training group.
+
+    ``source``: the generating group's device that stages a batch (its process sends for the
+    group, whose processes all hold the same batches); ``sinks``: one device of each process of
+    the training group, each of which receives every batch. Results go from the training
+    group's first process to every process of the generating group. Every process constructs the
+    same channel and calls its side's methods.
+
+    JAX pairs cross-host transfers by their order on each process (the n-th call of the
+    sender with the n-th call of the receiver), so every process makes every transfer call, in
+    one order for the whole job: the generating group when it sends the batches of an iteration
+    (:meth:`send`), the training group when it receives them (:meth:`receive`: the batch it
+    trains on first, the rest before the weights of that iteration move), each between the
+    same two weight transfers.
+    """
+
+    def __init__(self, source: jax.Device, sinks: Sequence[jax.Device], prefix: str = "async"):
+        self.source, self.sinks, self.prefix = source, list(sinks), prefix
+        self.result_readers: list[int] = []  # set by the builder: the generating group
+        self.sent: dict[int, jax.Array] = {}  # staged batches not yet known to be read
+        self.received: dict[int, GeneratedBatch] = {}  # training group: arrived, not trained
+        self.announced: dict[int, list[dict[str, Any]]] = {}  # per iteration, not yet received
+        self.data_bytes = 0
+        self.control_bytes = 0
+
+    def counts(self) -> dict[str, float]:
+        """The bytes this process moved through each plane since the last call."""
+        out = {"samples/data_bytes": float(self.data_bytes)}
+        out["samples/control_bytes"] = float(self.control_bytes)
+        self.data_bytes = self.control_bytes = 0
+        return out
 
     def _post(self, key: str, value: Any) -> None:
         data = json.dumps(value).encode()
@@ -34,18 +143,78 @@ class SampleChannel:
         self.control_bytes += len(data)
         return json.loads(data)
 
-    def send_batch(self, batch: GeneratedBatch) -> None:
-        """Generating side: publish batch ``batch.index`` for the training side."""
-        self._post(f"batch/{batch.index}", batch.to_json())
+    def _transfer(self, staged: jax.Array) -> list[jax.Array]:
+        """The calls that move ``staged`` to every sink (every process makes them)."""
+        return [jax.device_put(staged, _on(sink)) for sink in self.sinks]
 
-    def receive_batch(self, index: int) -> GeneratedBatch:
-        """Training side: batch ``index``, waiting for the generating side to send it."""
-        return GeneratedBatch.from_json(self._take(f"batch/{index}"))
+    def _placeholder(self, nbytes: int) -> jax.Array:
+        """The staged array as a process other than the source sees it: no local data."""
+        return jax.make_array_from_single_device_arrays(
+            (nbytes,), _on(self.source), [], dtype=np.uint8
+        )
 
+    # -- batches: the generating group -> the training group --------------------------------------
+    def send(self, iteration: int, batches: Sequence[GeneratedBatch]) -> None:
+        """Generating group: stage the batches generated in ``iteration`` for every receiver and
+        announce them; returns at once (the receivers pull them when they need them)."""
+        headers = []
+        for batch in batches:
+            header, data = pack_batch(batch)
+            headers.append(header)
+            if jax.process_index() == self.source.process_index:
+                staged = jax.device_put(data, _on(self.source))
+                self.sent[batch.index] = staged
+                self.data_bytes += data.size * len(self.sinks)
+            else:  # the group's other processes hold the same batch; the source sends it
+                staged = self._placeholder(data.size)
+            self._transfer(staged)
+        if jax.process_index() == self.source.process_index:
+            for sink in self.sinks:  # one message per reader, so each deletes its own
+                self._post(f"sent/{iteration}/{sink.process_index}", headers)
+
+    def _receive_next(self, iteration: int) -> None:
+        header = self.announced[iteration].pop(0)
+        outs = self._transfer(self._placeholder(int(header["bytes"])))
+        me = jax.process_index()
+        for sink, out in zip(self.sinks, outs):
+            if sink.process_index == me:
+                data = np.asarray(out.addressable_data(0))
+                self.data_bytes += data.size
+                self.received[int(header["index"])] = unpack_batch(header, data)
+
+    def _announcement(self, iteration: int) -> list[dict[str, Any]]:
+        if iteration not in self.announced:
+            self.announced[iteration] = self._take(f"sent/{iteration}/{jax.process_index()}")
+        return self.announced[iteration]
+
+    def receive(self, iteration: int, index: int | None = None) -> GeneratedBatch | None:
+        """Training group: receive what the generating group sent in ``iteration``, in order,
+        up to batch ``index`` (None: all of it); returns batch ``index`` (None if not asked).
+        A batch that arrived in an earlier iteration is returned without waiting."""
+        if index is not None and index in self.received:
+            return self.received.pop(index)
+        left = self._announcement(iteration)
+        while left and (index is None or index not in self.received):
+            self._receive_next(iteration)
+        if not left:
+            del self.announced[iteration]
+        return None if index is None else self.received.pop(index, None)
+
+    def release_through(self, index: int) -> None:
+        """Sender: free the staged batches up to ``index`` (every receiver has read them: it
+        trained on them before the weights of that update were sent)."""
+        for j in [j for j in self.sent if j <= index]:
+            self.sent.pop(j).delete()
+
+    # -- results: a receiver -> the sender -------------------------------------------------------
     def send_result(self, iteration: int, result: dict[str, float]) -> None:
-        """Training side: iteration ``iteration``'s metrics (and the KL coefficient after it)."""
-        self._post(f"result/{iteration}", result)
+        """Training group: iteration ``iteration``'s metrics (and the KL coefficient after it),
+        sent by its first process to every process of the generating group."""
+        if jax.process_index() != min(s.process_index for s in self.sinks):
+            return
+        for reader in self.result_readers:
+            self._post(f"result/{iteration}/{reader}", result)
 
     def receive_result(self, iteration: int) -> dict[str, float]:
-        """Generating side: what :meth:`send_result` sent for ``iteration``."""
-        return self._take(f"result/{iteration}")
+        """Generating group: what :meth:`send_result` sent for ``iteration``."""
+        return self._take(f"result/{iteration}/{jax.process_index()}")

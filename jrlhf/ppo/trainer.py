@@ -35,10 +35,10 @@ from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.fusion import fusion_score_rows, tail_migration
+from jrlhf.ppo.groups import role_groups
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.schedules import BoundedStaleness, Synchronous
-from jrlhf.ppo.schedules.bounded import async_side
 from jrlhf.ppo.schedules.synchronous import Draw, Round
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.ppo.staleness import GeneratedBatch
@@ -107,7 +107,7 @@ class RLTrainer:
         self.synchronous = Synchronous(self.rl, self.R, *parts, self.learn)
         self.bounded = BoundedStaleness(
             self.rl, self.R, cfg.run.seed, *parts, self.update, self.learn,
-            side=async_side(self.rl, roles),
+            groups=role_groups(self.rl, roles),
         )  # fmt: skip
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
@@ -223,10 +223,15 @@ class RLTrainer:
         return metrics
 
     def learn(
-        self, rounds: list[Round], n_groups: int, timer: PhaseTimer, iteration: int
+        self,
+        rounds: list[Round],
+        n_groups: int,
+        timer: PhaseTimer,
+        iteration: int,
+        before_sync: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """The rest of an iteration once its rounds are generated and scored: the update, the
-        weight transition, the iteration's metrics."""
+        weight transition (after ``before_sync()``, where given), the iteration's metrics."""
         # Everything generated describes the policy (reward, KL, lengths); the groups selected
         # from it are what the update trains on, always prompts_per_iteration groups.
         prompts = [p for r in rounds for p in r[0]]
@@ -244,6 +249,8 @@ class RLTrainer:
         with timer.phase("train"):
             self.residency.enter("train")
             train_metrics = self.update.step(batch, kl_coef, iteration)
+        if before_sync is not None:
+            before_sync()
         with timer.phase("reshard") as ph:
             self.residency.enter("reshard")
             moved = self.sync_weights()

@@ -21,7 +21,8 @@ With one process every sharding spans all processes and each function is the ide
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -70,6 +71,21 @@ def twin(
         np.array(list(devices), dtype=object).reshape(s.mesh.devices.shape),
         s.mesh.axis_names,
         axis_types=s.mesh.axis_types,
+    )
+    kind = s.memory_kind if memory_kind == "same" else memory_kind
+    return NamedSharding(mesh, s.spec, memory_kind=kind)
+
+
+def stacked(
+    s: NamedSharding, devices: Sequence[jax.Device], memory_kind: str | None = "same"
+) -> NamedSharding:
+    """``s``'s partitioning laid out ``len(devices) // s``'s device count times over
+    ``devices`` (in order): a leading ``copies`` axis, replicated."""
+    n = math.prod(s.mesh.devices.shape)
+    mesh = Mesh(
+        np.array(list(devices), dtype=object).reshape((len(devices) // n, *s.mesh.devices.shape)),
+        (COPIES_AXIS, *s.mesh.axis_names),
+        axis_types=(s.mesh.axis_types[0], *s.mesh.axis_types),
     )
     kind = s.memory_kind if memory_kind == "same" else memory_kind
     return NamedSharding(mesh, s.spec, memory_kind=kind)

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jrlhf.meshes.processes import host_barrier
 from jrlhf.reshard import layout
 from jrlhf.reshard.memory import ParkedTree, park_to_host
-from jrlhf.reshard.processes import twin
+from jrlhf.reshard.processes import stacked, twin
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_events = 0
@@ -183,14 +183,16 @@ class Transition:
         self.crosses_processes = self._crosses_processes()
         if self.path == "device_put" and self.crosses_processes:
             raise ValueError(
-                f"reshard {self.describe()}: the target's devices belong to other processes "
-                "and the layouts have different device counts; JAX moves arrays between "
-                "processes only shard for shard (give both meshes as many devices)"
+                f"reshard {self.describe()}: the target's devices belong to other processes, "
+                "and JAX moves arrays between processes only shard for shard (give the two "
+                "meshes the same devices, or disjoint devices whose counts divide one another)"
             )
         if self.path == "jit":
             self._build_jit()
         elif self.path == "device_put+jit":
             self._build_twin()
+        elif self.path in ("stack+device_put", "device_put+stack"):
+            self._build_stacked()
         self.compiles += backend_compile_count() - before
         self._memory = self._memory_plan()
         if budget_bytes is not None and self._memory["peak_bytes"] > budget_bytes:
@@ -221,6 +223,15 @@ class Transition:
             math.prod(s.mesh.devices.shape) == len(order) for s in self.src
         ):
             return "device_put+jit"
+        if src_set.isdisjoint(order) and all(
+            math.prod(s.mesh.devices.shape) == len(src_set) for s in self.src
+        ):
+            # Disjoint device sets of different sizes: through a stacked layout on whichever
+            # side is larger (see _build_stacked), when one size divides the other.
+            if len(src_set) % len(order) == 0:
+                return "stack+device_put"
+            if len(order) % len(src_set) == 0:
+                return "device_put+stack"
         return "device_put"
 
     def _crosses_processes(self) -> bool:
@@ -264,6 +275,93 @@ class Transition:
         )
         self._in_shardings = self._twins
         self._compiled = _compile(fn, self._abstract(self._twins))
+
+    def _build_stacked(self) -> None:
+        """Between disjoint device sets of different sizes, one dividing the other, with every
+        transfer shard for shard (what JAX can do between processes):
+
+        * ``stack+device_put`` (more source devices, c times the target's): one jit on the
+          source devices lays the target's layout out c times over them (a ``copies`` axis
+          in front of the target's mesh); the first copy then moves to the target devices,
+          shard for shard, so each target device receives its own slice once;
+        * ``device_put+stack`` (c times more target devices): the source layout moves shard for
+          shard onto c groups of target devices, which together hold it c times (the stacked
+          view); one jit on the target devices lays out the target from there.
+        """
+        src_order = _order(self.src[0])
+        dst_order = _order(self.dst[0])
+        if self.path == "stack+device_put":
+            self._stacks = [stacked(d, src_order) for d in self.dst]
+            ins = []
+            for i, (s, aval) in enumerate(zip(self.src, self.avals)):
+                r = s if _order(s) == src_order else _relabel(s, src_order)
+                if r is not s:
+                    if r.devices_indices_map(aval.shape) != s.devices_indices_map(aval.shape):
+                        raise RuntimeError(f"relabelling {_describe(s)} failed")
+                    self._relabel[i] = r
+                ins.append(r)
+            self._in_shardings = ins
+            self._firsts = [twin(d, src_order[: len(dst_order)]) for d in self.dst]
+            fn = jax.jit(_identity, in_shardings=(ins,), out_shardings=self._stacks)
+            self._compiled = _compile(fn, self._abstract(ins))
+        else:
+            n = len(src_order)
+            groups = [dst_order[g : g + n] for g in range(0, len(dst_order), n)]
+            self._group_twins = [
+                [twin(s, group, d.memory_kind) for s, d in zip(self.src, self.dst)]
+                for group in groups
+            ]
+            self._stacks = [
+                stacked(s, dst_order, d.memory_kind) for s, d in zip(self.src, self.dst)
+            ]
+            fn = jax.jit(
+                _identity, in_shardings=(self._stacks,), out_shardings=self.dst, donate_argnums=0
+            )
+            self._in_shardings = self._stacks
+            self._compiled = _compile(fn, self._abstract(self._stacks))
+
+    def _run_stacked(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        if self.path == "stack+device_put":
+            args = [
+                x
+                if r is None
+                else jax.make_array_from_single_device_arrays(
+                    x.shape, r, [shard.data for shard in x.addressable_shards]
+                )
+                for x, r in zip(leaves, self._relabel)
+            ]
+            stacks = self._compiled(args)
+            firsts = []
+            for x, first in zip(stacks, self._firsts):
+                keep = first.device_set
+                shards = [sh.data for sh in x.addressable_shards if sh.device in keep]
+                firsts.append(
+                    jax.make_array_from_single_device_arrays(x.shape, first, shards, dtype=x.dtype)
+                )
+            out = self._cross(firsts, self.dst)
+            del stacks, firsts
+            return out
+        parts = [self._cross(leaves, twins) for twins in self._group_twins]
+        views = []
+        for i, (x, view) in enumerate(zip(leaves, self._stacks)):
+            shards = [sh.data for part in parts for sh in part[i].addressable_shards]
+            views.append(
+                jax.make_array_from_single_device_arrays(x.shape, view, shards, dtype=x.dtype)
+            )
+        del parts
+        return self._compiled(views)
+
+    def _cross(self, leaves: list[jax.Array], shardings: list[NamedSharding]) -> list[jax.Array]:
+        """``jax.device_put`` shard for shard, between processes when they differ: both sides
+        arrive before either starts, and leave once the receivers hold their copies (see the
+        device_put+jit path in :meth:`run`)."""
+        if self.crosses_processes:
+            host_barrier("reshard:start")
+        out = jax.device_put(leaves, shardings)
+        jax.block_until_ready(out)
+        if self.crosses_processes:
+            host_barrier("reshard")
+        return out
 
     def _memory_plan(self) -> dict[str, Any]:
         src_b = layout.bytes_per_device(self.src, self.avals)
@@ -325,9 +423,19 @@ class Transition:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes that cross devices, from the source and target shardings."""
+        """Bytes that cross devices, from the source and target shardings (through a stacked
+        layout: what the shard-for-shard transfer sends, every target slice once, or the
+        source layout once per group of target devices)."""
         if not hasattr(self, "_bytes_moved"):
-            self._bytes_moved = layout.bytes_moved(self.src, self.dst, self.avals)
+            if self.path == "stack+device_put":
+                per_device = layout.bytes_per_device(self.dst, self.avals)
+                self._bytes_moved = sum(per_device.values())
+            elif self.path == "device_put+stack":
+                per_device = layout.bytes_per_device(self.src, self.avals)
+                copies = len(self._group_twins)
+                self._bytes_moved = copies * sum(per_device.values())
+            else:
+                self._bytes_moved = layout.bytes_moved(self.src, self.dst, self.avals)
         return self._bytes_moved
 
     @property
@@ -365,6 +473,8 @@ class Transition:
                 for x, r in zip(leaves, self._relabel)
             ]
             out = self._compiled(args)
+        elif self.path in ("stack+device_put", "device_put+stack"):
+            out = self._run_stacked(leaves)
         elif self.path == "device_put+jit":
             # No donate= here: donating into a cross-device device_put crashes the CPU client
             # (jax 0.10.2, segfault). The source is freed below, once the copy has landed.

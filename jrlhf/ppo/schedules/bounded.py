@@ -6,29 +6,27 @@ is scored and trained on. With ``k = 0`` this is the synchronous loop without dy
 number for number. With ``RLConfig.partial_rollout_tokens`` every unfinished sample in flight
 takes one pass of that many tokens per iteration under the newest weights (jrlhf.ppo.partial).
 
-Where the plan gives generation to one group of processes and every other call to another
-(:func:`async_sides`), the two sides run at the same time and meet once per iteration: batches go
-to the training side through the sample channel as soon as they are generated, weights come
-back through the weight channel (a cross-host transfer both make), and the update's metrics and
-KL coefficient follow, so the generating side (process 0 writes logs and checkpoint meta) knows
-them.
+Where the plan gives generation processes of its own (jrlhf.ppo.groups), the generating and
+the training group run at the same time and meet once per iteration: batches go to the training
+group through the sample channel as soon as they are generated, weights come back through the
+weight channel (a cross-host transfer both make), and the update's metrics and KL coefficient
+follow, so the generating group (process 0 writes logs and checkpoint meta) knows them.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Mapping
 
-import jax
 import numpy as np
 
-from jrlhf.meshes.batch import process_local
+from jrlhf.meshes.batch import process_group
+from jrlhf.meshes.processes import stored_keys
 from jrlhf.metrics import PhaseTimer
 from jrlhf.ppo import partial
+from jrlhf.ppo.groups import RoleGroups, sample_channel
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
-from jrlhf.ppo.samples import SampleChannel
 from jrlhf.ppo.schedules.synchronous import Draw, Learn
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.ppo.staleness import (
@@ -41,52 +39,11 @@ from jrlhf.ppo.staleness import (
 )
 from jrlhf.ppo.update import Update, shaped_scores
 from jrlhf.ppo.weights import WeightChannel
-from jrlhf.runtime.roles import RoleSetup
 
 log = logging.getLogger("jrlhf")
 
 # The KL coefficient after an update, sent with the iteration's metrics to the generating side.
 _KL_NEXT = "_kl_coef_next"
-
-
-def async_side(rl, roles: Mapping[str, RoleSetup]) -> str | None:
-    """The part of an asynchronous iteration this process runs: ``"generate"`` or ``"train"``
-    when ``RLConfig.max_staleness >= 1`` and the plan gives generation to process 0 alone and
-    every other call to process 1 alone (``separate`` on 2 processes). None: every process runs
-    every call (SPMD), without overlap."""
-    if not rl.max_staleness or jax.process_count() != 2:
-        return None
-
-    def procs(mesh) -> set[int]:
-        return {d.process_index for d in mesh.devices.flat}
-
-    gen = procs(roles["actor"].meshes["generate"])
-    rest = set().union(*(
-        procs(mesh)
-        for role, setup in roles.items()
-        for phase, mesh in setup.meshes.items()
-        if (role, phase) != ("actor", "generate")
-    ))  # fmt: skip
-    if gen != {0} or rest != {1}:
-        log.info(
-            "max_staleness=%d: generation (processes %s) and the other calls (processes %s) "
-            "are not one process each: every process runs every call, without overlap",
-            rl.max_staleness, sorted(gen), sorted(rest),
-        )  # fmt: skip
-        return None
-    if rl.partial_rollout_tokens:
-        raise ValueError(
-            "RLConfig.partial_rollout_tokens with generation and training on separate "
-            "processes is not supported yet (samples in flight live on the generating side)"
-        )
-    if rl.offload or rl.generation_copy != "kept":
-        # Each side holds only its own process's state; the memory knobs move state of both
-        # sides at phase boundaries the two processes no longer share.
-        raise ValueError(
-            "RLConfig.max_staleness >= 1 with generation and training on separate processes "
-            "does not support RLConfig.offload or RLConfig.generation_copy='dropped' yet"
-        )
-    return "generate" if jax.process_index() == 0 else "train"
 
 
 class BoundedStaleness:
@@ -104,13 +61,15 @@ class BoundedStaleness:
         weights: WeightChannel,
         update: Update,
         learn: Learn,
-        side: str | None = None,
+        groups: RoleGroups | None = None,
     ):
         self.rl, self.R, self.run_seed = rl, max_response_len, run_seed
         self.rollout, self.scorer, self.residency = rollout, scorer, residency
         self.weights, self.update, self.learn = weights, update, learn
-        self.side = side
-        self.channel = SampleChannel()
+        # Generation on processes of its own: this process runs its group's side.
+        self.groups = groups
+        self.side = groups.side if groups else None
+        self.channel = sample_channel(update.roles, groups) if groups else None
         self.pending: collections.deque[GeneratedBatch] = collections.deque()
         self.next_batch = 0  # the index of the next batch to generate
         self.partial_stats: dict[str, int] = {}
@@ -140,12 +99,14 @@ class BoundedStaleness:
             arrays = self.score_batch(gen)
         return self._train(iteration, gen, arrays, timer)
 
-    def _train(self, iteration: int, gen: GeneratedBatch, arrays, timer) -> dict[str, float]:
+    def _train(
+        self, iteration: int, gen: GeneratedBatch, arrays, timer, before_sync=None
+    ) -> dict[str, float]:
         versions = versions_bt(gen.token_versions, self.R)
         # The bound, checked on the tokens themselves, whatever produced them.
         check_staleness(versions, arrays["mask"], iteration, self.rl.max_staleness)
         rounds = [(gen.sample_prompts, gen.completions, arrays)]
-        metrics = self.learn(rounds, len(gen.prompts), timer, iteration)
+        metrics = self.learn(rounds, len(gen.prompts), timer, iteration, before_sync)
         if self.rl.max_staleness:
             metrics.update(staleness_metrics(versions, arrays["mask"], iteration))
         if self.rl.partial_rollout_tokens:
@@ -235,16 +196,16 @@ class BoundedStaleness:
     # Each runs its own calls with process-local host reads; they meet once per iteration.
     def _generating_side(self, iteration: int, draw: Draw) -> dict[str, float]:
         timer = PhaseTimer()
-        with process_local(), timer.phase("generate"):
+        with process_group(self.groups.generate), timer.phase("generate"):
             new = self.fill(iteration, draw)
-        for g in new:
-            self.channel.send_batch(g)
+        self.channel.send(iteration, new)
         with timer.phase("wait_for_update") as ph:
             moved = self.weights.sync(self.update.states)
             ph.block_on(self.weights.gen_params)
         remote = self.channel.receive_result(iteration)
-        trained = self.pending.popleft()  # the training side trained on it this iteration
+        trained = self.pending.popleft()  # the training group trained on it this iteration
         assert trained.index == iteration, (trained.index, iteration)
+        self.channel.release_through(iteration)
         self.update.set_kl_coef(remote.pop(_KL_NEXT))
         tokens = sum(len(c) for g in new for c in g.completions)
         mine = timer.summary()
@@ -254,20 +215,32 @@ class BoundedStaleness:
             "time/wait_for_update": mine["time/wait_for_update"],
             "tokens_per_sec": float(tokens / max(mine["time/generate"], 1e-9)),
             "reshard/bytes": float(moved),
+            **{name: float(v) for name, v in self.partial_stats.items()},
+            **self.channel.counts(),
+            "samples/stored_keys": float(stored_keys()),
         }
 
     def _training_side(self, iteration: int) -> dict[str, float]:
         timer = PhaseTimer()
         with timer.phase("wait_for_samples"):
-            if not self.pending:  # batches restored from a checkpoint are here already
-                self.pending.append(self.channel.receive_batch(iteration))
-        gen = self.pending.popleft()
-        if gen.index != iteration:
-            raise StalenessError(f"iteration {iteration} would train on batch {gen.index}")
-        with process_local():
+            if self.pending:  # batches restored from a checkpoint are here already
+                gen = self.pending.popleft()
+            else:
+                gen = self.channel.receive(iteration, index=iteration)
+        if gen is None or gen.index != iteration:
+            got = None if gen is None else gen.index
+            raise StalenessError(f"iteration {iteration} would train on batch {got}")
+
+        def before_sync() -> None:
+            # The rest of what the generating group sent this iteration, before the weights
+            # move (the transfers' order: see SampleChannel).
+            self.channel.receive(iteration)
+
+        with process_group(self.groups.train):
             with timer.phase("score"):
+                self.residency.enter("score")
                 arrays = self.score_batch(gen)
-            metrics = self._train(iteration, gen, arrays, timer)
+            metrics = self._train(iteration, gen, arrays, timer, before_sync)
         message = {**metrics, _KL_NEXT: float(self.update.kl_ctl.value)}
         self.channel.send_result(iteration, message)
         return metrics

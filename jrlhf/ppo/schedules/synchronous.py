@@ -27,7 +27,7 @@ Draw = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
 # One generated and scored round: per-sample prompts, completions, scored arrays.
 Round = tuple[list[Sequence[int]], list[list[int]], dict[str, np.ndarray]]
 # The rest of an iteration once its rounds are scored (RLTrainer.learn).
-Learn = Callable[[list[Round], int, PhaseTimer, int], dict[str, float]]
+Learn = Callable[..., dict[str, float]]
 
 
 class Synchronous:
