@@ -18,10 +18,13 @@ from run_helpers import (
 )
 
 from jrlhf import checkpoint
+from jrlhf import metrics as metrics_lib
 from jrlhf.cli import evaluate, train
 from jrlhf.data import load_prompts
+from jrlhf.event_file import read_records
 from jrlhf.meshes import make_mesh
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
+from jrlhf.runtime.guard import TrainingStopped
 from jrlhf.tasks import SyntheticTask
 
 
@@ -91,6 +94,43 @@ def test_resume_takes_the_config_from_the_run_directory(colocated_run, tmp_path,
     assert [r["step"] for r in metric_rows(run_dir) if "reward" in r] == [1, 2, 3, 4, 5]
     assert _eval_steps(run_dir) == [4, 5]
     assert "RLConfig.iterations = 5" in (run_dir / OPERATIVE_CONFIG).read_text()
+
+
+def _event_steps(tb_dir: Path, tag: str) -> list[int]:
+    return sorted(
+        e.step
+        for path in tb_dir.glob("*tfevents*")
+        for _, e in read_records(path)
+        if tag in e.scalars
+    )
+
+
+def test_rl_stage_stopped_before_its_first_checkpoint_logs_each_iteration_once(
+    base_run, colocated_run, tmp_path, monkeypatch, capsys
+):
+    """Stopped after iteration 3 of 4 with no checkpoint yet, the PPO stage restarts at 0 on
+    --resume: metrics.jsonl and TensorBoard hold iterations 1..4 once each, the numbers of the
+    uninterrupted colocated run."""
+    run_dir = tmp_path / "run"
+    bindings = ppo_bindings(base_run, "RLConfig.checkpoint_every=4", "RunConfig.tensorboard=True")
+    args = ["--run-dir", str(run_dir), "--quiet", *bindings]
+    update = metrics_lib.ProgressBar.update
+
+    def stop_after_three(self, step, *a, **k):
+        update(self, step, *a, **k)
+        if step == 3:  # logged, not checkpointed
+            raise TrainingStopped("stopped for the test")
+
+    monkeypatch.setattr(metrics_lib.ProgressBar, "update", stop_after_three)
+    assert train.main(args) == 1
+    assert [r["step"] for r in metric_rows(run_dir)] == [1, 2, 3]
+    assert checkpoint.latest_step_dir(run_dir) is None
+    monkeypatch.undo()
+    assert train.main([*args, "--resume"]) == 0
+    assert [r["step"] for r in metric_rows(run_dir) if "reward" in r] == [1, 2, 3, 4]
+    assert _event_steps(run_dir / "logs" / "ppo" / "tb", "reward") == [1, 2, 3, 4]
+    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
+    capsys.readouterr()
 
 
 def _damage(step_dir: Path, how: str) -> Path:
