@@ -2,8 +2,17 @@
 its configuration from the run directory, fallback from a damaged checkpoint, supervised stages
 that resume mid-stage, and bad input reported in one line before any work."""
 
+import collections
+import errno
 import json
+import logging
+import os
+import resource
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -24,7 +33,10 @@ from jrlhf.data import load_prompts
 from jrlhf.event_file import read_records
 from jrlhf.meshes import make_mesh
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
+from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
+from jrlhf.ppo.trainer import RLTrainer
 from jrlhf.runtime.guard import TrainingStopped
+from jrlhf.runtime.storage import quiet_storage_noise, storage_fault
 from jrlhf.tasks import SyntheticTask
 
 
@@ -244,3 +256,175 @@ def test_planner_refuses_a_device_count_it_cannot_plan_for(capsys):
     rc = plan.main(["--config", "configs/ppo_tiny.gin", "--devices", "1000000000"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "at most 65536 devices" in err
+
+
+def _hold_lock(run_dir: Path) -> subprocess.Popen:
+    """Another process holding ``run_dir``'s lock (as a run does), once it says so."""
+    code = (
+        "import sys, time; from pathlib import Path; from jrlhf.pipeline.run_lock import "
+        "lock_run_dir; lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); "
+        "time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_one_run_at_a_time_in_a_run_directory(colocated_run, tmp_path, capsys):
+    """A start or resume of a run directory another process holds is refused in one line naming
+    it, before anything is written or removed; a killed holder leaves no stale lock."""
+    me = f"on host {socket.gethostname()}"
+    # Two new runs in one directory: the first has taken the lock, nothing else yet.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    holder = _hold_lock(fresh)
+    try:
+        rc = train.main(["--run-dir", str(fresh), "--quiet", *SMALL])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "\n" not in err, err
+        assert f"is in use by another run (pid {holder.pid} {me}" in err, err
+        assert sorted(p.name for p in fresh.iterdir()) == [LOCK_FILE]  # the first run's, kept
+        # A resume of a run another process holds.
+        run_dir = _copy(colocated_run, tmp_path / "run")
+        saved = {k: v for k, v in _snapshot(run_dir).items() if k != LOCK_FILE}
+        holder2 = _hold_lock(run_dir)
+        try:
+            rc = train.main(["--run-dir", str(run_dir), "--resume", "--quiet"])
+            err = capsys.readouterr().err.strip()
+            assert rc == 2 and "\n" not in err and f"(pid {holder2.pid} {me}" in err, err
+            assert {k: v for k, v in _snapshot(run_dir).items() if k != LOCK_FILE} == saved
+        finally:
+            holder2.kill()
+            holder2.wait()
+    finally:
+        holder.kill()  # as kill -9 would: no cleanup
+        holder.wait()
+    # The kernel released the killed holders' locks: the directories are free again, and a
+    # run releases its own lock when it ends.
+    assert train.main(["--run-dir", str(run_dir), "--resume", "--quiet"]) == 0
+    with lock_run_dir(run_dir), lock_run_dir(fresh):
+        pass
+    assert f"pid {os.getpid()} {me}" in (run_dir / LOCK_FILE).read_text()
+    capsys.readouterr()
+
+
+def test_a_start_in_an_unwritable_place_is_one_line(tmp_path, monkeypatch, capsys):
+    """A run directory that cannot be created (under a file: ENOTDIR) or written (read-only:
+    EROFS, injected, since root may write anywhere) is refused in one line naming the path."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc = train.main(["--run-dir", str(blocker / "run"), "--quiet", *SMALL])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert f"{blocker / 'run'}: Not a directory (ENOTDIR)" in err, err
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    rc = train.main(["--run-dir", str(run_dir), "--quiet", *SMALL])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert f"{run_dir / LOCK_FILE}: Read-only file system (EROFS)" in err, err
+
+
+def test_a_full_disk_ends_the_run_in_one_line_after_its_last_checkpoint(
+    base_run, colocated_run, tmp_path, monkeypatch, capsys, caplog
+):
+    """Storage faults at a synchronous write (metrics.jsonl, ENOSPC injected) and in Orbax's
+    asynchronous checkpoint save (a real EFBIG from the kernel: the file size limit lowered
+    for the save of iteration 4) each end the run with one line naming the path and the errno;
+    the newest checkpoint listed is the last complete one, and --resume continues from it to
+    the uninterrupted run's numbers."""
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run)]
+    log = metrics_lib.MetricsLogger.log
+
+    def full_at_three(self, step, metrics):
+        if step == 3 and self.enabled:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return log(self, step, metrics)
+
+    with monkeypatch.context() as m:
+        m.setattr(metrics_lib.MetricsLogger, "log", full_at_three)
+        assert train.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    metrics = run_dir / "logs" / "ppo" / "metrics.jsonl"
+    assert "\n" not in err and f"{metrics}: No space left on device (ENOSPC)" in err, err
+    assert checkpoint.latest_step_dir(run_dir).name == "2"
+
+    # Iterations 3 and 4 again; the save of iteration 4 fails in Orbax's background thread.
+    save = RLTrainer.save
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def save_past_the_size_limit(self, loader_state):
+        if self.iteration == 4:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+        save(self, loader_state)
+
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(RLTrainer, "save", save_past_the_size_limit)
+            assert train.main([*args, "--resume"]) == 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, xfsz)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "File too large (EFBIG)" in err[0], err
+    assert f"{run_dir / 'checkpoints'}/4" in err[0], err
+    # Orbax logged the failure of each background write with a traceback: dropped.
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.ERROR]
+    assert checkpoint.latest_step_dir(run_dir).name == "2"
+    assert train.main([*args, "--resume"]) == 0
+    assert checkpoint.latest_step_dir(run_dir).name == "4"
+    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
+    capsys.readouterr()
+
+
+# TensorStore 0.1.86's error for a write to a full tmpfs (an Orbax save), as it was raised.
+_TENSORSTORE_ENOSPC = (
+    'RESOURCE_EXHAUSTED: Error writing "b/0" in OCDBT database at local file '
+    '"/r/checkpoints/2.orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: '
+    '"/r/checkpoints/2.orbax-checkpoint-tmp/ocdbt.process_0/d/6966d8": Failed to write 152711 '
+    "bytes to file 4: No space left on device [os_error_code='28']"
+)
+
+
+def test_storage_faults_are_recognised_however_they_arrive(monkeypatch, caplog):
+    written = "/r/checkpoints/2.orbax-checkpoint-tmp/ocdbt.process_0/d/6966d8"
+    try:
+        try:
+            raise ValueError(_TENSORSTORE_ENOSPC)
+        except ValueError as e:
+            raise RuntimeError("background save failed") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert storage_fault(wrapped) == f"{written}: No space left on device (ENOSPC)"
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), "/r/x")
+    assert storage_fault(ExceptionGroup("saves", [ValueError("x"), denied])) == (
+        "/r/x: Permission denied (EACCES)"
+    )
+    for other in (ValueError("bad config"), FileNotFoundError(errno.ENOENT, "gone", "/r/y")):
+        assert storage_fault(other) is None
+    # What Orbax and TensorStore print on their threads about it is dropped, nothing else.
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    quiet_storage_noise()
+    absl = logging.getLogger("absl")
+    absl.error("save failed", exc_info=wrapped)
+    absl.error("something else failed", exc_info=ValueError("other"))
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == ["something else failed"]
+    fields = "exc_type exc_value exc_traceback err_msg object"
+    Unraisable = collections.namedtuple("Unraisable", fields)
+    closed, other = RuntimeError("Event loop is closed"), RuntimeError("other")
+    for exc in (closed, other):
+        sys.unraisablehook(Unraisable(RuntimeError, exc, None, None, None))
+    assert seen == [other]

@@ -1,0 +1,124 @@
+"""Storage faults (no space, read-only file system, permission) reported in one line.
+
+A write can fail in Python (an ``OSError`` with its errno) or inside Orbax's TensorStore, whose
+errors are ``ValueError``s whose text ends in ``[os_error_code='28']`` and quotes the file; an
+asynchronous save's failure reaches the main thread wrapped, with the original as its cause or
+context. :func:`storage_fault` finds the fault in any of these and says it in one line naming the
+path and the errno. Orbax logs each failed background write with a traceback of its own before the
+main thread hears of it; :func:`quiet_storage_noise` drops those records (the one line says it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+# The errnos that mean "this storage cannot take the write": nothing the run can fix by retrying.
+STORAGE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
+_TS_ERRNO = re.compile(r"\[os_error_code='?(\d+)'?\]")
+_TS_PATH = re.compile(r'"(/[^"]+)"')
+_NOISY_LOGGERS = ("absl", "orbax")
+
+
+def _chain(exc: BaseException):
+    """``exc`` and every exception it was raised from or during, and an exception group's
+    members, each once."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+
+
+def _describe(path: object, code: int) -> str:
+    where = f"{os.fsdecode(path)}: " if path else ""
+    return f"{where}{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+
+
+def describe_os_error(e: OSError) -> str:
+    """``"PATH: STRERROR (ERRNO)"`` for any OSError (its path and errno, when it has them)."""
+    if e.errno is None:
+        return f"{os.fsdecode(e.filename)}: {e}" if e.filename else str(e)
+    return _describe(e.filename, e.errno)
+
+
+def storage_fault(exc: BaseException) -> str | None:
+    """``"PATH: STRERROR (ERRNO)"`` when ``exc`` is, or was caused by, a write the storage
+    refused (:data:`STORAGE_ERRNOS`); None for anything else."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return _describe(e.filename, e.errno)
+        if isinstance(e, ValueError | RuntimeError):  # TensorStore's errors carry the errno
+            text = str(e)
+            match = _TS_ERRNO.search(text)
+            if match and int(match.group(1)) in STORAGE_ERRNOS:
+                # The innermost quoted path is the file the write failed on (the spec that
+                # follows "[tensorstore_spec=" quotes its paths with escaped quotes).
+                paths = _TS_PATH.findall(text.split("[tensorstore_spec=")[0])
+                return _describe(paths[-1] if paths else None, int(match.group(1)))
+    return None
+
+
+class _DropStorageFaults(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            return storage_fault(record.exc_info[1]) is None
+        match = _TS_ERRNO.search(record.getMessage())
+        return not (match and int(match.group(1)) in STORAGE_ERRNOS)
+
+
+_FILTER = _DropStorageFaults()
+
+
+def _closed_loop(exc: BaseException | None) -> bool:
+    # TensorStore completes the writes still in flight after a failed one aborted Orbax's save
+    # and closed its event loop; each completion's callback then finds the loop closed.
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _quiet_unraisable(previous):
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if _closed_loop(exc) or (exc is not None and storage_fault(exc) is not None):
+            return
+        previous(unraisable)
+
+    hook.quiets_storage = True
+    return hook
+
+
+def quiet_storage_noise() -> None:
+    """Drop what Orbax and TensorStore print on their own threads about a failed write: absl
+    log records of a storage fault, and the unraisable "Event loop is closed" of each write
+    still in flight when a save failed. The failure itself reaches the caller, which reports it
+    in one line. Idempotent."""
+    for name in _NOISY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    if not getattr(sys.unraisablehook, "quiets_storage", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a write cut short (a full disk) leaves
+    the previous file, or none, never a truncated one that a resume would read."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
