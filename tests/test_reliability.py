@@ -11,7 +11,6 @@ import resource
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from run_helpers import (
     SMALL,
     assert_rows_close,
+    hold_lock,
     metric_rows,
     ppo_bindings,
     train_subprocess,
@@ -28,10 +28,11 @@ from run_helpers import (
 
 from jrlhf import checkpoint
 from jrlhf import metrics as metrics_lib
-from jrlhf.cli import evaluate, train
+from jrlhf.cli import convert, evaluate, train
 from jrlhf.data import load_prompts
 from jrlhf.event_file import read_records
 from jrlhf.meshes import make_mesh
+from jrlhf.models import hf
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
 from jrlhf.ppo.trainer import RLTrainer
@@ -258,20 +259,6 @@ def test_planner_refuses_a_device_count_it_cannot_plan_for(capsys):
     assert rc == 2 and "\n" not in err and "at most 65536 devices" in err
 
 
-def _hold_lock(run_dir: Path) -> subprocess.Popen:
-    """Another process holding ``run_dir``'s lock (as a run does), once it says so."""
-    code = (
-        "import sys, time; from pathlib import Path; from jrlhf.pipeline.run_lock import "
-        "lock_run_dir; lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); "
-        "time.sleep(600)"
-    )
-    holder = subprocess.Popen(
-        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True
-    )
-    assert holder.stdout.readline().strip() == "locked"
-    return holder
-
-
 def test_one_run_at_a_time_in_a_run_directory(colocated_run, tmp_path, capsys):
     """A start or resume of a run directory another process holds is refused in one line naming
     it, before anything is written or removed; a killed holder leaves no stale lock."""
@@ -279,7 +266,7 @@ def test_one_run_at_a_time_in_a_run_directory(colocated_run, tmp_path, capsys):
     # Two new runs in one directory: the first has taken the lock, nothing else yet.
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    holder = _hold_lock(fresh)
+    holder = hold_lock(fresh)
     try:
         rc = train.main(["--run-dir", str(fresh), "--quiet", *SMALL])
         err = capsys.readouterr().err.strip()
@@ -289,7 +276,7 @@ def test_one_run_at_a_time_in_a_run_directory(colocated_run, tmp_path, capsys):
         # A resume of a run another process holds.
         run_dir = _copy(colocated_run, tmp_path / "run")
         saved = {k: v for k, v in _snapshot(run_dir).items() if k != LOCK_FILE}
-        holder2 = _hold_lock(run_dir)
+        holder2 = hold_lock(run_dir)
         try:
             rc = train.main(["--run-dir", str(run_dir), "--resume", "--quiet"])
             err = capsys.readouterr().err.strip()
@@ -428,3 +415,39 @@ def test_storage_faults_are_recognised_however_they_arrive(monkeypatch, caplog):
     for exc in (closed, other):
         sys.unraisablehook(Unraisable(RuntimeError, exc, None, None, None))
     assert seen == [other]
+
+
+def test_convert_names_its_flag_and_a_storage_fault_in_one_line(
+    colocated_run, tmp_path, monkeypatch, capsys
+):
+    """An export over a non-empty directory is refused naming --overwrite, before the model is
+    loaded; one the storage refuses (a real EFBIG: the file size limit lowered) is one line
+    naming the output directory and the errno, and leaves nothing where the export would be."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    args = ["--from", str(colocated_run / "checkpoints")]
+    assert convert.main([*args, "--to-hf", str(taken)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pass --overwrite to replace it" in err, err
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    out = tmp_path / "hf"
+    save_hf, limit = hf.save_hf, resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def save_hf_past_the_size_limit(*a, **k):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+        try:
+            return save_hf(*a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+    monkeypatch.setattr(hf, "save_hf", save_hf_past_the_size_limit)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+    try:
+        rc = convert.main([*args, "--to-hf", str(out)])
+    finally:
+        signal.signal(signal.SIGXFSZ, xfsz)
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "\n" not in err, err
+    assert f"cannot write {out}: File too large (EFBIG)" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".hf.*"))

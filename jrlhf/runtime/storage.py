@@ -16,13 +16,16 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # The errnos that mean "this storage cannot take the write": nothing the run can fix by retrying.
 STORAGE_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 )
-_TS_ERRNO = re.compile(r"\[os_error_code='?(\d+)'?\]")
+# TensorStore's errno ("[os_error_code='28']") and Rust's std::io::Error's, as safetensors
+# reports it ("(os error 28)").
+_TS_ERRNO = re.compile(r"\[os_error_code='?(\d+)'?\]|\(os error (\d+)\)")
 _TS_PATH = re.compile(r'"(/[^"]+)"')
 _NOISY_LOGGERS = ("absl", "orbax")
 
@@ -52,29 +55,53 @@ def describe_os_error(e: OSError) -> str:
     return _describe(e.filename, e.errno)
 
 
-def storage_fault(exc: BaseException) -> str | None:
+def _errno_in(text: str) -> int | None:
+    match = _TS_ERRNO.search(text)
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+def storage_fault(exc: BaseException, where: object = None) -> str | None:
     """``"PATH: STRERROR (ERRNO)"`` when ``exc`` is, or was caused by, a write the storage
-    refused (:data:`STORAGE_ERRNOS`); None for anything else."""
+    refused (:data:`STORAGE_ERRNOS`); None for anything else. ``where`` stands for the path
+    when the error names none (safetensors' do not)."""
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
-            return _describe(e.filename, e.errno)
-        if isinstance(e, ValueError | RuntimeError):  # TensorStore's errors carry the errno
+            return _describe(e.filename or where, e.errno)
+        if not isinstance(e, OSError):  # TensorStore's and safetensors' errors name the errno
             text = str(e)
-            match = _TS_ERRNO.search(text)
-            if match and int(match.group(1)) in STORAGE_ERRNOS:
+            code = _errno_in(text)
+            if code in STORAGE_ERRNOS:
                 # The innermost quoted path is the file the write failed on (the spec that
                 # follows "[tensorstore_spec=" quotes its paths with escaped quotes).
                 paths = _TS_PATH.findall(text.split("[tensorstore_spec=")[0])
-                return _describe(paths[-1] if paths else None, int(match.group(1)))
+                return _describe(paths[-1] if paths else where, code)
     return None
+
+
+class StorageFault(ValueError):
+    """A write the storage refused, as one line (a ValueError: the entry points report those in
+    one line)."""
+
+
+@contextlib.contextmanager
+def reporting_storage_faults(where: object = None) -> Iterator[None]:
+    """Turn a storage fault raised in the body (:func:`storage_fault`) into a StorageFault
+    whose message is ``"cannot write PATH: STRERROR (ERRNO)"``; ``where`` names the path when
+    the error does not."""
+    try:
+        yield
+    except Exception as e:
+        fault = storage_fault(e, where)
+        if fault is None:
+            raise
+        raise StorageFault(f"cannot write {fault}") from e
 
 
 class _DropStorageFaults(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             return storage_fault(record.exc_info[1]) is None
-        match = _TS_ERRNO.search(record.getMessage())
-        return not (match and int(match.group(1)) in STORAGE_ERRNOS)
+        return _errno_in(record.getMessage()) not in STORAGE_ERRNOS
 
 
 _FILTER = _DropStorageFaults()
