@@ -284,6 +284,7 @@ def test_a_run_directory_in_use_is_refused_by_every_process(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 2 and all(f"(pid {holder.pid} on host" in e for e in errors), errors

@@ -4,6 +4,7 @@ that resume mid-stage, and bad input reported in one line before any work."""
 
 import collections
 import errno
+import io
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
 from jrlhf.ppo.trainer import RLTrainer
 from jrlhf.runtime.guard import TrainingStopped
-from jrlhf.runtime.storage import quiet_storage_noise, storage_fault
+from jrlhf.runtime.storage import quiet_storage_noise, storage_fault, write_atomic
 from jrlhf.tasks import SyntheticTask
 
 
@@ -285,9 +286,11 @@ def test_one_run_at_a_time_in_a_run_directory(colocated_run, tmp_path, capsys):
         finally:
             holder2.kill()
             holder2.wait()
+            holder2.stdout.close()
     finally:
         holder.kill()  # as kill -9 would: no cleanup
         holder.wait()
+        holder.stdout.close()
     # The kernel released the killed holders' locks: the directories are free again, and a
     # run releases its own lock when it ends.
     assert train.main(["--run-dir", str(run_dir), "--resume", "--quiet"]) == 0
@@ -451,3 +454,38 @@ def test_convert_names_its_flag_and_a_storage_fault_in_one_line(
     assert rc == 1 and "\n" not in err, err
     assert f"cannot write {out}: File too large (EFBIG)" in err, err
     assert not out.exists() and not list(tmp_path.glob(".hf.*"))
+
+
+def test_a_write_cut_short_names_its_file_and_leaves_the_previous_one(tmp_path, monkeypatch):
+    """A write that fails part-way (a full disk) is reported with the file's path, and a start
+    file a resume reads is left as it was, never half-written."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write or flush raises it
+
+    class FullDisk(io.StringIO):
+        def flush(self):
+            raise full
+
+    logger = metrics_lib.MetricsLogger(tmp_path / "logs", use_tensorboard=False)
+    logger._file.close()
+    logger._file = FullDisk()
+    with pytest.raises(OSError) as info:
+        logger.log(1, {"x": 1.0})
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    assert storage_fault(info.value) == f"{metrics}: No space left on device (ENOSPC)"
+    logger.close()
+
+    path = tmp_path / OPERATIVE_CONFIG
+    write_atomic(path, "RLConfig.iterations = 4\n")
+
+    def half_then_full(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError) as info:
+        write_atomic(path, "RLConfig.iterations = 8\n")
+    assert storage_fault(info.value) == f"{path}: No space left on device (ENOSPC)"
+    monkeypatch.undo()
+    assert path.read_text() == "RLConfig.iterations = 4\n"
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [OPERATIVE_CONFIG]

@@ -104,11 +104,17 @@ def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool
     return cfg, path, resume
 
 
-def storage_message(fault: str) -> str:
-    """The one line a run stopped by a storage fault (jrlhf.runtime.storage) ends with."""
+def storage_message(fault: str, removed: bool) -> str:
+    """The one line a run stopped by a storage fault (jrlhf.runtime.storage) ends with;
+    ``removed``: a new run's directory was removed, as it held no progress."""
+    if removed:
+        return (
+            f"cannot write {fault}: the run stopped before any progress and left nothing (run "
+            "the same command again once there is space and the directory is writable)"
+        )
     return (
-        f"cannot write {fault}: the run stopped; its last complete checkpoint is intact "
-        "(free space or make the directory writable, then pass --resume)"
+        f"cannot write {fault}: the run stopped after its last complete checkpoint (free space "
+        "or make the directory writable, then pass --resume to continue from it)"
     )
 
 
@@ -147,15 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         # A full disk or a read-only or forbidden directory, at any write (Orbax's background
         # saves included): one line naming the path and errno. Orbax renames a step into place
         # only once complete, so the newest listed checkpoint is intact.
-        fault = storage_fault(e)
+        fault = storage_fault(e, where=run_dir)
         reported = (ConfigError, ValueError, FileNotFoundError, TrainingStopped, RewardError)
         if fault is None and not isinstance(e, reported):
             raise
-        print(f"error: {storage_message(fault) if fault else e}", file=sys.stderr)
         # A new run refused before any progress leaves nothing, so the same command can run
         # again once fixed; a run that got further keeps its directory for inspection.
-        if not resume and created:
-            discard_failed_start(run_dir)
+        removed = not resume and created and discard_failed_start(run_dir)
+        print(f"error: {storage_message(fault, removed) if fault else e}", file=sys.stderr)
         stopped = fault or isinstance(e, TrainingStopped | RewardError)  # stopped by itself
         return distributed.end_process(1 if stopped else 2)
     finally:

@@ -27,7 +27,7 @@ STORAGE_ERRNOS = frozenset(
 # reports it ("(os error 28)").
 _TS_ERRNO = re.compile(r"\[os_error_code='?(\d+)'?\]|\(os error (\d+)\)")
 _TS_PATH = re.compile(r'"(/[^"]+)"')
-_NOISY_LOGGERS = ("absl", "orbax")
+_NOISY_LOGGERS = ("absl", "orbax", "asyncio")
 
 
 def _chain(exc: BaseException):
@@ -126,9 +126,9 @@ def _quiet_unraisable(previous):
 
 def quiet_storage_noise() -> None:
     """Drop what Orbax and TensorStore print on their own threads about a failed write: absl
-    log records of a storage fault, and the unraisable "Event loop is closed" of each write
-    still in flight when a save failed. The failure itself reaches the caller, which reports it
-    in one line. Idempotent."""
+    log records of a storage fault, asyncio's "Future exception was never retrieved" for one,
+    and the unraisable "Event loop is closed" of each write still in flight when a save failed.
+    The failure itself reaches the caller, which reports it in one line. Idempotent."""
     for name in _NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
@@ -143,9 +143,22 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with naming(path):
+            tmp.write_text(text)
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError raised in the body without a file name (a write or flush of an open file
+    raises those) gets ``path`` as its file name, for the one line that reports it."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = os.fspath(path)
         raise
