@@ -201,7 +201,8 @@ class MetricsLogger:
                     file.close()
         finally:
             if tb is not None:
-                tb.close()
+                with naming(tb.path):
+                    tb.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

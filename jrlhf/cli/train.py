@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +36,12 @@ from jrlhf.pipeline.run_dir import (
 from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime import distributed
 from jrlhf.runtime.guard import TrainingStopped
-from jrlhf.runtime.storage import describe_os_error, quiet_storage_noise, storage_fault
+from jrlhf.runtime.storage import (
+    describe_os_error,
+    quiet_storage_noise,
+    settle_writers,
+    storage_fault,
+)
 from jrlhf.tasks.rewards import RewardError, get_reward_fn
 
 log = logging.getLogger("jrlhf")
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # backends start, and the pipeline starts them.
     from jrlhf.pipeline.run import run  # noqa: PLC0415
 
+    threads = set(threading.enumerate())
     try:
         return distributed.end_process(run(cfg, run_dir, quiet=args.quiet))
     except Exception as e:
@@ -157,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         reported = (ConfigError, ValueError, FileNotFoundError, TrainingStopped, RewardError)
         if fault is None and not isinstance(e, reported):
             raise
+        if fault:
+            settle_writers(threads)
         # A new run refused before any progress leaves nothing, so the same command can run
         # again once fixed; a run that got further keeps its directory for inspection.
         removed = not resume and created and discard_failed_start(run_dir)

@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,18 +66,24 @@ def storage_fault(exc: BaseException, where: object = None) -> str | None:
     """``"PATH: STRERROR (ERRNO)"`` when ``exc`` is, or was caused by, a write the storage
     refused (:data:`STORAGE_ERRNOS`); None for anything else. ``where`` stands for the path
     when the error names none (safetensors' do not)."""
+    found = []  # (path or None, errno), outermost first
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
-            return _describe(e.filename or where, e.errno)
-        if not isinstance(e, OSError):  # TensorStore's and safetensors' errors name the errno
+            found.append((e.filename, e.errno))
+        elif not isinstance(e, OSError):  # TensorStore's and safetensors' errors name the errno
             text = str(e)
             code = _errno_in(text)
             if code in STORAGE_ERRNOS:
                 # The innermost quoted path is the file the write failed on (the spec that
                 # follows "[tensorstore_spec=" quotes its paths with escaped quotes).
                 paths = _TS_PATH.findall(text.split("[tensorstore_spec=")[0])
-                return _describe(paths[-1] if paths else where, code)
-    return None
+                found.append((paths[-1] if paths else None, code))
+    if not found:
+        return None
+    # A fault that names its file, when one does (a later close of another file on the same
+    # full disk may not).
+    path, code = next(((p, c) for p, c in found if p), found[0])
+    return _describe(path or where, code)
 
 
 class StorageFault(ValueError):
@@ -162,3 +170,17 @@ def naming(path: str | os.PathLike) -> Iterator[None]:
         if e.filename is None:
             e.filename = os.fspath(path)
         raise
+
+
+def settle_writers(before: set[threading.Thread], timeout_s: float = 60.0) -> None:
+    """Wait, at most ``timeout_s``, for the threads started since ``before`` (a snapshot of
+    ``threading.enumerate()``) that the interpreter would wait for at exit: the writes a failed
+    Orbax save left running. At exit they would fail to schedule their next step ("cannot
+    schedule new futures after interpreter shutdown") and log a traceback each; waited for
+    here, they end as their storage lets them (a fault is dropped by quiet_storage_noise)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread in before or thread.daemon or thread is threading.current_thread():
+            continue
+        # The base class's join: Orbax's threads re-raise their failure from theirs.
+        threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
