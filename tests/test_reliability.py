@@ -8,10 +8,12 @@ import io
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -489,3 +491,39 @@ def test_a_write_cut_short_names_its_file_and_leaves_the_previous_one(tmp_path, 
     monkeypatch.undo()
     assert path.read_text() == "RLConfig.iterations = 4\n"
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [OPERATIVE_CONFIG]
+
+
+def test_a_storage_fault_in_a_save_is_the_only_line_on_stderr(base_run, tmp_path):
+    """End to end, as a user runs it: the SFT stage's first checkpoint cannot be written (a real
+    EFBIG); stderr holds the one line naming the file and the errno, and nothing else but log
+    lines: no traceback from Orbax's threads, TensorStore's callbacks or the interpreter's exit.
+    No checkpoint step is left listed."""
+    run_dir = tmp_path / "run"
+    args = [
+        "--run-dir", str(run_dir), "--quiet", *SMALL,
+        "RunConfig.stages=('sft',)", "SFTConfig.steps=20", "SFTConfig.checkpoint_every=10",
+    ]  # fmt: skip
+    # No file past 32 KiB can be written: EFBIG, as a full disk refuses a write, but for this
+    # process alone (Python ignores SIGXFSZ, so the write fails instead of the process).
+    limited = (
+        "import resource, runpy, sys; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY)); "
+        "sys.argv[0] = 'jrlhf.train'; runpy.run_module('jrlhf.train', run_name='__main__')"
+    )
+    env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
+    out = subprocess.run(
+        [sys.executable, "-c", limited, *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    log_line = re.compile(r"\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) ")
+    # JAX warns (2 lines) when a program it compiled cannot be added to its compilation cache,
+    # which the limit applies to as well.
+    cache = re.compile(r".*UserWarning: Error writing persistent compilation|\s+warnings\.warn")
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if line.strip() and not log_line.match(line) and not cache.match(line)
+    ]
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: cannot write {run_dir / 'sft_checkpoints'}/"), lines
+    assert "File too large (EFBIG)" in lines[0], lines
+    assert checkpoint.latest_step_dir(run_dir / "sft_checkpoints") is None
