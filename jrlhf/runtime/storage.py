@@ -18,6 +18,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,7 +178,9 @@ def settle_writers(before: set[threading.Thread], timeout_s: float = 60.0) -> No
     ``threading.enumerate()``) that the interpreter would wait for at exit: the writes a failed
     Orbax save left running. At exit they would fail to schedule their next step ("cannot
     schedule new futures after interpreter shutdown") and log a traceback each; waited for
-    here, they end as their storage lets them (a fault is dropped by quiet_storage_noise)."""
+    here, they end as their storage lets them (a fault is dropped by quiet_storage_noise).
+    The coroutines of the writes the failed save abandoned are not warned about at exit."""
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
         if thread in before or thread.daemon or thread is threading.current_thread():
