@@ -10,6 +10,7 @@ main thread hears of it; :func:`quiet_storage_noise` drops those records (the on
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import contextlib
 import errno
 import logging
@@ -181,9 +182,13 @@ def settle_writers(before: set[threading.Thread], timeout_s: float = 60.0) -> No
     here, they end as their storage lets them (a fault is dropped by quiet_storage_noise).
     The coroutines of the writes the failed save abandoned are not warned about at exit."""
     warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    # A thread pool's workers wait for work until their pool shuts down (at exit): not writers.
+    pool_workers = set(getattr(concurrent.futures.thread, "_threads_queues", {}))
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
-        if thread in before or thread.daemon or thread is threading.current_thread():
+        if thread in before or thread in pool_workers or thread.daemon:
+            continue
+        if thread is threading.current_thread():
             continue
         # The base class's join: Orbax's threads re-raise their failure from theirs.
         threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
