@@ -47,6 +47,7 @@ from jrlhf.meshes.rules import Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.reshard.processes import local_part, spanning, spanning_target
+from jrlhf.runtime.storage import write_atomic
 
 log = logging.getLogger("jrlhf")
 
@@ -100,7 +101,8 @@ def restore_target(tree: Any, shardings: Any) -> Any:
 def write_model_json(directory: str | os.PathLike, model: ModelDef) -> None:
     """Write ``directory/model.json`` describing ``model``."""
     text = json.dumps(model_entry(model), indent=2, sort_keys=True)
-    Path(directory, MODEL_JSON).write_text(text)
+    # Whole or absent: its presence marks the checkpoint complete.
+    write_atomic(Path(directory, MODEL_JSON), text)
 
 
 def read_model_json(directory: str | os.PathLike) -> ModelDef:

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from jrlhf.event_file import EventFileWriter, read_records
+from jrlhf.runtime.storage import naming
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +175,13 @@ class MetricsLogger:
         record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
         self.history.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            with naming(self.path):  # a full disk's error names the file
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
         if self.use_tensorboard:
-            self._writer().add_scalars(int(step), values)
+            writer = self._writer()
+            with naming(writer.path):
+                writer.add_scalars(int(step), values)
         return record
 
     def latest(self, key: str, default: float | None = None) -> float | None:
@@ -188,13 +192,17 @@ class MetricsLogger:
         return default
 
     def close(self) -> None:
-        """Flush and close the files (idempotent)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flush and close the files (idempotent); both are closed even when flushing one
+        fails (a full disk), and the first failure is raised."""
+        file, tb, self._file, self._tb = self._file, self._tb, None, None
+        try:
+            if file is not None:
+                with naming(self.path):
+                    file.close()
+        finally:
+            if tb is not None:
+                with naming(tb.path):
+                    tb.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

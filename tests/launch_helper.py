@@ -6,12 +6,15 @@ MODE ``sum``: print the global device count and the sum, over every process's de
 sharded array (a cross-process collective); every process must print the same, then the host
 cores it may run on. MODE ``exit3``:
 process 1 exits with status 3 once the job is joined, the others wait for the launcher to end them.
+MODE ``survivor``: process 1 is killed (SIGKILL, like kill -9) once the job is joined; process 0
+fails for want of it, as a survivor does, with a long traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -22,13 +25,28 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jrlhf.meshes.processes import fetch, post
 from jrlhf.runtime import distributed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _fail(depth: int) -> None:
+    if depth:
+        _fail(depth - 1)
+    raise RuntimeError("process 1 is gone")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run MODE; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m tests.launch_helper")
-    p.add_argument("mode", choices=("sum", "exit3"))
+    p.add_argument("mode", choices=("sum", "exit3", "survivor"))
     distributed.add_flag(p)
     args = p.parse_args(argv)
     try:
@@ -45,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             return distributed.end_process(3)
         time.sleep(120)  # ended by the launcher long before
         return 0
+    if args.mode == "survivor":
+        if jax.process_index() == 1:
+            post("survivor:pid", str(os.getpid()).encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+        peer = int(fetch("survivor:pid"))
+        while _alive(peer):  # until the launcher has reaped it: it knows of the death first
+            time.sleep(0.02)
+        _fail(depth=20)
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
     # Device d holds the value d: the sum needs every process's shards.

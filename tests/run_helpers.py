@@ -84,3 +84,17 @@ def parity_reward(prompt_ids, response_ids) -> float:
     if sum(prompt_ids) % 2 == 0:
         return 0.0
     return float(sum(response_ids) % 7)
+
+
+def hold_lock(run_dir: Path) -> subprocess.Popen:
+    """Another process holding ``run_dir``'s lock (as a run does), once it says so."""
+    code = (
+        "import sys, time; from pathlib import Path; from jrlhf.pipeline.run_lock import "
+        "lock_run_dir; lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); "
+        "time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    return holder

@@ -226,14 +226,37 @@ def test_launcher_ends_the_others_when_one_fails():
     )
     assert p.returncode == 3, p.stdout + p.stderr
     _assert_prefixed(p)
-    assert p.stderr.strip().splitlines()[-1] == (
-        "[launch] process 1 exited with 3; ended 1 other process"
+    # What process 0 says on its way out (JAX: "SIGTERM caught") is counted, not shown.
+    assert (
+        p.stderr.strip()
+        .splitlines()[-1]
+        .startswith("[launch] process 1 exited with 3; ended 1 other process")
     )
+    assert "[p0]" not in p.stderr
     # Process 0 would have slept 120 s: the launcher ended it (and reaped it) long before.
     assert elapsed < 45
     pid = int(re.search(r"^\[p0\] .*?pid (\d+)$", p.stdout, re.M).group(1))  # Gloo: as above
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_launcher_folds_what_a_survivor_writes_after_its_peer_died():
+    """Process 1 is killed; process 0 then fails with a traceback, as a survivor of a killed
+    peer does: the launcher shows none of it, and counts it in its one line."""
+    p, _ = _launch(
+        "--processes 2 --devices-per-process 1 --timeout 30 --grace 5 "
+        "-- tests.launch_helper survivor"
+    )
+    assert p.returncode == 137, p.stdout + p.stderr
+    _assert_prefixed(p)
+    lines = p.stderr.strip().splitlines()
+    assert not [line for line in lines if line.startswith("[p0]")], p.stderr
+    folded = re.fullmatch(
+        r"\[launch\] process 1 was killed by SIGKILL(; ended 1 other process)? \((\d+) lines "
+        r"the other processes wrote to stderr after it not shown\)",
+        lines[-1],
+    )
+    assert folded and int(folded.group(2)) >= 10, p.stderr  # the traceback's 17 lines
 
 
 def test_launcher_command_and_environment():

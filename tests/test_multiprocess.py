@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import hold_lock
 
 from jrlhf.cli import train
+from jrlhf.pipeline.run_lock import LOCK_FILE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -271,6 +273,24 @@ def test_a_separating_plan_the_transfer_cannot_run_is_refused_in_one_line(tmp_pa
     assert errors and "actor_generate mesh data=2@0,1" in errors[0], out.stderr[-2000:]
     assert "shard for shard" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_directory_in_use_is_refused_by_every_process(tmp_path):
+    """Process 0 takes the run directory's lock for the job; when another run holds it, every
+    process refuses in one line naming the holder, and nothing is written."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = hold_lock(run_dir)
+    try:
+        out = launch(2, 4, "train", "--run-dir", str(run_dir), "--quiet", *PIPELINE, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 2 and all(f"(pid {holder.pid} on host" in e for e in errors), errors
+    assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE]
 
 
 # PPO from tiny random models (no SFT/RM stages), separated, with bounded staleness 1.

@@ -20,6 +20,7 @@ from jrlhf.meshes import MeshSpec, make_mesh
 from jrlhf.meshes.processes import is_primary, job_mesh
 from jrlhf.models import ModelDef, hf
 from jrlhf.runtime import distributed
+from jrlhf.runtime.storage import reporting_storage_faults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,10 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             if out.exists() and any(out.iterdir()):
                 raise FileExistsError(f"{out}: exists and is not empty")
             model, params = hf.load_hf(args.from_hf, mesh, "fsdp_tp", param_dtype=args.param_dtype)
-            checkpoint.save_model(out, model, params)
+            with reporting_storage_faults(out):
+                checkpoint.save_model(out, model, params)
             if is_primary():
                 print(f"wrote {out} ({model.config.architecture}, {model.num_params():,} params)")
         else:
+            out = Path(args.to_hf)
+            if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+                raise FileExistsError(
+                    f"--to-hf {out}: exists and is not an empty directory (pass --overwrite to "
+                    "replace it)"
+                )
             model, params = checkpoint.load_model(args.from_ckpt, mesh, "fsdp_tp", role=args.role)
             if args.param_dtype:
                 params = jax.tree.map(lambda x: x.astype(args.param_dtype), params)
@@ -74,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                     if (candidate / "tokenizer.json").exists():
                         tokenizer = candidate
                         break
-            out = hf.save_hf(
-                model, params, args.to_hf, tokenizer_from=tokenizer, overwrite=args.overwrite
-            )
+            with reporting_storage_faults(out):
+                out = hf.save_hf(
+                    model, params, out, tokenizer_from=tokenizer, overwrite=args.overwrite
+                )
             if is_primary():
                 print(f"wrote {out}")
     except (FileNotFoundError, FileExistsError, ValueError) as e:

@@ -9,7 +9,9 @@ plan.calibrate) or any module path that accepts ``--distributed`` (e.g. a test h
 Every output line is prefixed ``[p<i>] `` (stdout to stdout, stderr to stderr). When a process
 exits with a non-zero status or is killed, the launcher ends the others (SIGTERM, then SIGKILL
 after ``--grace`` seconds), prints one line naming the process and its status, and exits with
-that status (128 + signal number for a signal); 0 when every process exits 0.
+that status (128 + signal number for a signal); 0 when every process exits 0. What the other
+processes write to stderr once one has failed (their tracebacks from a collective with a dead
+peer, their notice of the SIGTERM) is not shown but counted in that line.
 """
 
 from __future__ import annotations
@@ -154,25 +156,96 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+class _Fold:
+    """Once a process has failed, what the others write to stderr is its consequence (a
+    collective with a dead peer, the SIGTERM the launcher sends), not its cause: those lines are
+    counted into the launcher's one line instead of shown. A Python traceback is held until it
+    ends and then up to ``HOLD_S`` longer, so that one already on its way when the launcher
+    learns of the failure is folded too."""
+
+    HOLD_S = 1.0
+    _TRACEBACK = b"Traceback (most recent call last):"
+
+    def __init__(self):
+        self.failed: int | None = None  # the first process that failed
+        self.lines = 0
+        self._lock = threading.Lock()
+
+    def fail(self, index: int) -> None:
+        with self._lock:
+            if self.failed is None:
+                self.failed = index
+
+    def hides(self, index: int) -> bool:
+        """Whether process ``index``'s stderr is now folded."""
+        return self.failed is not None and self.failed != index
+
+    def fold(self, lines: int) -> None:
+        with self._lock:
+            self.lines += lines
+
+    def settle(self, index: int) -> bool:
+        """After a traceback of process ``index``: wait up to HOLD_S for the launcher to learn
+        of a failure; whether the traceback is to be folded."""
+        deadline = time.monotonic() + self.HOLD_S
+        while self.failed is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.hides(index)
+
+    def note(self) -> str:
+        """The launcher's line's account of what it folded."""
+        if not self.lines:
+            return ""
+        s = "s" if self.lines != 1 else ""
+        return f" ({self.lines} line{s} the other processes wrote to stderr after it not shown)"
+
+
 class _Output:
     """Copies a child's stream to ours, one prefixed line at a time (lines are not interleaved)."""
 
     lock = threading.Lock()
 
     @staticmethod
-    def pump(stream, out, prefix: bytes) -> None:
+    def pump(stream, out, prefix: bytes, fold: _Fold | None = None, index: int = -1) -> None:
+        """Copy ``stream`` to ``out`` until it closes; with ``fold``, the lines process
+        ``index`` writes once another has failed are counted there instead (see _Fold)."""
         writable = True
-        for line in iter(stream.readline, b""):
+        held: list[bytes] = []  # a traceback in progress
+
+        def write(lines: list[bytes]) -> None:
+            nonlocal writable
             if not writable:
-                continue  # keep draining: a child blocked on a full pipe would never exit
-            if not line.endswith(b"\n"):
-                line += b"\n"
+                return  # keep draining: a child blocked on a full pipe would never exit
             with _Output.lock:
                 try:
-                    out.write(prefix + line)
+                    for line in lines:
+                        out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
                     out.flush()
                 except OSError:  # our reader went away (e.g. "| head"): drop the rest
                     writable = False
+
+        for line in iter(stream.readline, b""):
+            if fold is None:
+                write([line])
+            elif fold.hides(index):
+                fold.fold(len(held) + 1)
+                held = []
+            elif held or line.startswith(_Fold._TRACEBACK):
+                held.append(line)
+                # A traceback ends at its first unindented line after the header.
+                if len(held) > 1 and not line[:1].isspace():
+                    if fold.settle(index):
+                        fold.fold(len(held))
+                    else:
+                        write(held)
+                    held = []
+            else:
+                write([line])
+        if held:
+            if fold is not None and fold.hides(index):
+                fold.fold(len(held))
+            else:
+                write(held)
         stream.close()
 
 
@@ -188,7 +261,12 @@ def _watch(index: int, proc: subprocess.Popen, exits: queue.Queue) -> None:
 
 
 def _start(
-    index: int, cmd: list[str], env: dict[str, str], exits: queue.Queue, cores: int = 0
+    index: int,
+    cmd: list[str],
+    env: dict[str, str],
+    exits: queue.Queue,
+    cores: int = 0,
+    fold: _Fold | None = None,
 ) -> _Child:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if cores:  # before the child's interpreter starts any thread, so every thread inherits it
@@ -200,11 +278,14 @@ def _start(
     prefix = f"[p{index}] ".encode()
     readers = [
         threading.Thread(
-            target=_Output.pump, args=(stream, out, prefix), daemon=True, name=f"p{index}-{name}"
+            target=_Output.pump,
+            args=(stream, out, prefix, folds, index),
+            daemon=True,
+            name=f"p{index}-{name}",
         )
-        for stream, out, name in (
-            (proc.stdout, sys.stdout.buffer, "out"),
-            (proc.stderr, sys.stderr.buffer, "err"),
+        for stream, out, name, folds in (
+            (proc.stdout, sys.stdout.buffer, "out", None),
+            (proc.stderr, sys.stderr.buffer, "err", fold),
         )
     ]
     for r in readers:
@@ -242,11 +323,19 @@ def _join_readers(children: Sequence[_Child], timeout: float = 5.0) -> None:
             r.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def supervise(children: Sequence[_Child], exits: queue.Queue, grace: float, max_time: float) -> int:
+def supervise(
+    children: Sequence[_Child],
+    exits: queue.Queue,
+    grace: float,
+    max_time: float,
+    fold: _Fold | None = None,
+) -> int:
     """Wait for the children; on the first failure end the rest. Returns the exit status (an
     interrupt is the caller's to handle). ``exits`` receives ``(index, status)`` as each child
     exits, in that order: the process reported is the one that failed first, not one that
-    failed because of it (e.g. in a collective with a killed process)."""
+    failed because of it (e.g. in a collective with a killed process); what the others write to
+    stderr after it goes into ``fold`` (counted in the launcher's line)."""
+    fold = fold or _Fold()
     deadline = time.monotonic() + max_time if max_time else None
     running = {c.index for c in children}
     while running:
@@ -262,10 +351,11 @@ def supervise(children: Sequence[_Child], exits: queue.Queue, grace: float, max_
             continue
         running.discard(index)
         if code != 0:
+            fold.fail(index)
             ended = end_children(children, grace)
             _join_readers(children)
             tail = f"; ended {ended} other process{'es' if ended != 1 else ''}" if ended else ""
-            _say(f"{describe_status(index, code)}{tail}")
+            _say(f"{describe_status(index, code)}{tail}{fold.note()}")
             return exit_status(code)
     _join_readers(children)
     return 0
@@ -310,14 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     children: list[_Child] = []
     exits: queue.Queue = queue.Queue()
+    fold = _Fold()
     previous = signal.signal(signal.SIGTERM, _terminate_on_sigterm)
     try:
         for i in range(args.processes):
             env = child_env(
                 base, i, args.processes, coordinator, args.devices_per_process, args.timeout
             )
-            children.append(_start(i, cmd, env, exits, args.cores_per_process))
-        return supervise(children, exits, args.grace, args.max_time)
+            children.append(_start(i, cmd, env, exits, args.cores_per_process, fold))
+        return supervise(children, exits, args.grace, args.max_time, fold)
     except KeyboardInterrupt as e:
         end_children(children, args.grace)
         _join_readers(children)

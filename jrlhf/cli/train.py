@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +26,22 @@ from jax.experimental import multihost_utils
 
 from jrlhf.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from jrlhf.meshes.processes import barrier
-from jrlhf.pipeline.run_dir import discard_failed_start, holds_run, resume_config
+from jrlhf.pipeline.run_dir import (
+    RunDirRefused,
+    discard_failed_start,
+    holds_run,
+    lock_for_run,
+    resume_config,
+)
 from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime import distributed
 from jrlhf.runtime.guard import TrainingStopped
+from jrlhf.runtime.storage import (
+    describe_os_error,
+    quiet_storage_noise,
+    settle_writers,
+    storage_fault,
+)
 from jrlhf.tasks.rewards import RewardError, get_reward_fn
 
 log = logging.getLogger("jrlhf")
@@ -97,8 +110,23 @@ def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool
     return cfg, path, resume
 
 
+def storage_message(fault: str, removed: bool) -> str:
+    """The one line a run stopped by a storage fault (jrlhf.runtime.storage) ends with;
+    ``removed``: a new run's directory was removed, as it held no progress."""
+    if removed:
+        return (
+            f"cannot write {fault}: the run stopped before any progress and left nothing (run "
+            "the same command again once there is space and the directory is writable)"
+        )
+    return (
+        f"cannot write {fault}: the run stopped after its last complete checkpoint (free space "
+        "or make the directory writable, then pass --resume to continue from it)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lock = None
     try:
         cfg, run_dir, resume = load_run_config(args)
         if args.check:
@@ -110,24 +138,43 @@ def main(argv: list[str] | None = None) -> int:
         barrier("run_dir")  # every process has checked the directory before any creates it
         created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
-    except (ConfigError, ValueError) as e:
+        # One writer per run directory, for the whole run; a second start or resume of it is
+        # refused here, before it writes anything (and without removing what it did not make).
+        lock = lock_for_run(run_dir, resume)
+    except (ConfigError, ValueError, RunDirRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(2)
+    except OSError as e:  # the run directory cannot be made (a read-only parent, a file)
+        print(f"error: cannot create run directory {describe_os_error(e)}", file=sys.stderr)
+        return distributed.end_process(2)
     setup_logging()
+    quiet_storage_noise()
     # Imported here, not at the top: XLA reads the virtual-device flag set above when JAX's
     # backends start, and the pipeline starts them.
     from jrlhf.pipeline.run import run  # noqa: PLC0415
 
+    threads = set(threading.enumerate())
     try:
         return distributed.end_process(run(cfg, run_dir, quiet=args.quiet))
-    except (ConfigError, ValueError, FileNotFoundError, TrainingStopped, RewardError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        # A full disk or a read-only or forbidden directory, at any write (Orbax's background
+        # saves included): one line naming the path and errno. Orbax renames a step into place
+        # only once complete, so the newest listed checkpoint is intact.
+        fault = storage_fault(e, where=run_dir)
+        reported = (ConfigError, ValueError, FileNotFoundError, TrainingStopped, RewardError)
+        if fault is None and not isinstance(e, reported):
+            raise
+        if fault:
+            settle_writers(threads)
         # A new run refused before any progress leaves nothing, so the same command can run
         # again once fixed; a run that got further keeps its directory for inspection.
-        if not resume and created:
-            discard_failed_start(run_dir)
-        stopped = isinstance(e, TrainingStopped | RewardError)  # the run stopped itself
+        removed = not resume and created and discard_failed_start(run_dir)
+        print(f"error: {storage_message(fault, removed) if fault else e}", file=sys.stderr)
+        stopped = fault or isinstance(e, TrainingStopped | RewardError)  # stopped by itself
         return distributed.end_process(1 if stopped else 2)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

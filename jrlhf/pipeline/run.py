@@ -139,8 +139,10 @@ def run_rl(
     resumed = trainer.restore()
     if resumed is not None:
         loader.load_state_dict(resumed)
-        logger.truncate_after(trainer.iteration)
         log.info("resumed %s at iteration %d", stage, trainer.iteration)
+    # Iterations logged after the restored checkpoint (all of them when none was complete) are
+    # about to be redone: drop them, as the supervised stages do, so no step is logged twice.
+    logger.truncate_after(trainer.iteration)
     before = before_training(
         run_dir,
         stage,

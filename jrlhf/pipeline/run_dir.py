@@ -16,8 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jrlhf.config import Config, ConfigError, load_config, operative_config
-from jrlhf.meshes.processes import barrier, is_primary
+from jrlhf.meshes.processes import barrier, fetch, is_primary, post
+from jrlhf.pipeline.run_lock import LOCK_FILE, RunDirInUse, RunLock, lock_run_dir
+from jrlhf.runtime.storage import describe_os_error, write_atomic
 
 OPERATIVE_CONFIG = "operative_config.gin"  # the gin bindings the run was started with
 CONFIG_JSON = "config.json"  # every field's value, for people and tools that do not read gin
@@ -91,8 +95,44 @@ def resume_config(run_dir: Path, files: list[str], bindings: list[str]) -> Confi
 
 
 def holds_run(path: Path) -> bool:
-    """Whether ``path`` is a directory with anything in it."""
-    return path.is_dir() and any(path.iterdir())
+    """Whether ``path`` is a directory with anything in it but its lock file (which a run that
+    was killed before writing anything else leaves behind)."""
+    return path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir())
+
+
+class RunDirRefused(Exception):
+    """This run cannot use its run directory (another run's, or not writable); one line."""
+
+
+def lock_for_run(run_dir: Path, resume: bool) -> RunLock | None:
+    """Process 0's exclusive lock on the existing ``run_dir`` for the life of the run
+    (jrlhf.pipeline.run_lock), taken before the run writes anything; None on other processes.
+    Every process calls it; all raise the same RunDirRefused when the directory is another
+    run's (locked by it, or, for a new run, holding a run that started, and perhaps ended,
+    since the directory was last looked at) or the lock file cannot be written."""
+    lock, refusal = None, ""
+    if is_primary():
+        try:
+            lock = lock_run_dir(run_dir)
+            if not resume and holds_run(run_dir):
+                refusal = (
+                    f"run directory {run_dir} already holds a run (started by another process "
+                    "meanwhile): pass --resume to continue it, or choose another --run-dir"
+                )
+        except RunDirInUse as e:
+            refusal = str(e)
+        except OSError as e:
+            refusal = f"cannot write {describe_os_error(e)}"
+    if jax.process_count() > 1:  # the others learn process 0's outcome
+        if is_primary():
+            post("run_dir_lock", refusal.encode())
+        else:
+            refusal = fetch("run_dir_lock").decode()
+    if refusal:
+        if lock is not None:
+            lock.release()
+        raise RunDirRefused(refusal)
+    return lock
 
 
 def has_progress(path: Path) -> bool:
@@ -119,7 +159,7 @@ def write_start_files(run_dir: Path, cfg: Config, plan_gin: str) -> None:
     for name, text in texts.items():
         path = run_dir / name
         if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+            write_atomic(path, text)  # a resume reads it: never half-written
 
 
 def before_training(run_dir: Path, stage: str, evaluate: Callable[[], dict]) -> dict:
@@ -133,7 +173,7 @@ def before_training(run_dir: Path, stage: str, evaluate: Callable[[], dict]) -> 
         return json.loads(path.read_text())
     before = evaluate()
     if is_primary():
-        path.write_text(json.dumps(before))
+        write_atomic(path, json.dumps(before))
     return before
 
 

@@ -53,6 +53,7 @@ from jrlhf.runtime.steps import (
     make_train_step,
     state_shardings,
 )
+from jrlhf.runtime.storage import write_atomic
 
 log = logging.getLogger("jrlhf")
 
@@ -432,7 +433,7 @@ def run_dpo(
     )  # fmt: skip
     summary = {"stage": name, "split": split, "before": before, "after": after}
     if is_primary():
-        summary_path.write_text(json.dumps(summary, indent=2))
+        write_atomic(summary_path, json.dumps(summary, indent=2))
     return summary
 
 
