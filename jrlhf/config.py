@@ -21,6 +21,7 @@ import gin
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
 from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
+from jrlhf.runtime.devices import MAX_HOST_DEVICES
 
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
@@ -176,7 +177,12 @@ class RunConfig:
         for s in self.stages:
             _check(s in STAGES, "RunConfig.stages", f"unknown stage {s!r} (known: {STAGES})")
         _check(self.placement in PLACEMENTS, "RunConfig.placement", f"use one of {PLACEMENTS}")
-        _check(self.host_devices >= 1, "RunConfig.host_devices", "must be >= 1")
+        _check(
+            1 <= self.host_devices <= MAX_HOST_DEVICES,
+            "RunConfig.host_devices",
+            f"must be in 1..{MAX_HOST_DEVICES} (virtual CPU devices cost memory and threads at "
+            f"start-up), got {self.host_devices}",
+        )
         _check(self.max_nonfinite_updates >= 0, "RunConfig.max_nonfinite_updates", "must be >= 0")
 
 

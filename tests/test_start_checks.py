@@ -1,0 +1,110 @@
+"""Bad settings found at start-up, in one line naming the setting: mesh axis typos (with the near
+miss), meshes that need more devices than exist or do not divide the model, a host device count
+XLA cannot sensibly fake; and a mesh that does not fit a checkpoint's model is a setting error,
+not a damaged checkpoint."""
+
+import logging
+
+import pytest
+
+from jrlhf.cli import convert, evaluate, generate, launch, train
+from jrlhf.meshes import MeshSpec
+from jrlhf.runtime.devices import MAX_HOST_DEVICES
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("fsdpp=8", "`fsdpp` is not a mesh axis; did you mean `fsdp`?"),
+        ("dta=8", "`dta` is not a mesh axis; did you mean `data`?"),
+        ("data=2,tensr=4", "`tensr` is not a mesh axis; did you mean `tensor`?"),
+        ("x=8", "`x` is not a mesh axis; the mesh axes are data, fsdp, tensor"),
+    ],
+)
+def test_mesh_specs_accept_only_the_axes_the_rules_know(spec, message):
+    with pytest.raises(ValueError) as e:
+        MeshSpec.parse(spec)
+    assert str(e.value) == message
+    assert MeshSpec.parse("data=2,fsdp=2,tensor=2").size == 8
+
+
+def test_a_mesh_axis_typo_in_train_names_the_binding(tmp_path, capsys):
+    args = ["--check", "--run-dir", str(tmp_path / "r"), "actor/RoleConfig.train_mesh='dat=8'"]
+    assert train.main(args) == 2
+    assert _one_line(capsys) == (
+        "error: actor/RoleConfig.train_mesh: `dat` is not a mesh axis; did you mean `data`?"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_mesh_axis_typo_in_evaluate_generate_and_convert_names_the_flag(tmp_path, capsys):
+    # Each is refused at the mesh, before any checkpoint is read (none exists here).
+    assert evaluate.main(["--checkpoint", str(tmp_path / "run"), "--mesh", "fsdpp=8"]) == 2
+    assert _one_line(capsys) == (
+        "error: --mesh fsdpp=8: `fsdpp` is not a mesh axis; did you mean `fsdp`?"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    (tmp_path / "ckpt").mkdir()
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--prompts", str(prompts)]
+    args += ["--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "4", "--mesh", "dta=8"]
+    assert generate.main(args) == 2
+    assert _one_line(capsys) == (
+        "error: --mesh dta=8: `dta` is not a mesh axis; did you mean `data`?"
+    )
+    args = ["--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf"), "--mesh", "fspd=2"]
+    assert convert.main(args) == 1
+    assert _one_line(capsys) == (
+        "error: --mesh fspd=2: `fspd` is not a mesh axis; did you mean `fsdp`?"
+    )
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_mesh_larger_than_the_devices_names_its_setting(tmp_path, capsys):
+    args = ["--run-dir", str(tmp_path / "r"), "actor/RoleConfig.train_mesh='fsdp=16'"]
+    assert train.main([*args, "RunConfig.stages=('sft',)"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: actor/RoleConfig.train_mesh fsdp=16: ") and "8 devices" in err
+    assert not (tmp_path / "r").exists()
+    assert evaluate.main(["--checkpoint", str(tmp_path / "run"), "--mesh", "data=16"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: --mesh data=16: ") and "only 8 devices exist" in err
+
+
+def test_convert_onto_a_mesh_the_model_does_not_divide_is_a_mesh_error_not_damage(
+    colocated_run, tmp_path, capsys, caplog
+):
+    # colocated_run's trainer checkpoint has intact steps 2 and 4; its actor's embedding (64
+    # wide) does not split over fsdp=3.
+    args = ["--from", str(colocated_run), "--to-hf", str(tmp_path / "hf"), "--mesh", "fsdp=3"]
+    with caplog.at_level(logging.WARNING, logger="jrlhf"):
+        assert convert.main(args) == 1
+    err = _one_line(capsys)
+    assert err.startswith("error: --mesh fsdp=3: ") and "not divisible by mesh axis 'fsdp'" in err
+    assert "damaged" not in err and "intact" not in err
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]  # no walk back
+    assert not (tmp_path / "hf").exists()
+
+
+def test_host_devices_beyond_what_xla_can_fake_are_refused_in_one_line(tmp_path, capsys):
+    too_many = MAX_HOST_DEVICES + 1
+    args = ["--check", "--run-dir", str(tmp_path / "r"), f"RunConfig.host_devices={too_many}"]
+    assert train.main(args) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: RunConfig.host_devices: must be in 1..") and str(too_many) in err
+    assert train.main([*args[:-1], f"RunConfig.host_devices={MAX_HOST_DEVICES}"]) == 0
+    capsys.readouterr()
+    # The launcher refuses before starting any process (argparse's usage line and one error).
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--processes", "2", "--devices-per-process", str(too_many), "--", "train"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(
+        f"--devices-per-process must be at most {MAX_HOST_DEVICES}, got {too_many}"
+    )
