@@ -1,15 +1,18 @@
 """Bad settings found at start-up, in one line naming the setting: mesh axis typos (with the near
 miss), meshes that need more devices than exist or do not divide the model, a host device count
-XLA cannot sensibly fake; and a mesh that does not fit a checkpoint's model is a setting error,
-not a damaged checkpoint."""
+XLA cannot sensibly fake, a user reward function that fails on a sample; a mesh that does not fit
+a checkpoint's model is a setting error, not a damaged checkpoint; and ``--check`` refuses what
+the run would refuse before its first step, with the same line."""
 
 import logging
 
 import pytest
+from run_helpers import SMALL
 
 from jrlhf.cli import convert, evaluate, generate, launch, train
 from jrlhf.meshes import MeshSpec
 from jrlhf.runtime.devices import MAX_HOST_DEVICES
+from jrlhf.tasks import SyntheticTask
 
 
 def _one_line(capsys) -> str:
@@ -108,3 +111,112 @@ def test_host_devices_beyond_what_xla_can_fake_are_refused_in_one_line(tmp_path,
     assert err[-1].endswith(
         f"--devices-per-process must be at most {MAX_HOST_DEVICES}, got {too_many}"
     )
+
+
+# -- --check builds what the run builds before its first step ---------------------------------
+def _data(tmp_path):
+    data = tmp_path / "data"
+    files = SyntheticTask(seed=0).write_jsonl(
+        data, num_prompts=32, num_heldout=16, num_sft=8, num_pairs=8
+    )
+    return data, files
+
+
+def _same_refusal_from_check_and_run(args, capsys, rc=2) -> str:
+    """--check and the run refuse ``args`` with the same one line and exit status; the run
+    leaves no run directory."""
+    assert train.main(["--check", *args]) == rc
+    checked = _one_line(capsys)
+    assert train.main(["--quiet", *args]) == rc
+    assert _one_line(capsys) == checked
+    return checked
+
+
+@pytest.mark.parametrize(
+    "binding,start,after_sft",
+    [
+        (
+            "actor/RoleConfig.train_mesh='fsdp=3'",
+            "error: actor/RoleConfig.train_mesh fsdp=3 [fsdp_tp]: parameter embedding with shape "
+            "(32, 64): dim 1 ('embed', size 64) is not divisible by mesh axis 'fsdp' of size 3",
+            False,
+        ),
+        (
+            "actor/RoleConfig.train_mesh='fsdp=16'",
+            "error: actor/RoleConfig.train_mesh fsdp=16: needs device 15 but only 8 devices exist",
+            False,
+        ),
+        (
+            "reward/RoleConfig.infer_mesh='tensor=8'",
+            # the run meets the reward model's mesh in its second stage, after SFT
+            "error: reward/RoleConfig.infer_mesh tensor=8 [fsdp_tp]: parameter ",
+            True,
+        ),
+    ],
+)
+def test_check_refuses_a_mesh_the_run_would_refuse(binding, start, after_sft, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), binding, "SFTConfig.steps=2", "RewardModelConfig.steps=2"]
+    assert _same_refusal_from_check_and_run(args, capsys).startswith(start)
+    assert (run_dir / "sft" / "model.json").exists() == after_sft
+
+
+def test_check_reads_and_validates_the_data_files(tmp_path, capsys):
+    data, files = _data(tmp_path)
+    run_dir = tmp_path / "run"
+    files_task = [
+        "--run-dir", str(run_dir), "RunConfig.stages=('sft',)", "SFTConfig.steps=2",
+        "TaskConfig.name='files'", f"TaskConfig.tokenizer='{data}'",
+        f"TaskConfig.sft_data='{files['sft']}'",
+    ]  # fmt: skip
+    ok = [*files_task, f"TaskConfig.prompts='{files['prompts']}'"]
+    assert train.main(["--check", *ok]) == 0
+    assert capsys.readouterr().out.startswith("config ok: new run in ")
+    missing = [*files_task, f"TaskConfig.prompts='{data / 'nope.jsonl'}'"]
+    assert "nope.jsonl" in _same_refusal_from_check_and_run(missing, capsys)
+    bad = data / "bad.jsonl"
+    bad.write_text(files["prompts"].read_text().splitlines()[0] + '\n{"prompt": \n')
+    err = _same_refusal_from_check_and_run([*files_task, f"TaskConfig.prompts='{bad}'"], capsys)
+    assert f"{bad}:2" in err
+    assert not run_dir.exists()
+
+
+USER_REWARDS = """
+import math
+
+def boom(prompt_ids, response_ids, meta):
+    raise ValueError("boom")
+
+def nan_score(batch):
+    return [math.nan] * len(batch)
+
+def fine(prompt_ids, response_ids, meta):
+    return float(len(response_ids))
+"""
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    name = f"start_rewards_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize(
+    "fn,what", [("boom", "raised ValueError: boom on sample 0"), ("nan_score", "returned nan")]
+)
+def test_a_reward_function_failing_on_a_sample_is_found_before_sft(
+    fn, what, reward_module, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    args = [
+        "--run-dir", str(run_dir), "RunConfig.stages=('sft', 'grpo')", "SFTConfig.steps=2",
+        f"TaskConfig.reward_fn='{reward_module}:{fn}'", "RLConfig.samples_per_prompt=2", *SMALL,
+    ]  # fmt: skip
+    err = _same_refusal_from_check_and_run(args, capsys, rc=1)
+    assert err.startswith(f"error: TaskConfig.reward_fn: reward function '{reward_module}:{fn}' ")
+    assert what in err and "at start-up" in err
+    assert not run_dir.exists()  # refused before SFT: nothing trained, nothing left
+    ok = [*args[:4], f"TaskConfig.reward_fn='{reward_module}:fine'", *args[5:]]
+    assert train.main(["--check", *ok]) == 0

@@ -16,6 +16,7 @@ from typing import Any
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
 from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
+from jrlhf.tasks.rewards import check_reward_fn
 
 
 @dataclasses.dataclass
@@ -129,6 +130,7 @@ def build_task_data(cfg: Config) -> TaskData:
             heldout_preference_records=heldout_pairs,
         )
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
+        _check_reward_fn(cfg, builtin)
         return builtin
     tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
     vocab = tokenizer.vocab_size if tokenizer else None
@@ -167,7 +169,7 @@ def build_task_data(cfg: Config) -> TaskData:
                 if (src_dir / name).exists():
                     shutil.copy2(src_dir / name, Path(directory) / name)
 
-    return TaskData(
+    files = TaskData(
         train_prompts=[r.prompt_ids for r in train],
         heldout_prompts=[r.prompt_ids for r in heldout],
         sft_records=list(sft),
@@ -181,6 +183,22 @@ def build_task_data(cfg: Config) -> TaskData:
         decode=tokenizer.decode if tokenizer else None,
         heldout_preference_records=list(heldout_prefs),
     )
+    _check_reward_fn(cfg, files)
+    return files
+
+
+def _check_reward_fn(cfg: Config, data: TaskData) -> None:
+    """The user's reward function scores a few dummy samples of ``data`` (jrlhf.tasks.rewards.
+    check_reward_fn) now, before any stage: not only once the RL stage starts."""
+    if cfg.task.reward_fn:
+        check_reward_fn(
+            cfg.task.reward_fn,
+            data.train_prompts,
+            data.train_meta,
+            data.decode,
+            data.eos_id,
+            cfg.task.max_response_len,
+        )
 
 
 def _check_reward_meta(cfg: Config, meta_by_source: dict[str, list[dict[str, Any]]]) -> None:
