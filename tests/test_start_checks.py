@@ -220,3 +220,25 @@ def test_a_reward_function_failing_on_a_sample_is_found_before_sft(
     assert not run_dir.exists()  # refused before SFT: nothing trained, nothing left
     ok = [*args[:4], f"TaskConfig.reward_fn='{reward_module}:fine'", *args[5:]]
     assert train.main(["--check", *ok]) == 0
+
+
+def test_check_refuses_a_training_batch_that_does_not_split_over_its_mesh(tmp_path, capsys):
+    # The flatten plan trains on fsdp=4,tensor=2: 4 batch shards. The run meets a batch of 6
+    # rows at the stage's first step; --check before anything, naming the setting.
+    args = ["--run-dir", str(tmp_path / "run"), "RunConfig.stages=('sft',)", "SFTConfig.steps=2"]
+    assert train.main(["--check", *args, "SFTConfig.batch_size=6"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: SFTConfig.batch_size 6: 6 rows do not split into ")
+    assert "over the 4 batch shards of the actor train mesh fsdp=4,tensor=2" in err
+    assert train.main(["--quiet", *args, "SFTConfig.batch_size=6"]) == 2
+    assert "not divisible by the batch mesh axes" in _one_line(capsys)
+    assert not (tmp_path / "run").exists()
+    # Micro-batches count too (16 rows in 3 x 4 pieces), in every stage that trains.
+    ppo = ["RunConfig.stages=('sft', 'ppo')", "actor/RoleConfig.microbatches=3"]
+    assert train.main(["--check", *args[:2], *ppo, "SFTConfig.batch_size=12"]) == 2
+    assert _one_line(capsys).startswith(
+        "error: RLConfig.minibatch_size 16: 16 rows do not split into "
+        "actor/RoleConfig.microbatches=3 micro-batch(es) over the 4 batch shards"
+    )
+    fits = ["SFTConfig.batch_size=12", "RLConfig.minibatch_size=12"]
+    assert train.main(["--check", *args[:2], *ppo, *fits, "RLConfig.prompts_per_iteration=24"]) == 0

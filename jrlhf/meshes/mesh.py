@@ -130,12 +130,17 @@ def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None)
 @contextlib.contextmanager
 def blame_setting(setting: str, errors: type[Exception] | tuple = ValueError) -> Iterator[None]:
     """Prefix ``errors`` raised inside with ``setting``: the flag or binding that chose the
-    mesh (``--mesh fsdp=3``, ``actor/RoleConfig.train_mesh``), so that a one-line error about a
-    mesh says which setting to change. The error keeps its type."""
+    mesh (``--mesh fsdp=3``, ``actor/RoleConfig.train_mesh``) or another input, so that a
+    one-line error says which setting to change. The error keeps its type where that type takes
+    a message alone (else it becomes a ValueError)."""
     try:
         yield
     except errors as e:
-        raise type(e)(f"{setting}: {e}") from None
+        try:
+            named = type(e)(f"{setting}: {e}")
+        except TypeError:  # a type that takes more than a message (UnicodeDecodeError)
+            named = ValueError(f"{setting}: {e}")
+        raise named from None
 
 
 def mesh_devices(mesh: Mesh) -> frozenset:

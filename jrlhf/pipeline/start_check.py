@@ -8,15 +8,17 @@ called on dummy samples (jrlhf.tasks.rewards.check_reward_fn), the execution pla
 devices, and every role each stage sets up: its model resolved (a checkpoint's vocabulary
 against the tokenizer), each of its meshes built on the devices and its parameters' shardings
 derived from the abstract parameter tree (``nnx.eval_shape``: nothing allocated), which fails,
-naming the setting that chose the mesh, where a dimension does not divide. Nothing is loaded,
-compiled or run.
+naming the setting that chose the mesh, where a dimension does not divide; and each stage's
+training batch against the batch shards and micro-batches of its role's training mesh (found by
+the run only at the stage's first step). Nothing is loaded, compiled or run.
 """
 
 from __future__ import annotations
 
 import jax
 
-from jrlhf.config import Config
+from jrlhf.config import Config, ConfigError
+from jrlhf.meshes.batch import batch_shards
 from jrlhf.meshes.mesh import blame_setting
 from jrlhf.pipeline.task_data import build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
@@ -42,6 +44,42 @@ def stage_roles(cfg: Config, stage: str) -> list[tuple[str, str | None]]:
     return [(role, None) for role in needed]
 
 
+def train_batches(cfg: Config, stage: str) -> list[tuple[str, str, int]]:
+    """(role, setting, rows) of each batch ``stage`` hands to a role's train step: what must
+    split over the step's mesh (jrlhf.meshes.batch.check_batch_divides)."""
+    if stage == "sft":
+        return [("actor", f"SFTConfig.batch_size {cfg.sft.batch_size}", cfg.sft.batch_size)]
+    if stage in ("rm", "dpo"):  # two rows per preference pair
+        role, section, name = (
+            ("reward", cfg.rm, "RewardModelConfig")
+            if stage == "rm"
+            else ("actor", cfg.dpo, "DPOConfig")
+        )
+        setting = f"{name}.batch_size {section.batch_size} (pairs of rows)"
+        return [(role, setting, 2 * section.batch_size)]
+    if cfg.rl.pack_samples:  # packed rows are counted per minibatch, split by construction
+        return []
+    setting = f"RLConfig.minibatch_size {cfg.rl.minibatch_size}"
+    trained = ["actor", "critic"] if stage == "ppo" else ["actor"]
+    return [(role, setting, cfg.rl.minibatch_size) for role in trained]
+
+
+def check_train_batch(cfg: Config, plan: ExecutionPlan, setup: RoleSetup, setting: str, rows: int):
+    """One line naming ``setting`` and the mesh's own setting when ``rows`` do not split over
+    the batch shards of ``setup``'s training mesh times its micro-batches, as the train step
+    would find at the stage's first step. With RoleConfig.microbatch_tokens the count is chosen
+    among the splits that fit (jrlhf.data.batch.fit_microbatches): only the shards must divide."""
+    role, rc = setup.name, setup.config
+    shards = batch_shards(setup.meshes["train"], setup.rules["train"])
+    m = 1 if rc.microbatch_tokens else rc.microbatches
+    if rows % (shards * m):
+        mesh = mesh_setting(cfg, role, "train", plan.for_role(role, "train"))
+        raise ConfigError(
+            f"{setting}: {rows} rows do not split into {role}/RoleConfig.microbatches={m} "
+            f"micro-batch(es) over the {shards} batch shards of {mesh}"
+        )
+
+
 def check_run(cfg: Config) -> ExecutionPlan:
     """Build and check what a run of ``cfg`` builds before its first step (see the module
     docstring), on the devices JAX has; returns the run's execution plan. Raises the run's own
@@ -58,6 +96,9 @@ def check_run(cfg: Config) -> ExecutionPlan:
             # architecture as its output, which does not exist yet).
             source = resolve_model(cfg, role, data.model_overrides, None, init=init)
             built[role, init] = setup_role(cfg, role, plan, source)
+        roles = {role: built[role, init] for role, init in stage_roles(cfg, stage)}
+        for role, setting, rows in train_batches(cfg, stage):
+            check_train_batch(cfg, plan, roles[role], setting, rows)
         if stage == "dpo":
             # The frozen reference scores the pairs on the actor's training mesh.
             actor = built["actor", stage_start(cfg, "dpo")]

@@ -15,6 +15,7 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
+from jrlhf.meshes.mesh import blame_setting
 from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
 from jrlhf.tasks.rewards import check_reward_fn
 
@@ -132,7 +133,8 @@ def build_task_data(cfg: Config) -> TaskData:
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
         _check_reward_fn(cfg, builtin)
         return builtin
-    tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
+    with blame_setting("TaskConfig.tokenizer", (FileNotFoundError, ValueError)):
+        tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
     vocab = tokenizer.vocab_size if tokenizer else None
     lens = dict(max_prompt_len=t.max_prompt_len, vocab_size=vocab)
     train = data_lib.load_prompts(t.prompts, tokenizer, **lens)
