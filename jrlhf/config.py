@@ -65,6 +65,10 @@ ROLE_PHASES = {
     "reference": ("infer",),
     "reward": ("infer", "train"),
 }
+# The most records of each kind a TaskConfig count may ask for: built-in tasks draw them in
+# Python at every start, --check included (about 7,000 a second on the 2-core CPU machine, so a
+# million take minutes; a billion, a typo's worth, would never finish).
+MAX_TASK_RECORDS = 1_000_000
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 PLACEMENTS = ("flatten", "interleave", "separate", "search", "custom")
 
@@ -174,6 +178,7 @@ class RunConfig:
     def validate(self) -> None:
         check_types(self, "RunConfig")
         _check(bool(self.stages), "RunConfig.stages", "needs at least one stage")
+        _check(self.seed >= 0, "RunConfig.seed", "must be >= 0 (NumPy's generators refuse less)")
         for s in self.stages:
             _check(s in STAGES, "RunConfig.stages", f"unknown stage {s!r} (known: {STAGES})")
         _check(self.placement in PLACEMENTS, "RunConfig.placement", f"use one of {PLACEMENTS}")
@@ -234,6 +239,11 @@ class TaskConfig:
             "num_heldout_pairs",
         ):
             _check(getattr(self, name) >= 1, f"TaskConfig.{name}", "must be >= 1")
+            _check(
+                getattr(self, name) <= MAX_TASK_RECORDS,
+                f"TaskConfig.{name}",
+                f"must be <= {MAX_TASK_RECORDS:,} (built-in tasks draw them at every start)",
+            )
 
 
 @gin.configurable

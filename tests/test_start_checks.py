@@ -80,7 +80,7 @@ def test_a_mesh_larger_than_the_devices_names_its_setting(tmp_path, capsys):
     assert err.startswith("error: --mesh data=16: ") and "only 8 devices exist" in err
 
 
-def test_convert_onto_a_mesh_the_model_does_not_divide_is_a_mesh_error_not_damage(
+def test_a_mesh_the_checkpoints_model_does_not_divide_is_a_mesh_error_not_damage(
     colocated_run, tmp_path, capsys, caplog
 ):
     # colocated_run's trainer checkpoint has intact steps 2 and 4; its actor's embedding (64
@@ -93,6 +93,19 @@ def test_convert_onto_a_mesh_the_model_does_not_divide_is_a_mesh_error_not_damag
     assert "damaged" not in err and "intact" not in err
     assert not [r for r in caplog.records if "damaged" in r.getMessage()]  # no walk back
     assert not (tmp_path / "hf").exists()
+    # evaluate and generate restore the same way: the same kind of line, naming --mesh.
+    args = ["--checkpoint", str(colocated_run), "--mesh", "data=2,tensor=3"]
+    assert evaluate.main(args) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: --mesh data=2,tensor=3 (--rules dp_tp): parameter ")
+    assert "not divisible by mesh axis 'tensor'" in err and "intact" not in err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    args += ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]
+    assert generate.main([*args, "--max-new-tokens", "2"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: --mesh data=2,tensor=3 (--rules dp_tp): parameter ")
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
 
 
 def test_host_devices_beyond_what_xla_can_fake_are_refused_in_one_line(tmp_path, capsys):
@@ -242,3 +255,18 @@ def test_check_refuses_a_training_batch_that_does_not_split_over_its_mesh(tmp_pa
     )
     fits = ["SFTConfig.batch_size=12", "RLConfig.minibatch_size=12"]
     assert train.main(["--check", *args[:2], *ppo, *fits, "RLConfig.prompts_per_iteration=24"]) == 0
+
+
+@pytest.mark.parametrize(
+    "binding,message",
+    [
+        # NumPy refused it deep in the task's data, in a line naming nothing
+        ("RunConfig.seed=-1", "RunConfig.seed: must be >= 0"),
+        # drawn at every start, --check included: a billion would never finish
+        ("TaskConfig.num_sft_examples=1000000000", "TaskConfig.num_sft_examples: must be <= "),
+        ("TaskConfig.num_heldout=1000000000", "TaskConfig.num_heldout: must be <= "),
+    ],
+)
+def test_values_that_building_the_data_cannot_take_are_refused_first(binding, message, capsys):
+    assert train.main(["--check", binding]) == 2
+    assert _one_line(capsys).startswith(f"error: {message}")
