@@ -270,3 +270,14 @@ def test_check_refuses_a_training_batch_that_does_not_split_over_its_mesh(tmp_pa
 def test_values_that_building_the_data_cannot_take_are_refused_first(binding, message, capsys):
     assert train.main(["--check", binding]) == 2
     assert _one_line(capsys).startswith(f"error: {message}")
+
+
+def test_check_refuses_an_rl_iteration_the_planners_memory_model_puts_over_the_devices(capsys):
+    # 4,096 prompts of 4,096 response tokens scored in one call: about 140 GiB of activations a
+    # device by the estimator, against the CPU profile's share of the host.
+    big = ["RLConfig.prompts_per_iteration=4096", "RLConfig.minibatch_size=4096"]
+    assert train.main(["--check", *big, "TaskConfig.max_response_len=4096"]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("error: RunConfig.placement 'flatten': plan 'flatten' does not fit in ")
+    assert "reference_infer: needs " in err and "RLConfig.prompts_per_iteration" in err
+    assert train.main(["--check", *big]) == 0  # 16 response tokens fit

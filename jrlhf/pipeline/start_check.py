@@ -10,7 +10,8 @@ against the tokenizer), each of its meshes built on the devices and its paramete
 derived from the abstract parameter tree (``nnx.eval_shape``: nothing allocated), which fails,
 naming the setting that chose the mesh, where a dimension does not divide; and each stage's
 training batch against the batch shards and micro-batches of its role's training mesh (found by
-the run only at the stage's first step). Nothing is loaded, compiled or run.
+the run only at the stage's first step); and the RL iteration's memory by the planner's model
+against this machine's device profile. Nothing is loaded, compiled or run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from jrlhf.meshes.batch import batch_shards
 from jrlhf.meshes.mesh import blame_setting
 from jrlhf.pipeline.task_data import build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
+from jrlhf.placement.estimator import estimate
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.search import local_device_kind
+from jrlhf.placement.workload import Workload
 from jrlhf.ppo import core_algos as algos
 from jrlhf.runtime.model_source import resolve_model, role_models, stage_start
 from jrlhf.runtime.roles import RoleSetup, mesh_setting, setup_role
@@ -80,6 +85,33 @@ def check_train_batch(cfg: Config, plan: ExecutionPlan, setup: RoleSetup, settin
         )
 
 
+def check_memory(cfg: Config, plan: ExecutionPlan, data_overrides: dict) -> None:
+    """One line when the planner's memory model (jrlhf.placement.estimator) puts some call of
+    an RL iteration of ``plan`` over a device's usable memory in this machine's device profile:
+    the run would fail there (out of memory) or, on CPU devices sharing the host, swap. Nothing
+    for runs without an RL stage (the model prices the RL iteration) or on devices without a
+    built-in profile."""
+    stage = next((s for s in cfg.run.stages if s in ("ppo", "grpo")), None)
+    if stage is None:
+        return
+    try:
+        profile = DeviceProfile.load(local_device_kind())
+    except ValueError:  # no built-in profile for this device: nothing to price it against
+        return
+    models = role_models(cfg, data_overrides)
+    est = estimate(plan, Workload.from_config(cfg, models), profile)
+    capacity = profile.usable_bytes
+    for call, peak in est.memory_bytes.items():
+        if peak > capacity:
+            why = next((r for r in est.reasons if r.startswith(f"{call}: needs")), "")
+            raise ConfigError(
+                f"RunConfig.placement {cfg.run.placement!r}: plan {plan.name!r} does not fit in "
+                f"memory by the planner's estimate ({why or f'{call}: needs {peak} bytes'}); "
+                "lower the RL batch sizes (RLConfig.prompts_per_iteration, infer_batch_size, "
+                "RoleConfig.microbatches) or see python -m jrlhf.plan"
+            )
+
+
 def check_run(cfg: Config) -> ExecutionPlan:
     """Build and check what a run of ``cfg`` builds before its first step (see the module
     docstring), on the devices JAX has; returns the run's execution plan. Raises the run's own
@@ -107,4 +139,5 @@ def check_run(cfg: Config) -> ExecutionPlan:
             setting = mesh_setting(cfg, "actor", "train", plan.for_role("actor", "train"))
             with blame_setting(setting):
                 reference.model.shardings(actor.meshes["train"], actor.rules["train"])
+    check_memory(cfg, plan, data.model_overrides)
     return plan
