@@ -92,6 +92,16 @@ def _builtin_prompts(name: str, seed: int, n: int, split: str) -> list[list[int]
     return [list(p) for p in _drawn_prompts(BUILTIN_TASKS[name], int(seed), int(n), split)]
 
 
+@functools.lru_cache(maxsize=16)
+def _drawn_records(name: str, seed: int, kind: str, n: int, split: str) -> tuple[Any, ...]:
+    """A built-in task's first ``n`` demonstrations (``kind="sft"``) or preference pairs of
+    ``split``: like its prompts, a function of the task and its seed, drawn once per process
+    (2,048 of each took about a second, at every start of an in-process run or --check). The
+    records are frozen; callers get a fresh list of them."""
+    task = BUILTIN_TASKS[name](seed=seed)
+    return tuple(task.sft_examples(n) if kind == "sft" else task.preference_pairs(n, split))
+
+
 def build_task_data(cfg: Config) -> TaskData:
     """Load or synthesize the data; every problem surfaces here, before any model is built."""
     t = cfg.task
@@ -109,12 +119,16 @@ def build_task_data(cfg: Config) -> TaskData:
         # Demonstrations and pairs are drawn only for the stages that read them: drawing them
         # costs a second or two at every start of an RL-only run. Each has its own random
         # stream, so what is drawn does not depend on what else is.
-        stages = set(cfg.run.stages)
-        sft = task.sft_examples(t.num_sft_examples) if "sft" in stages else []
-        pairs = task.preference_pairs(t.num_preference_pairs) if stages & {"rm", "dpo"} else []
-        heldout_pairs = []
+        stages, seed = set(cfg.run.stages), int(cfg.run.seed)
+        sft, pairs, heldout_pairs = [], [], []
+        if "sft" in stages:
+            sft = list(_drawn_records(t.name, seed, "sft", t.num_sft_examples, "train"))
+        if stages & {"rm", "dpo"}:
+            pairs = list(_drawn_records(t.name, seed, "pairs", t.num_preference_pairs, "train"))
         if "dpo" in stages:
-            heldout_pairs = task.preference_pairs(t.num_heldout_pairs, "heldout")
+            heldout_pairs = list(
+                _drawn_records(t.name, seed, "pairs", t.num_heldout_pairs, "heldout")
+            )
         builtin = TaskData(
             train_prompts=train_prompts,
             heldout_prompts=heldout_prompts,
