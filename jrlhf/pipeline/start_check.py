@@ -8,10 +8,13 @@ called on dummy samples (jrlhf.tasks.rewards.check_reward_fn), the execution pla
 devices, and every role each stage sets up: its model resolved (a checkpoint's vocabulary
 against the tokenizer), each of its meshes built on the devices and its parameters' shardings
 derived from the abstract parameter tree (``nnx.eval_shape``: nothing allocated), which fails,
-naming the setting that chose the mesh, where a dimension does not divide; and each stage's
-training batch against the batch shards and micro-batches of its role's training mesh (found by
-the run only at the stage's first step); and the RL iteration's memory by the planner's model
-against this machine's device profile. Nothing is loaded, compiled or run.
+naming the setting that chose the mesh, where a dimension does not divide.
+
+Then what the run finds only later, with lines naming the settings: each stage's training batch
+against the batch shards and micro-batches of its role's training mesh (the run: at the stage's
+first step), the RL scoring chunks against the scoring meshes (the run: once every role's weights
+are loaded), and the RL iteration's memory by the planner's model against this machine's device
+profile (the run: out of memory). Nothing is loaded, compiled or run.
 """
 
 from __future__ import annotations
@@ -85,6 +88,28 @@ def check_train_batch(cfg: Config, plan: ExecutionPlan, setup: RoleSetup, settin
         )
 
 
+def check_infer_batch(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSetup]) -> None:
+    """RLConfig.infer_batch_size rows per scoring call must split over the batch shards of
+    every mesh that scores in chunks (jrlhf.runtime.roles.make_infer, which the RL trainer
+    builds after loading every role's weights): the scoring roles' inference meshes and, with
+    an off-policy correction, the actor's training mesh."""
+    rows = cfg.rl.infer_batch_size
+    if not rows:
+        return
+    calls = [(role, "infer") for role in ("reference", "reward", "critic") if role in roles]
+    if cfg.rl.off_policy_correction != "none":
+        calls.append(("actor", "train"))
+    for role, phase in calls:
+        setup = roles[role]
+        shards = batch_shards(setup.meshes[phase], setup.rules[phase])
+        if rows % shards:
+            mesh = mesh_setting(cfg, role, phase, plan.for_role(role, phase))
+            raise ConfigError(
+                f"RLConfig.infer_batch_size {rows}: does not split over the {shards} batch "
+                f"shards of {mesh}"
+            )
+
+
 def check_memory(cfg: Config, plan: ExecutionPlan, data_overrides: dict) -> None:
     """One line when the planner's memory model (jrlhf.placement.estimator) puts some call of
     an RL iteration of ``plan`` over a device's usable memory in this machine's device profile:
@@ -131,6 +156,8 @@ def check_run(cfg: Config) -> ExecutionPlan:
         roles = {role: built[role, init] for role, init in stage_roles(cfg, stage)}
         for role, setting, rows in train_batches(cfg, stage):
             check_train_batch(cfg, plan, roles[role], setting, rows)
+        if stage in ("ppo", "grpo"):
+            check_infer_batch(cfg, plan, roles)
         if stage == "dpo":
             # The frozen reference scores the pairs on the actor's training mesh.
             actor = built["actor", stage_start(cfg, "dpo")]

@@ -19,7 +19,7 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.mesh import blame_setting, make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.placement.plan import CallPlacement, ExecutionPlan, ReshardEdge
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.runtime.shared_programs import shared_program
@@ -70,7 +70,9 @@ def setup_role(cfg: Config, role: str, plan: ExecutionPlan, source: ModelSource)
         rules[phase] = get_rules(placement.rules)
     for edge in plan.reshard_edges():
         if edge.role == role:
-            _check_edge(edge, plan)
+            phase = CALLS[edge.dst][1]
+            with blame_setting(mesh_setting(cfg, role, phase, plan[edge.dst])):
+                _check_edge(edge, plan)
     setup = RoleSetup(role, cfg.roles[role], source, meshes, rules)
     for phase in meshes:
         with blame_setting(mesh_setting(cfg, role, phase, plan.for_role(role, phase))):
