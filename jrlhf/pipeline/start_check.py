@@ -110,20 +110,17 @@ def check_infer_batch(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSet
             )
 
 
-def check_memory(cfg: Config, plan: ExecutionPlan, data_overrides: dict) -> None:
+def check_memory(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSetup]) -> None:
     """One line when the planner's memory model (jrlhf.placement.estimator) puts some call of
     an RL iteration of ``plan`` over a device's usable memory in this machine's device profile:
     the run would fail there (out of memory) or, on CPU devices sharing the host, swap. Nothing
     for runs without an RL stage (the model prices the RL iteration) or on devices without a
-    built-in profile."""
-    stage = next((s for s in cfg.run.stages if s in ("ppo", "grpo")), None)
-    if stage is None:
-        return
+    built-in profile. ``roles``: the RL stage's roles (those it sets up, jrlhf.pipeline.run)."""
     try:
         profile = DeviceProfile.load(local_device_kind())
     except ValueError:  # no built-in profile for this device: nothing to price it against
         return
-    models = role_models(cfg, data_overrides)
+    models = {role: setup.model.config for role, setup in roles.items()}
     est = estimate(plan, Workload.from_config(cfg, models), profile)
     capacity = profile.usable_bytes
     for call, peak in est.memory_bytes.items():
@@ -158,6 +155,7 @@ def check_run(cfg: Config) -> ExecutionPlan:
             check_train_batch(cfg, plan, roles[role], setting, rows)
         if stage in ("ppo", "grpo"):
             check_infer_batch(cfg, plan, roles)
+            check_memory(cfg, plan, roles)
         if stage == "dpo":
             # The frozen reference scores the pairs on the actor's training mesh.
             actor = built["actor", stage_start(cfg, "dpo")]
@@ -166,5 +164,4 @@ def check_run(cfg: Config) -> ExecutionPlan:
             setting = mesh_setting(cfg, "actor", "train", plan.for_role("actor", "train"))
             with blame_setting(setting):
                 reference.model.shardings(actor.meshes["train"], actor.rules["train"])
-    check_memory(cfg, plan, data.model_overrides)
     return plan
