@@ -287,11 +287,13 @@ def check_reward_fn(
     same way in the RL stage, after the stages before it: a :class:`RewardError` now, naming
     ``TaskConfig.reward_fn``, the function and the sample, in one line."""
     n = min(CHECK_SAMPLES, len(prompts))
+    if not n:
+        return
     responses = []
     for i in range(n):
         ids = [int(t) for t in prompts[i]][: max(max_response_len - 1, 1)]
         responses.append(ids + ([] if eos_id is None else [int(eos_id)]))
-    if n and eos_id is not None:
+    if eos_id is not None:
         responses[-1] = [int(eos_id)]
     batch = RewardBatch(
         [list(p) for p in prompts[:n]], responses, [dict(m) for m in metas[:n]], decode
