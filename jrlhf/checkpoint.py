@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import all_processes, barrier, is_primary
-from jrlhf.meshes.rules import Rules
+from jrlhf.meshes.rules import MeshLayoutError, Rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.reshard.processes import local_part, spanning, spanning_target
@@ -224,6 +224,9 @@ def restore_newest_intact(
             value, problem = restore(step), None
             if not _finite(value):
                 problem = "non-finite values"
+        except MeshLayoutError:
+            # The mesh does not fit the model: every step would fail alike, and none is damaged.
+            raise
         except Exception as e:  # Orbax and tensorstore raise many types for a damaged step
             value, problem = None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         # Every process takes the same branch, whichever of them saw the problem.

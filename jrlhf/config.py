@@ -21,6 +21,7 @@ import gin
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
 from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
+from jrlhf.runtime.devices import MAX_HOST_DEVICES
 
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.
@@ -64,6 +65,10 @@ ROLE_PHASES = {
     "reference": ("infer",),
     "reward": ("infer", "train"),
 }
+# The most records of each kind a TaskConfig count may ask for: built-in tasks draw them in
+# Python at every start, --check included (about 7,000 a second on the 2-core CPU machine, so a
+# million take minutes; a billion, a typo's worth, would never finish).
+MAX_TASK_RECORDS = 1_000_000
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.gin"
 PLACEMENTS = ("flatten", "interleave", "separate", "search", "custom")
 
@@ -173,10 +178,16 @@ class RunConfig:
     def validate(self) -> None:
         check_types(self, "RunConfig")
         _check(bool(self.stages), "RunConfig.stages", "needs at least one stage")
+        _check(self.seed >= 0, "RunConfig.seed", "must be >= 0 (NumPy's generators refuse less)")
         for s in self.stages:
             _check(s in STAGES, "RunConfig.stages", f"unknown stage {s!r} (known: {STAGES})")
         _check(self.placement in PLACEMENTS, "RunConfig.placement", f"use one of {PLACEMENTS}")
-        _check(self.host_devices >= 1, "RunConfig.host_devices", "must be >= 1")
+        _check(
+            1 <= self.host_devices <= MAX_HOST_DEVICES,
+            "RunConfig.host_devices",
+            f"must be in 1..{MAX_HOST_DEVICES} (virtual CPU devices cost memory and threads at "
+            f"start-up), got {self.host_devices}",
+        )
         _check(self.max_nonfinite_updates >= 0, "RunConfig.max_nonfinite_updates", "must be >= 0")
 
 
@@ -228,6 +239,11 @@ class TaskConfig:
             "num_heldout_pairs",
         ):
             _check(getattr(self, name) >= 1, f"TaskConfig.{name}", "must be >= 1")
+            _check(
+                getattr(self, name) <= MAX_TASK_RECORDS,
+                f"TaskConfig.{name}",
+                f"must be <= {MAX_TASK_RECORDS:,} (built-in tasks draw them at every start)",
+            )
 
 
 @gin.configurable

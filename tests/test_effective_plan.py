@@ -75,7 +75,10 @@ def test_rules_without_mesh_and_phantom_phases_are_errors(binding, message):
 
 def test_a_plan_slice_beyond_the_devices_is_one_line():
     cfg = load("RunConfig.placement='custom'", "actor/RoleConfig.train_mesh='fsdp=4@8:12'")
-    with pytest.raises(ValueError, match="actor_train mesh fsdp=4@8,9,10,11 needs device 11"):
+    with pytest.raises(
+        ValueError,
+        match="^actor/RoleConfig.train_mesh fsdp=4@8,9,10,11: needs device 11 but only 8 devices",
+    ):
         effective_plan(cfg, 8)
 
 

@@ -242,9 +242,11 @@ def test_a_tokenizer_larger_than_the_model_is_refused_and_leaves_nothing(
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err, err
     assert "RoleConfig.init" in err and "vocabulary of" in err and "TaskConfig.tokenizer" in err
-    # Nothing was left behind: the same command is not refused as "already holds a run".
+    # Nothing was left behind, and --check, which builds the roles' models, refuses the same
+    # command with the same line.
     assert not run_dir.exists()
-    assert train.main(["--check", *args]) == 0
+    assert train.main(["--check", *args]) == 2
+    assert capsys.readouterr().err.strip() == err
 
 
 def test_non_utf8_jsonl_names_the_file_and_line(tmp_path):

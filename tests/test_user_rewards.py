@@ -128,10 +128,11 @@ def test_a_jsonl_task_with_answers_trains_through_a_user_reward_by_import_path(
     ]
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    # Held-out before (16 prompts x 4 samples), 2 iterations (16 prompts x 2), held-out after.
-    assert [c["n"] for c in calls] == [64, 32, 32, 64]
-    assert set(calls[1]["answers"]) <= set("abcd") and calls[1]["prompt"].endswith("=")
-    assert calls[1]["response"] and calls[1]["ids"]  # text decoded from the ids
+    # The start-up check (4 dummy samples, before any stage), held-out before (16 prompts x 4
+    # samples), 2 iterations (16 prompts x 2), held-out after.
+    assert [c["n"] for c in calls] == [4, 64, 32, 32, 64]
+    assert set(calls[2]["answers"]) <= set("abcd") and calls[2]["prompt"].endswith("=")
+    assert calls[2]["response"] and calls[2]["ids"]  # text decoded from the ids
     rewards = [r["reward"] for r in metric_rows(run_dir, "grpo") if "reward" in r]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 
 from jrlhf import checkpoint
-from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary, job_mesh
 from jrlhf.models import ModelDef, hf
 from jrlhf.runtime import distributed
@@ -51,9 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_ckpt and not args.to_hf:
         print("error: --from needs --to-hf HF_DIR", file=sys.stderr)
         return 2
+    # Every error about the mesh (a typo, too few devices, a model it does not divide) names
+    # --mesh; a typo is found before JAX starts.
+    setting = f"--mesh {args.mesh}" if args.mesh else "the default mesh"
     try:
+        with blame_setting(setting):
+            spec = MeshSpec.parse(args.mesh) if args.mesh else None
         distributed.setup_devices(args.distributed)
-        mesh = make_mesh(MeshSpec.parse(args.mesh or job_mesh("fsdp=1", "fsdp")))
+        with blame_setting(setting):
+            mesh = make_mesh(spec or MeshSpec.parse(job_mesh("fsdp=1", "fsdp")))
         if args.from_hf:
             out = Path(args.to)
             if out.exists() and any(out.iterdir()):
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {out}")
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         # A job that cannot be joined (DistributedError) is a ValueError: one line too.
+        if isinstance(e, MeshLayoutError):  # the model does not divide the mesh
+            e = f"{setting}: {e}"
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(1)
     return 0

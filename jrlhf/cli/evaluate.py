@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from jrlhf.config import ConfigError
+from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary
 from jrlhf.runtime import distributed
 from jrlhf.tasks.rewards import RewardError
@@ -34,9 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Every error about the mesh (a typo, too few devices, a model it does not divide) names
+    # --mesh; a typo is found before JAX starts.
+    setting = f"--mesh {args.mesh}"
     try:
+        with blame_setting(setting):
+            spec = MeshSpec.parse(args.mesh)
         distributed.setup_devices(args.distributed)
-    except distributed.DistributedError as e:
+        with blame_setting(setting):
+            make_mesh(spec)
+    except ValueError as e:  # DistributedError is one
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(2)
     # After the device flag: XLA reads it when JAX's backends start.
@@ -48,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             args.greedy,
         )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError, RewardError) as e:
+        if isinstance(e, MeshLayoutError):  # the run's models do not divide the mesh
+            e = f"{setting} (--rules {args.rules}): {e}"
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(1 if isinstance(e, RewardError) else 2)
     if is_primary():  # every process computed the same report; process 0 reports it

@@ -24,7 +24,7 @@ from jrlhf.checkpoint import load_model
 from jrlhf.decode.engine import DecodeEngine, EngineConfig, round_slots
 from jrlhf.decode.kernels import KERNELS
 from jrlhf.decode.sampling import SamplingParams
-from jrlhf.meshes import MeshSpec, make_mesh
+from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import barrier, is_primary, job_mesh
 from jrlhf.models.hf import load_hf
 from jrlhf.ppo.rollout import Rollout
@@ -110,14 +110,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise InputError(str(e)) from None
 
+    # Every error about the mesh (a typo, too few devices, a model it does not divide) names it.
+    setting = f"--mesh {args.mesh}" if args.mesh else "the default mesh"
     try:
-        mesh = make_mesh(MeshSpec.parse(args.mesh or job_mesh("data=1,tensor=1", "data")))
+        with blame_setting(setting):
+            mesh = make_mesh(MeshSpec.parse(args.mesh or job_mesh("data=1,tensor=1", "data")))
     except ValueError as e:
         raise InputError(str(e)) from None
-    if args.hf:
-        model_def, params = load_hf(args.hf, mesh, args.rules)
-    else:
-        model_def, params = load_model(args.checkpoint, mesh, args.rules)
+    with blame_setting(f"{setting} (--rules {args.rules})", MeshLayoutError):
+        if args.hf:
+            model_def, params = load_hf(args.hf, mesh, args.rules)
+        else:
+            model_def, params = load_model(args.checkpoint, mesh, args.rules)
 
     want = args.num_slots or min(len(prompts) * args.num_samples, 64)
     num_slots = round_slots(want, mesh, args.rules)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jrlhf.runtime import job_env
-from jrlhf.runtime.devices import with_host_device_count
+from jrlhf.runtime.devices import MAX_HOST_DEVICES, with_host_device_count
 
 # The entry points that take --distributed, by the name used after ``python -m jrlhf.``.
 ENTRY_POINTS = ("train", "evaluate", "generate", "convert", "bench", "plan.calibrate")
@@ -385,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in counts.items():
         if value < 1:
             parser.error(f"{name} must be at least 1, got {value}")
+    if args.devices_per_process > MAX_HOST_DEVICES:  # why: see MAX_HOST_DEVICES
+        parser.error(
+            f"--devices-per-process must be at most {MAX_HOST_DEVICES}, got "
+            f"{args.devices_per_process}"
+        )
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port}: not a TCP port")
     if args.cores_per_process < 0:

@@ -8,7 +8,8 @@ and PPO policies and the PPO policy's KL to the reference.
 Bindings use gin syntax, e.g. ``RLConfig.iterations=10`` or
 ``'actor/RoleConfig.train_mesh="fsdp=8"'``. ``--resume`` continues a run directory exactly, with
 the configuration saved in it (jrlhf.pipeline.run_dir). ``--check`` validates the configuration
-and the run directory and writes nothing.
+and the run directory, builds what the run builds before its first step without running a
+model (jrlhf.pipeline.start_check) and writes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jrlhf.config import DEFAULT_CONFIG, Config, ConfigError, load_config
-from jrlhf.meshes.processes import barrier
+from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.pipeline.run_dir import (
     RunDirRefused,
     discard_failed_start,
@@ -64,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
-        "--check", action="store_true", help="validate the config and run directory; write nothing"
+        "--check",
+        action="store_true",
+        help="validate the config, run directory, data, reward function, meshes and model "
+        "shapes, running no model; write nothing",
     )
     distributed.add_flag(p)
     p.add_argument("bindings", nargs="*", help="gin bindings, e.g. RLConfig.iterations=10")
@@ -124,16 +128,34 @@ def storage_message(fault: str, removed: bool) -> str:
     )
 
 
+def check(cfg: Config, run_dir: Path | None, resume: bool) -> int:
+    """``--check``: build and check everything the run would before its first step
+    (jrlhf.pipeline.start_check), writing nothing; the run's one-line error, or "config ok"."""
+    # Imported here, not at the top: after the device set-up, as for the run.
+    from jrlhf.pipeline.start_check import check_run  # noqa: PLC0415
+
+    try:
+        plan = check_run(cfg)
+    except (ConfigError, ValueError, FileNotFoundError, RewardError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, RewardError) else 2
+    where = run_dir or "runs/run-<timestamp>"
+    if is_primary():
+        print(
+            f"config ok: {'resume' if resume else 'new run'} in {where} on {jax.device_count()} "
+            f"devices, plan {plan.name!r}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lock = None
     try:
         cfg, run_dir, resume = load_run_config(args)
-        if args.check:
-            where = run_dir or "runs/run-<timestamp>"
-            print(f"config ok: {'resume' if resume else 'new run'} in {where}")
-            return 0
         distributed.setup_devices(args.distributed, cfg.run.host_devices)
+        if args.check:
+            return distributed.end_process(check(cfg, run_dir, resume))
         run_dir = run_dir or Path("runs") / f"run-{_run_stamp()}"
         barrier("run_dir")  # every process has checked the directory before any creates it
         created = not run_dir.exists()

@@ -7,14 +7,18 @@ axis varies fastest over the slice, so put the axis that wants the fastest links
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+from jrlhf.meshes.rules import MESH_AXES
 
 _AXIS_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*$")
 
@@ -31,6 +35,8 @@ class MeshSpec:
 
     def __post_init__(self):
         names = [n for n, _ in self.axes]
+        for name in names:
+            check_axis_name(name)
         if len(set(names)) != len(names):
             raise ValueError(f"mesh {self}: axis names repeat")
         for name, size in self.axes:
@@ -95,6 +101,16 @@ class MeshSpec:
         return f"{body}@{','.join(map(str, self.devices))}"
 
 
+def check_axis_name(name: str) -> None:
+    """One line for a mesh axis no rule set shards over (:data:`jrlhf.meshes.rules.MESH_AXES`),
+    suggesting the nearest known name: such an axis would leave every array replicated on it."""
+    if name in MESH_AXES:
+        return
+    near = difflib.get_close_matches(name, MESH_AXES, n=1, cutoff=0.5)
+    hint = f"did you mean `{near[0]}`?" if near else f"the mesh axes are {', '.join(MESH_AXES)}"
+    raise ValueError(f"`{name}` is not a mesh axis; {hint}")
+
+
 def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build a ``jax.sharding.Mesh`` for ``spec``; fails with one line if it cannot fit."""
     if isinstance(spec, str):
@@ -109,6 +125,22 @@ def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None)
         )
     array = np.array([all_devices[i] for i in ids], dtype=object).reshape([s for _, s in spec.axes])
     return Mesh(array, spec.names)
+
+
+@contextlib.contextmanager
+def blame_setting(setting: str, errors: type[Exception] | tuple = ValueError) -> Iterator[None]:
+    """Prefix ``errors`` raised inside with ``setting``: the flag or binding that chose the
+    mesh (``--mesh fsdp=3``, ``actor/RoleConfig.train_mesh``) or another input, so that a
+    one-line error says which setting to change. The error keeps its type where that type takes
+    a message alone (else it becomes a ValueError)."""
+    try:
+        yield
+    except errors as e:
+        try:
+            named = type(e)(f"{setting}: {e}")
+        except TypeError:  # a type that takes more than a message (UnicodeDecodeError)
+            named = ValueError(f"{setting}: {e}")
+        raise named from None
 
 
 def mesh_devices(mesh: Mesh) -> frozenset:

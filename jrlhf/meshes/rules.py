@@ -18,6 +18,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+class MeshLayoutError(ValueError):
+    """An array whose dimension does not divide the mesh axes its rules shard it over: a
+    configuration error (the mesh does not fit the model), never a damaged checkpoint."""
+
+
 # Parameters and activations. Activation axes carry an ``act_`` prefix so a rule set can shard
 # weights (FSDP over ``embed``) differently from activations (replicated ``act_embed``).
 FSDP_TP: Rules = (
@@ -63,6 +77,12 @@ RULE_SETS: dict[str, Rules] = {
     "replicated": REPLICATED,
 }
 
+# Every mesh axis some rule set names: a mesh axis outside these would shard nothing (rules drop
+# axes they do not name), so a typo such as ``fsdpp=8`` would silently replicate the role.
+MESH_AXES: tuple[str, ...] = tuple(
+    sorted({a for rules in RULE_SETS.values() for _, axes in rules for a in _as_tuple(axes)})
+)
+
 # The rule set a phase uses unless a plan or a RoleConfig names another: training and inference
 # shard weights with FSDP; generation drops it (every decode step reads all weights).
 PHASE_RULES: dict[str, str] = {"train": "fsdp_tp", "infer": "fsdp_tp", "generate": "dp_tp"}
@@ -77,14 +97,6 @@ def get_rules(rules: str | Rules | Mapping[str, MeshAxes]) -> Rules:
     if isinstance(rules, Mapping):
         return tuple(rules.items())
     return tuple((name, axes) for name, axes in rules)
-
-
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    if isinstance(axes, str):
-        return (axes,)
-    return tuple(axes)
 
 
 def logical_to_spec(logical: tuple[str | None, ...], mesh: Mesh, rules: Rules) -> PartitionSpec:
@@ -126,7 +138,7 @@ def named_sharding(
     for dim, (size, part, name) in enumerate(zip(shape, spec, logical)):
         n = axis_size(mesh, part)
         if n > 1 and size % n:
-            raise ValueError(
+            raise MeshLayoutError(
                 f"{what} with shape {tuple(shape)}: dim {dim} ({name!r}, size {size}) is not "
                 f"divisible by mesh axis {part!r} of size {n}"
             )

@@ -15,7 +15,9 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
+from jrlhf.meshes.mesh import blame_setting
 from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
+from jrlhf.tasks.rewards import check_reward_fn
 
 
 @dataclasses.dataclass
@@ -90,6 +92,16 @@ def _builtin_prompts(name: str, seed: int, n: int, split: str) -> list[list[int]
     return [list(p) for p in _drawn_prompts(BUILTIN_TASKS[name], int(seed), int(n), split)]
 
 
+@functools.lru_cache(maxsize=16)
+def _drawn_records(name: str, seed: int, kind: str, n: int, split: str) -> tuple[Any, ...]:
+    """A built-in task's first ``n`` demonstrations (``kind="sft"``) or preference pairs of
+    ``split``: like its prompts, a function of the task and its seed, drawn once per process
+    (2,048 of each took about a second, at every start of an in-process run or --check). The
+    records are frozen; callers get a fresh list of them."""
+    task = BUILTIN_TASKS[name](seed=seed)
+    return tuple(task.sft_examples(n) if kind == "sft" else task.preference_pairs(n, split))
+
+
 def build_task_data(cfg: Config) -> TaskData:
     """Load or synthesize the data; every problem surfaces here, before any model is built."""
     t = cfg.task
@@ -107,12 +119,16 @@ def build_task_data(cfg: Config) -> TaskData:
         # Demonstrations and pairs are drawn only for the stages that read them: drawing them
         # costs a second or two at every start of an RL-only run. Each has its own random
         # stream, so what is drawn does not depend on what else is.
-        stages = set(cfg.run.stages)
-        sft = task.sft_examples(t.num_sft_examples) if "sft" in stages else []
-        pairs = task.preference_pairs(t.num_preference_pairs) if stages & {"rm", "dpo"} else []
-        heldout_pairs = []
+        stages, seed = set(cfg.run.stages), int(cfg.run.seed)
+        sft, pairs, heldout_pairs = [], [], []
+        if "sft" in stages:
+            sft = list(_drawn_records(t.name, seed, "sft", t.num_sft_examples, "train"))
+        if stages & {"rm", "dpo"}:
+            pairs = list(_drawn_records(t.name, seed, "pairs", t.num_preference_pairs, "train"))
         if "dpo" in stages:
-            heldout_pairs = task.preference_pairs(t.num_heldout_pairs, "heldout")
+            heldout_pairs = list(
+                _drawn_records(t.name, seed, "pairs", t.num_heldout_pairs, "heldout")
+            )
         builtin = TaskData(
             train_prompts=train_prompts,
             heldout_prompts=heldout_prompts,
@@ -129,8 +145,10 @@ def build_task_data(cfg: Config) -> TaskData:
             heldout_preference_records=heldout_pairs,
         )
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
+        _check_reward_fn(cfg, builtin)
         return builtin
-    tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
+    with blame_setting("TaskConfig.tokenizer", (FileNotFoundError, ValueError)):
+        tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
     vocab = tokenizer.vocab_size if tokenizer else None
     lens = dict(max_prompt_len=t.max_prompt_len, vocab_size=vocab)
     train = data_lib.load_prompts(t.prompts, tokenizer, **lens)
@@ -167,7 +185,7 @@ def build_task_data(cfg: Config) -> TaskData:
                 if (src_dir / name).exists():
                     shutil.copy2(src_dir / name, Path(directory) / name)
 
-    return TaskData(
+    files = TaskData(
         train_prompts=[r.prompt_ids for r in train],
         heldout_prompts=[r.prompt_ids for r in heldout],
         sft_records=list(sft),
@@ -181,6 +199,22 @@ def build_task_data(cfg: Config) -> TaskData:
         decode=tokenizer.decode if tokenizer else None,
         heldout_preference_records=list(heldout_prefs),
     )
+    _check_reward_fn(cfg, files)
+    return files
+
+
+def _check_reward_fn(cfg: Config, data: TaskData) -> None:
+    """The user's reward function scores a few dummy samples of ``data`` (jrlhf.tasks.rewards.
+    check_reward_fn) now, before any stage: not only once the RL stage starts."""
+    if cfg.task.reward_fn:
+        check_reward_fn(
+            cfg.task.reward_fn,
+            data.train_prompts,
+            data.train_meta,
+            data.decode,
+            data.eos_id,
+            cfg.task.max_response_len,
+        )
 
 
 def _check_reward_meta(cfg: Config, meta_by_source: dict[str, list[dict[str, Any]]]) -> None:

@@ -48,6 +48,12 @@ def effective_plan(
             placed = CallPlacement(MeshSpec.parse(mesh), rules)
         except ValueError as e:
             raise ValueError(f"{role}/RoleConfig.{phase}_mesh: {e}") from None
+        ids = placed.mesh.device_ids()
+        if max(ids) >= num_devices:  # named here by its binding; plan.validate would not
+            raise ValueError(
+                f"{role}/RoleConfig.{phase}_mesh {placed.mesh}: needs device {max(ids)} but "
+                f"only {num_devices} devices exist"
+            )
         (calls if call in CALLS else stages)[call] = placed
         overridden.append(call)
     name = (

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jrlhf import checkpoint
 from jrlhf.config import ROLE_HEADS, Config, ConfigError, RoleConfig, check_model_overrides
+from jrlhf.meshes.mesh import blame_setting
 from jrlhf.meshes.rules import Rules
 from jrlhf.models import hf
 from jrlhf.models.config import ModelConfig, tiny_config
@@ -115,14 +116,17 @@ def resolve_model(
     if kind == "tiny":
         overrides = task_overrides() if callable(task_overrides) else task_overrides
         return ModelSource(ModelDef(tiny_config(**overrides).replace(**fields), head), None)
-    if kind == "hf":
-        base, _ = hf.read_hf_config(where)
-        source = ModelSource(ModelDef(base.replace(**fields), head), f"hf:{where}")
-    elif kind == "ckpt":
-        stored = checkpoint.read_model_json(where)
-        source = ModelSource(ModelDef(stored.config.replace(**fields), head), f"ckpt:{where}")
-    else:
-        raise ValueError(f"{role}/RoleConfig.init: unknown model source {init or rc.init!r}")
+    # A source that cannot be read names the setting that chose it.
+    setting = f"{role}/RoleConfig.init" if init in (None, rc.init) else f"{role} model {init!r}"
+    with blame_setting(setting, (FileNotFoundError, ValueError)):
+        if kind == "hf":
+            base, _ = hf.read_hf_config(where)
+            source = ModelSource(ModelDef(base.replace(**fields), head), f"hf:{where}")
+        elif kind == "ckpt":
+            stored = checkpoint.read_model_json(where)
+            source = ModelSource(ModelDef(stored.config.replace(**fields), head), f"ckpt:{where}")
+        else:
+            raise ValueError(f"unknown model source {init or rc.init!r}")
     _check_vocab(role, source, task_overrides)
     return source
 

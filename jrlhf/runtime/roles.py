@@ -16,10 +16,10 @@ from jax.sharding import Mesh
 from jrlhf.config import ROLE_PHASES, Config, RoleConfig
 from jrlhf.meshes.batch import check_batch_divides, shard_batch, to_host
 from jrlhf.meshes.context import activation_sharding
-from jrlhf.meshes.mesh import make_mesh
+from jrlhf.meshes.mesh import blame_setting, make_mesh
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.placement.plan import ExecutionPlan, ReshardEdge
+from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.runtime.shared_programs import shared_program
@@ -62,24 +62,34 @@ def setup_role(cfg: Config, role: str, plan: ExecutionPlan, source: ModelSource)
     meshes, rules = {}, {}
     for phase in ROLE_PHASES[role]:
         placement = plan.for_role(role, phase)
-        try:
+        with blame_setting(mesh_setting(cfg, role, phase, placement)):
             meshes[phase] = make_mesh(placement.mesh)
-        except ValueError as e:
-            raise ValueError(f"{role} {phase} mesh {placement.mesh}: {e}") from None
-        # A mesh over some processes only (a placement that separates processes) must admit
-        # the copies view its checkpoints go through (jrlhf.reshard.processes).
-        try:
+            # A mesh over some processes only (a placement that separates processes) must
+            # admit the copies view its checkpoints go through (jrlhf.reshard.processes).
             check_separable(meshes[phase])
-        except ValueError as e:
-            raise ValueError(f"{role} {phase} mesh {placement.mesh}: {e}") from None
         rules[phase] = get_rules(placement.rules)
     for edge in plan.reshard_edges():
         if edge.role == role:
-            _check_edge(edge, plan)
+            phase = CALLS[edge.dst][1]
+            with blame_setting(mesh_setting(cfg, role, phase, plan[edge.dst])):
+                _check_edge(edge, plan)
     setup = RoleSetup(role, cfg.roles[role], source, meshes, rules)
     for phase in meshes:
-        setup.shardings(phase)
+        with blame_setting(mesh_setting(cfg, role, phase, plan.for_role(role, phase))):
+            setup.shardings(phase)
     return setup
+
+
+def mesh_setting(cfg: Config, role: str, phase: str, placement: CallPlacement) -> str:
+    """The setting that chose ``role``'s mesh in ``phase``, for errors about that mesh: the
+    role's own binding (``actor/RoleConfig.train_mesh``) or the plan of RunConfig.placement."""
+    mesh = placement.mesh
+    if cfg.roles[role].placement(phase) is not None:
+        return f"{role}/RoleConfig.{phase}_mesh {mesh} [{placement.rules}]"
+    return (
+        f"the {role} {phase} mesh {mesh} [{placement.rules}] of RunConfig.placement="
+        f"{cfg.run.placement!r} (set {role}/RoleConfig.{phase}_mesh to choose another)"
+    )
 
 
 def _check_edge(edge: ReshardEdge, plan: ExecutionPlan) -> None:

@@ -265,3 +265,43 @@ class BatchReward:
             if not math.isfinite(float(v)):
                 raise self._fail(batch, i, f"returned {v!r}")
         return scores
+
+
+# How many prompts the start-up check scores (check_reward_fn): enough to meet a few records'
+# meta, few enough to cost nothing next to a run.
+CHECK_SAMPLES = 4
+
+
+def check_reward_fn(
+    name: str,
+    prompts: Sequence[Sequence[int]],
+    metas: Sequence[Mapping[str, Any]],
+    decode: Callable[[Sequence[int]], str] | None,
+    eos_id: int | None,
+    max_response_len: int,
+) -> None:
+    """Score dummy samples with the reward function ``name`` before any training: the first
+    :data:`CHECK_SAMPLES` prompts, each answered with its own tokens (in-vocabulary ids the
+    tokenizer decodes; ended with ``eos_id``), the last with ``<eos>`` alone (a policy that
+    stops at once). A function that raises or returns no finite score on them would fail the
+    same way in the RL stage, after the stages before it: a :class:`RewardError` now, naming
+    ``TaskConfig.reward_fn``, the function and the sample, in one line."""
+    n = min(CHECK_SAMPLES, len(prompts))
+    if not n:
+        return
+    responses = []
+    for i in range(n):
+        ids = [int(t) for t in prompts[i]][: max(max_response_len - 1, 1)]
+        responses.append(ids + ([] if eos_id is None else [int(eos_id)]))
+    if eos_id is not None:
+        responses[-1] = [int(eos_id)]
+    batch = RewardBatch(
+        [list(p) for p in prompts[:n]], responses, [dict(m) for m in metas[:n]], decode
+    )
+    try:
+        BatchReward(get_reward_fn(name), name)(batch)
+    except RewardError as e:
+        raise RewardError(
+            f"TaskConfig.reward_fn: {e}: a dummy sample scored at start-up, before any stage "
+            "(its response is the prompt's own tokens, or <eos> alone)"
+        ) from None
