@@ -126,6 +126,7 @@ def child_env(
     env[job_env.NUM_PROCESSES] = str(processes)
     env[job_env.PROCESS_ID] = str(index)
     env[job_env.INIT_TIMEOUT] = str(timeout)
+    env[job_env.LAUNCHER_PID] = str(os.getpid())
     # Replaces any count in the caller's XLA_FLAGS: each process gets exactly K devices.
     env["XLA_FLAGS"] = with_host_device_count(base.get("XLA_FLAGS", ""), devices)
     # Lines reach the launcher (and the terminal) as they are written, not when a buffer fills.

@@ -125,6 +125,10 @@ def _group_broadcast(value: np.ndarray | None, shape, dtype, source: int, group)
 def _leaf_to_host_in_group(x: Any, group: frozenset[int]) -> Any:
     if not isinstance(x, jax.Array):
         return x
+    if x.is_fully_addressable and not getattr(x, "_committed", True):
+        # Computed from host values on this process's default device: every process of the
+        # group holds its own copy of the same value (and each names a different device).
+        return np.asarray(jax.device_get(x))
     held = owners(x.sharding)
     me = jax.process_index()
     if not held <= group:

@@ -196,7 +196,7 @@ class SampleChannel:
         left = self._announcement(iteration)
         while left and (index is None or index not in self.received):
             self._receive_next(iteration)
-        if not left:
+        if index is None:  # the iteration's last call, before its weights move
             del self.announced[iteration]
         return None if index is None else self.received.pop(index, None)
 

@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import errno
 import os
+import signal
 import socket
 import sys
 import threading
@@ -64,6 +66,7 @@ from jrlhf.runtime.devices import ensure_host_devices, keep_host_memory
 from jrlhf.runtime.job_env import (
     COORDINATOR,
     INIT_TIMEOUT,
+    LAUNCHER_PID,
     NUM_PROCESSES,
     PROCESS_ID,
     DistributedError,
@@ -229,6 +232,7 @@ def _use_cpu_collectives() -> None:
 
 TRANSFER_ADDRESS = "JRLHF_TRANSFER_ADDRESS"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
 def _free_port(host: str) -> int:
@@ -271,6 +275,20 @@ def _whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def _end_with_launcher(environ: Mapping[str, str]) -> None:
+    """A child of ``python -m jrlhf.launch`` ends when the launcher does, however it ends
+    (killed with SIGKILL by a scheduler or a test's timeout included), instead of living on
+    with its ports and cores waiting for peers that are gone (Linux's parent-death signal)."""
+    launcher = environ.get(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before the signal was armed
+        os._exit(1)
+
+
 def initialize(
     host_devices: int | None = 8,
     *,
@@ -295,6 +313,7 @@ def initialize(
     if jax.distributed.is_initialized():
         return _process_info(spec)
     keep_host_memory()
+    _end_with_launcher(env)
     if host_devices is not None:
         ensure_host_devices(host_devices)
     _use_cpu_collectives()

@@ -17,6 +17,8 @@ LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 INIT_TIMEOUT = "JRLHF_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT = "JRLHF_HEARTBEAT_TIMEOUT"
 SHUTDOWN_TIMEOUT = "JRLHF_SHUTDOWN_TIMEOUT"
+# Set by ``python -m jrlhf.launch`` for its children: the launcher's pid (a child ends with it).
+LAUNCHER_PID = "JRLHF_LAUNCHER_PID"
 
 
 class DistributedError(ValueError):
