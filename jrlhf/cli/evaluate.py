@@ -3,7 +3,9 @@
 Restores the actor of a trainer checkpoint (a run directory, its ``checkpoints/`` or one step)
 onto ``--mesh``, which need not be the mesh it was trained on, samples completions for held-out
 prompts and reports, as JSON, the reward-model score, the ground-truth score (for tasks that know
-it, such as the built-in synthetic task) and the KL to the reference policy.
+it, such as the built-in synthetic task) and the KL to the reference policy: those the run had. A
+run without an RL stage (SFT or DPO) is evaluated at its final policy; a reward or reference it
+never had is not scored against a random model but left out, with one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(1 if isinstance(e, RewardError) else 2)
     if is_primary():  # every process computed the same report; process 0 reports it
+        missing = report.get("not_reported", {})
+        if missing:
+            why = "; ".join(f"{key}, as {reason}" for key, reason in missing.items())
+            print(f"note: not reported: {why}", file=sys.stderr)
         text = json.dumps(report, indent=2)
         print(text)
         if args.output:
