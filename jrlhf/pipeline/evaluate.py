@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jrlhf import checkpoint
-from jrlhf.config import load_config
+from jrlhf.config import Config, load_config
 from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.meshes.rules import get_rules
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
@@ -26,7 +26,7 @@ from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer
-from jrlhf.runtime.model_source import ModelSource, resolve_model, stage_start
+from jrlhf.runtime.model_source import ModelSource, TaskOverrides, resolve_model, stage_start
 from jrlhf.runtime.roles import frozen_infer
 from jrlhf.tasks import get_reward_fn
 
@@ -45,7 +45,7 @@ ACTOR_STAGES = ("sft", "dpo")
 
 
 def _run_had(
-    cfg: Any, role: str, init: str, overrides: Any, run_dir: Path
+    cfg: Config, role: str, init: str, overrides: TaskOverrides, run_dir: Path
 ) -> tuple[ModelSource | None, str]:
     """``role``'s model as ``init`` gives it, if a run without an RL stage had it: weights it
     trained (``stage:NAME``, a stage of this run that finished) or was given (``hf:``,
@@ -72,7 +72,8 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Restore the actor of ``ckpt`` (a run directory, its checkpoints/ or one step) onto
     ``mesh_spec`` and score ``samples`` completions of each held-out prompt (all of them, or the
-    first ``num_prompts``). Reference and reward come from the run's config."""
+    first ``num_prompts``). Reference and reward are those the run had (see the module's
+    docstring); the report's ``not_reported`` names any left out, and why."""
     if not ckpt.exists():
         raise FileNotFoundError(f"{ckpt}: does not exist")
     run_dir = find_run_dir(ckpt.absolute())
