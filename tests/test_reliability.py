@@ -164,6 +164,23 @@ def test_evaluate_an_sft_only_run_reports_no_reward_or_kl_from_random_models(tmp
                      f"{why['reward']}"]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--samples", "0"], "argument --samples: must be >= 1, got 0"),
+        (["--samples", "-2"], "argument --samples: must be >= 1, got -2"),
+        (["--num-prompts", "-1"], "argument --num-prompts: must be >= 0, got -1"),
+    ],
+)
+def test_evaluate_refuses_counts_it_would_read_otherwise(args, message, tmp_path, capsys):
+    """0 samples a prompt was taken as the run's own samples_per_prompt, -1 prompts as all but
+    the last: refused, before any checkpoint is read."""
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--checkpoint", str(tmp_path / "nowhere"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith(message), err
+
+
 def test_keep_checkpoints_zero_is_refused(colocated_run, tmp_path, capsys):
     rc = train.main(["--run-dir", str(tmp_path / "r"), "RLConfig.keep_checkpoints=0"])
     assert rc == 2 and "RLConfig.keep_checkpoints: must be >= 1" in capsys.readouterr().err

@@ -21,13 +21,31 @@ from jrlhf.runtime import distributed
 from jrlhf.tasks.rewards import RewardError
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (a count of 0 samples, or -1 prompts, would be read
+    as "the default" or "all but the last" rather than refused)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jrlhf.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoints dir or step dir")
     p.add_argument("--mesh", default="data=4,tensor=2", help="evaluation mesh, e.g. data=8")
     p.add_argument("--rules", default="dp_tp", help="rule set for the evaluation mesh")
-    p.add_argument("--num-prompts", type=int, default=0, help="held-out prompts (0: all)")
-    p.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    p.add_argument(
+        "--num-prompts", type=_int_at_least(0), default=0, help="held-out prompts (0: all)"
+    )
+    p.add_argument("--samples", type=_int_at_least(1), default=4, help="samples per prompt")
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--output", help="also write the JSON report here")
     distributed.add_flag(p)
