@@ -170,8 +170,8 @@ def test_truncation_warning_names_only_what_was_cut(tmp_path, caplog):
 @pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
 def test_malformed_json_names_the_column_of_the_line_as_written(tmp_path, ending):
     """The column is the line's own, in characters, whatever its line ending; an error where
-    the line ends says so (JSON took the line ending for whitespace and named a column past
-    the line's last character)."""
+    the line ends says so (JSON took the line ending for whitespace, put the error on the line
+    after it and reported column 1)."""
     path = tmp_path / "p.jsonl"
     inner = '{"prompt": "\u00e9t\u00e9" "x"}'  # two 2-byte characters before the error
     path.write_text(GOOD + "\n" + inner + ending, encoding="utf-8")

@@ -198,7 +198,7 @@ def _iter_rows(path: Path, skip_blank_lines: bool) -> Iterator[tuple[dict, _Row]
                     continue
                 raise at.error("empty line")
             # Without its line ending: JSON skips it as whitespace, so an error at the end of
-            # the line would name a column past its last character.
+            # the line fell on the line after it, and was reported as column 1.
             text = line.rstrip("\r\n")
             try:
                 row = json.loads(text)
