@@ -458,7 +458,7 @@ def cases() -> list[Case]:
         lambda c: c.write("run/x.txt", "x\n"), lambda c: module("evaluate", "--checkpoint", c.run)
     ))  # fmt: skip
     add("checkpoint", "evaluate an explicit damaged step", command(
-        ppo_copy_with("truncate"),
+        ppo_copy_with("truncate", item="actor_params"),
         lambda c: module("evaluate", "--checkpoint", c.run / "checkpoints" / "2"),
     ))  # fmt: skip
 
@@ -672,6 +672,8 @@ def run_case(case: Case, index: int, root: Path, fix: Path, base_env: dict[str, 
         row["changed"] = changed[:10]
     if created:
         row["created"] = created[:10]
+    if row["verdict"] not in ("clean", "recovered"):  # what to look at
+        row["stderr_tail"] = [r["stderr"][-1500:].replace(str(ctx.dir), "$CASE") for r in results]
     return row
 
 
@@ -695,7 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="write the JSON report here too")
     p.add_argument("--jobs", type=int, default=2, help="cases run at once (default 2)")
-    p.add_argument("--only", default="", help="run only cases whose kind or name has this")
+    p.add_argument(
+        "--only", default="", help="run only cases whose kind or name has one of these (a,b,...)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the cases' directories")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     args = p.parse_args(argv)
@@ -703,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {args.out}: folder {args.out.parent} does not exist")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
-    todo = [c for c in cases() if args.only in c.kind or args.only in c.name]
+    wanted = args.only.split(",")
+    todo = [c for c in cases() if any(w in c.kind or w in c.name for w in wanted)]
     if args.list:
         for c in todo:
             print(f"{c.kind:14} {c.expect:8} {c.name}")
