@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -758,6 +759,55 @@ def _gin_error_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+# Gin's parser reads a value with ast.literal_eval; what that cannot read (a bare name such as
+# nan, inf or an unquoted string, a call such as float('nan')) it reports as "malformed node or
+# string ...: <ast.Name object at 0x...>", then "Failed to parse token 'TOKEN'".
+_UNPARSED_TOKEN = re.compile(r"Failed to parse token '(.*)'")
+_NON_FINITE = re.compile(
+    r"(?P<bare>[+-]?(?:nan|inf|infinity))"
+    r"|float\(\s*(?P<q>['\"])(?P<quoted>\s*[+-]?(?:nan|inf|infinity)\s*)(?P=q)\s*\)",
+    re.IGNORECASE,
+)
+
+
+def _unparsed_value(e: Exception) -> tuple[str, str] | None:
+    """For gin's error on a value it cannot parse, the setting its line binds ("" when the line
+    has none) and what is wrong with the value: (``actor/RoleConfig.learning_rate``, ``expects a
+    finite number, got nan``); None for any other error."""
+    found = _UNPARSED_TOKEN.search(e.msg) if isinstance(e, SyntaxError) and e.msg else None
+    if found is None:
+        return None
+    token = found.group(1)
+    setting, eq, value = (e.text or "").partition("=")
+    setting, value = (setting.strip(), value.split("#", 1)[0].strip()) if eq else ("", "")
+    value = value or token
+    non_finite = _NON_FINITE.fullmatch(value)
+    if non_finite:
+        # Reported as check_types reports a number out of range (1e999 parses as inf).
+        number = float(non_finite.group("bare") or non_finite.group("quoted"))
+        hint = _field_hint(setting)
+        why = (_type_error(number, hint) if hint is not None else None) or "expects a finite number"
+        why = f"{why}, got {value}"
+    else:
+        why = f"{value} is not a value gin can read (it reads Python literals"
+        called = re.search(rf"{re.escape(token)}\s*\(", value)
+        why += f"; strings need quotes: '{token}')" if token.isidentifier() and not called else ")"
+    return setting, why
+
+
+def _field_hint(setting: str) -> Any:
+    """The declared type of a setting ``[scope/]Section.field``, or None if it names none."""
+    sections = (
+        RunConfig, TaskConfig, RoleConfig, SFTConfig, RewardModelConfig, DPOConfig, RLConfig,
+        DecodeConfig,
+    )  # fmt: skip
+    section, _, field = setting.rpartition("/")[2].partition(".")
+    for cls in sections:
+        if cls.__name__ == section:
+            return typing.get_type_hints(cls).get(field)
+    return None
+
+
 def load_config(files: list[str], bindings: list[str]) -> Config:
     """Parse gin files and bindings, build and validate every section."""
     gin.clear_config()
@@ -770,11 +820,18 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         try:
             gin.parse_config_file(path)
         except Exception as e:
+            value = _unparsed_value(e)
+            if value is not None:
+                where = f"config file {path}, line {e.lineno}"
+                raise ConfigError(": ".join([where, *filter(None, value)])) from None
             raise ConfigError(f"config file {path}: {_gin_error_line(e)}") from None
     for binding in bindings:
         try:
             gin.parse_config(binding)
         except Exception as e:
+            value = _unparsed_value(e)
+            if value is not None:
+                raise ConfigError(f"{value[0] or f'binding {binding!r}'}: {value[1]}") from None
             raise ConfigError(f"binding {binding!r}: {_gin_error_line(e)}") from None
 
     def build(section: type, scope: str = "") -> Any:

@@ -126,7 +126,17 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
         "RewardModelConfig.steps=0": "RewardModelConfig.steps: must be >= 1",
         "DecodeConfig.page_size=0": "DecodeConfig.page_size: must be >= 1",
         "DecodeConfig.layer_loop='unrolled'": "DecodeConfig.layer_loop: must be one of auto,",
-        "RLConfig.kl_coef=nan": "binding 'RLConfig.kl_coef=nan'",
+        # A value gin cannot parse names the setting, not Python's AST node.
+        "RLConfig.kl_coef=nan": "RLConfig.kl_coef: expects a finite number, got nan",
+        "actor/RoleConfig.learning_rate=float('nan')": (
+            "actor/RoleConfig.learning_rate: expects a finite number, got float('nan')"
+        ),
+        "SFTConfig.learning_rate=-Infinity": "SFTConfig.learning_rate: expects a finite number",
+        "RunConfig.seed=nan": "RunConfig.seed: expects an int, got nan",
+        "RunConfig.placement=flatten": (
+            "RunConfig.placement: flatten is not a value gin can read (it reads Python literals; "
+            "strings need quotes: 'flatten')"
+        ),
         "RLConfig.kl_coef=1e999": "RLConfig.kl_coef: expects a finite number",
         "actor/RoleConfig.model_overrides=(('nope', 1),)": "model_overrides: unknown model field",
         "actor/RoleConfig.model_overrides=(('num_layers', 0),)": "num_layers must be an integer >=",
@@ -138,4 +148,15 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
         rc = train_cli.main(["--check", "--run-dir", str(tmp_path / "run"), b])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and "\n" not in err and expected in err, (b, err)
+        assert "object at 0x" not in err, (b, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_value_gin_cannot_parse_in_a_config_file_names_its_line_and_setting(tmp_path, capsys):
+    path = tmp_path / "lr.gin"
+    path.write_text("SFTConfig.steps = 3\nactor/RoleConfig.learning_rate = nan  # tried\n")
+    rc = train_cli.main(["--check", "--run-dir", str(tmp_path / "run"), "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    expected = f"config file {path}, line 2: actor/RoleConfig.learning_rate: expects a finite"
+    assert rc == 2 and err == f"error: {expected} number, got nan", err
     assert not (tmp_path / "run").exists()

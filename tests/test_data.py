@@ -139,12 +139,50 @@ def test_truncation_is_counted_and_warned_once(tmp_path, caplog):
     assert ds[2].prompt_ids == [2, 3, 4]
     assert (ds.num_truncated, ds.num_truncated_prompts, ds.num_truncated_responses) == (3, 2, 2)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "truncated 3 of 4" in warnings[0].getMessage()
+    assert len(warnings) == 1 and warnings[0].getMessage().endswith(
+        "truncated 3 of 4 records (2 prompts longer than 3, 2 responses longer than 2)"
+    )
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jrlhf.data"):
         ds = data.load_sft(path)
     assert ds.num_truncated == 0 and not caplog.records
+
+
+def test_truncation_warning_names_only_what_was_cut(tmp_path, caplog):
+    """A prompt file has no responses and no response limit: its warning says nothing about
+    them (it said "0 responses longer than None")."""
+    rows = [{"prompt_ids": [1, 2, 3, 4, 5]}, {"prompt_ids": [1, 2]}]
+    path = data.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="jrlhf.data"):
+        data.load_prompts(path, max_prompt_len=3)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == f"{path}: truncated 1 of 2 records (1 prompts longer than 3)"
+    caplog.clear()
+    rows = [{"prompt_ids": [1], "response_ids": [6, 7, 8]}]
+    path = data.write_jsonl(tmp_path / "sft.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="jrlhf.data"):
+        data.load_sft(path, max_prompt_len=3, max_response_len=2)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == f"{path}: truncated 1 of 1 records (1 responses longer than 2)"
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_malformed_json_names_the_column_of_the_line_as_written(tmp_path, ending):
+    """The column is the line's own, in characters, whatever its line ending; an error where
+    the line ends says so (JSON took the line ending for whitespace, put the error on the line
+    after it and reported column 1)."""
+    path = tmp_path / "p.jsonl"
+    inner = '{"prompt": "\u00e9t\u00e9" "x"}'  # two 2-byte characters before the error
+    path.write_text(GOOD + "\n" + inner + ending, encoding="utf-8")
+    with pytest.raises(ValueError) as e:
+        data.load_prompts(path)
+    column = inner.index('"x"') + 1
+    assert str(e.value) == f"{path}:2: malformed JSON (Expecting ',' delimiter at column {column})"
+    path.write_text(GOOD + "\n" + '{"prompt_ids": [3,' + ending)  # the line ends too soon
+    with pytest.raises(ValueError) as e:
+        data.load_prompts(path)
+    assert str(e.value) == f"{path}:2: malformed JSON (Expecting value at the end of the line)"
 
 
 def test_prompt_meta_and_reference_answers(tmp_path, tok):

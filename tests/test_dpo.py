@@ -7,8 +7,9 @@ import json
 import pytest
 from run_helpers import ROOT, SMALL, metric_rows
 
-from jrlhf.cli import train
+from jrlhf.cli import evaluate, train
 from jrlhf.config import load_config
+from jrlhf.pipeline import evaluate as pipeline_evaluate
 from jrlhf.pipeline import supervised
 from jrlhf.runtime.model_source import resolve_model, stage_start
 
@@ -96,6 +97,36 @@ def test_dpo_output_is_a_model_source(dpo_run):
     )
     assert [stage_start(cfg, s) for s in ("sft", "dpo")] == ["tiny", "stage:sft"]
     assert resolve_model(cfg, "actor", {}).weights is None
+
+
+def test_evaluate_a_dpo_run_against_its_own_reference_and_no_random_reward(
+    dpo_run, base_run, tmp_path, capsys, monkeypatch
+):
+    """evaluate on a DPO run scores its final policy (the run directory means the DPO output)
+    against the reference DPO had (the policy's start: base_run's SFT policy), not the random
+    ``tiny`` reference role, and reports no reward: the run had no reward model, only a random
+    one would score it (the one-line note says so)."""
+    run_dir, _ = dpo_run
+    loaded = []
+    real = pipeline_evaluate.frozen_infer
+
+    def recording(source, *args, **kwargs):
+        loaded.append(source.weights)
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_evaluate, "frozen_infer", recording)
+    out = tmp_path / "eval.json"
+    args = ["--checkpoint", str(run_dir), "--mesh", "data=2,tensor=2@4:8", "--samples", "2"]
+    assert evaluate.main([*args, "--output", str(out)]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:")]
+    report = json.loads(out.read_text())
+    assert report["checkpoint"] == str(run_dir / "dpo")
+    assert loaded == [f"ckpt:{base_run}/sft"]  # the reference only, and DPO's
+    assert "reward" not in report and report["kl_to_ref"] > 0, report
+    why = "the run (stages dpo) had no reward model: reward/RoleConfig.init='tiny' is a random"
+    why += " model"
+    assert report["not_reported"] == {"reward": why}
+    assert notes == [f"note: not reported: reward, as {why}"]
 
 
 @pytest.mark.parametrize(

@@ -178,15 +178,17 @@ def test_resume_truncates_tensorboard_too(tmp_path):
 
 def test_phase_timer_accumulates_and_blocks(tmp_path):
     timer = metrics.PhaseTimer()
+    start = time.perf_counter()
     for _ in range(2):
         with timer.phase("generate"):
             time.sleep(0.02)
+    elapsed = time.perf_counter() - start  # on a loaded machine, any length beyond 0.04 s
     with timer("train") as ph:
         out = ph.block_on(jnp.ones((64, 64)) @ jnp.ones((64, 64)))
     assert float(out[0, 0]) == 64.0
     summary = timer.summary()
     assert set(summary) == {"time/generate", "time/train"}
-    assert 0.04 <= summary["time/generate"] < 1.0
+    assert 0.04 <= summary["time/generate"] <= elapsed
     assert timer.counts["generate"] == 2
     # A failing phase still records its time.
     with pytest.raises(RuntimeError), timer.phase("score"):

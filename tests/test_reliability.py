@@ -190,6 +190,53 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_step(
     capsys.readouterr()
 
 
+def test_evaluate_an_sft_only_run_reports_no_reward_or_kl_from_random_models(tmp_path, capsys):
+    """An SFT-only run had no reward model (reward's init names the rm stage it did not run) and
+    no reference (a random ``tiny`` one): evaluate scores its final policy (the run directory
+    means its SFT output) and leaves reward and KL out, saying why in one line, instead of
+    scoring it against random models (or refusing the run directory)."""
+    run_dir = tmp_path / "sft"
+    bindings = ["RunConfig.stages=('sft',)", "SFTConfig.steps=2"]
+    bindings.append("reference/RoleConfig.init='tiny'")
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings, *SMALL]) == 0
+    capsys.readouterr()
+    out = tmp_path / "eval.json"
+    # test_trainer's evaluation mesh and samples: its programs, from the compilation cache
+    args = ["--checkpoint", str(run_dir), "--mesh", "data=2,tensor=2@4:8", "--samples", "2"]
+    assert evaluate.main([*args, "--output", str(out)]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:")]
+    report = json.loads(out.read_text())
+    assert report["checkpoint"] == str(run_dir / "sft")
+    assert "reward" not in report and "kl_to_ref" not in report, report
+    assert report["num_samples"] == 32 and 0.0 <= report["gt_score"] <= 1.0
+    why = {
+        "kl_to_ref": "the run (stages sft) had no reference: reference/RoleConfig.init='tiny' is "
+        "a random model",
+        "reward": "the run (stages sft) had no reward model: reward/RoleConfig.init='stage:rm' "
+        "names a stage the run did not have",
+    }
+    assert report["not_reported"] == why
+    assert notes == [f"note: not reported: kl_to_ref, as {why['kl_to_ref']}; reward, as "
+                     f"{why['reward']}"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--samples", "0"], "argument --samples: must be >= 1, got 0"),
+        (["--samples", "-2"], "argument --samples: must be >= 1, got -2"),
+        (["--num-prompts", "-1"], "argument --num-prompts: must be >= 0, got -1"),
+    ],
+)
+def test_evaluate_refuses_counts_it_would_read_otherwise(args, message, tmp_path, capsys):
+    """0 samples a prompt was taken as the run's own samples_per_prompt, -1 prompts as all but
+    the last: refused, before any checkpoint is read."""
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--checkpoint", str(tmp_path / "nowhere"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith(message), err
+
+
 def test_keep_checkpoints_zero_is_refused(colocated_run, tmp_path, capsys):
     rc = train.main(["--run-dir", str(tmp_path / "r"), "RLConfig.keep_checkpoints=0"])
     assert rc == 2 and "RLConfig.keep_checkpoints: must be >= 1" in capsys.readouterr().err

@@ -197,10 +197,14 @@ def _iter_rows(path: Path, skip_blank_lines: bool) -> Iterator[tuple[dict, _Row]
                 if skip_blank_lines:
                     continue
                 raise at.error("empty line")
+            # Without its line ending: JSON skips it as whitespace, so an error at the end of
+            # the line fell on the line after it, and was reported as column 1.
+            text = line.rstrip("\r\n")
             try:
-                row = json.loads(line)
+                row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise at.error(f"malformed JSON ({e.msg} at column {e.colno})") from None
+                where = "the end of the line" if e.pos >= len(text) else f"column {e.colno}"
+                raise at.error(f"malformed JSON ({e.msg} at {where})") from None
             if not isinstance(row, dict):
                 raise at.error(f"expected a JSON object, got {type(row).__name__}")
             yield row, at
@@ -233,16 +237,17 @@ def _load(
         num_truncated_responses=builder.truncated_responses,
     )
     if ds.num_truncated:
+        # Only the kinds that were cut: a prompt file has no responses (and no response limit).
+        parts = [
+            f"{count} {kind} longer than {limit}"
+            for count, kind, limit in (
+                (ds.num_truncated_prompts, "prompts", builder.max_prompt_len),
+                (ds.num_truncated_responses, "responses", builder.max_response_len),
+            )
+            if count
+        ]
         logger.warning(
-            "%s: truncated %d of %d records (%d prompts longer than %s, %d responses longer "
-            "than %s)",
-            path,
-            ds.num_truncated,
-            len(ds),
-            ds.num_truncated_prompts,
-            builder.max_prompt_len,
-            ds.num_truncated_responses,
-            builder.max_response_len,
+            "%s: truncated %d of %d records (%s)", path, ds.num_truncated, len(ds), ", ".join(parts)
         )
     return ds
 

@@ -51,7 +51,8 @@ class Scorer:
     :class:`~jrlhf.tasks.RewardBatch`, see jrlhf.tasks.rewards; ``decode`` gives the batch its
     text, ``reward_name`` names it in errors) are alternatives; ``critic`` is optional (GRPO), and
     so is ``reference`` (a run without a KL term): without one, ``ref_logprobs`` and the KL to it
-    are left out rather than reported as 0.
+    are left out rather than reported as 0. ``reward_required=False`` allows neither reward (the
+    evaluation of a run that had none): then ``scores`` and the reward are left out the same way.
     """
 
     def __init__(
@@ -68,9 +69,12 @@ class Scorer:
         ground_truth: GroundTruthFn | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
         reward_name: str | None = None,
+        reward_required: bool = True,
     ):
-        if (reward_model is None) == (reward_fn is None):
-            raise ValueError("give exactly one of reward_model and reward_fn")
+        if reward_model is not None and reward_fn is not None:
+            raise ValueError("give at most one of reward_model and reward_fn")
+        if reward_required and reward_model is None and reward_fn is None:
+            raise ValueError("give one of reward_model and reward_fn")
         self.P, self.R, self.pad_id = max_prompt_len, max_response_len, pad_id
         self.reference, self.reward_model = reference, reward_model
         # Per-sample (two or three arguments) or batch rewards; errors name the sample.
@@ -119,6 +123,8 @@ class Scorer:
         values = self.critic(device_arrays) if self.critic is not None else None
         if self.reward_model is not None:
             scores = self.reward_model(device_arrays)
+        elif self.reward_fn is None:
+            scores = None
         else:
             metas = meta if meta is not None else [{}] * len(prompts)
             scores = self.reward_fn(RewardBatch(prompts, responses, metas, self.decode))
@@ -140,14 +146,16 @@ class Scorer:
         arrays["old_values"] = (
             np.asarray(values, np.float32)[:rows] if values is not None else np.zeros_like(old_lp)
         )
-        arrays["scores"] = np.asarray(scores, np.float32)[:rows] * self.reward_scale
+        if scores is not None:
+            arrays["scores"] = np.asarray(scores, np.float32)[:rows] * self.reward_scale
         return arrays
 
     def summarize(self, arrays, prompts, responses) -> dict[str, float]:
-        """Mean reward, KL to the reference (per-sequence sum of log pi - log ref; only with a
-        reference), response length, and the ground-truth score when the task knows it."""
+        """Mean reward (only with one), KL to the reference (per-sequence sum of log pi - log
+        ref; only with a reference), response length, and the ground-truth score when the task
+        knows it."""
         mask = arrays["mask"]
-        out = {"reward": float(np.mean(arrays["scores"]))}
+        out = {"reward": float(np.mean(arrays["scores"]))} if "scores" in arrays else {}
         if "ref_logprobs" in arrays:
             kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
             out["kl_to_ref"] = float(np.mean(kl))
