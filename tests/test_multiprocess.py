@@ -338,3 +338,71 @@ def test_async_generation_and_training_processes_equal_one_process_through_a_res
     assert sum(r["samples/data_bytes"] for r in timed) > 0
     for r in timed:
         assert 0 < r["samples/control_bytes"] < 8192 and r["samples/stored_keys"] <= 4, r
+
+
+# Four processes x 2 devices with generation on processes of its own; the one-process run of
+# the same plan is the reference (the schedule and its numbers are the same, nothing overlaps).
+GROUPS = [
+    *ASYNC[:-2],
+    "RLConfig.max_staleness=2",
+    "RLConfig.partial_rollout_tokens=6",  # half a response a pass
+    "RLConfig.off_policy_correction='tis'",
+]
+
+
+def test_generation_and_training_groups_of_two_processes_equal_one_process(tmp_path):
+    """4 processes x 2 devices, ``separate``: generation on processes 0-1, scoring and training
+    on 2-3, each group reading its host values among its own processes; max_staleness=2 with
+    partial rollouts (samples continue across updates on the generating group). Process 2 dies
+    during iteration 2; --resume continues from the iteration-1 checkpoint; every metric equals
+    the one-process run's, and every batch is trained once, in order, within the bound."""
+    one = tmp_path / "one"
+    assert train.main(["--run-dir", str(one), "--quiet", *GROUPS]) == 0
+    run_dir = tmp_path / "four"
+    args = ["--run-dir", str(run_dir), "--quiet", *GROUPS]
+    killed = launch(
+        4, 2, "train", *args, "RLConfig.async_checkpoint=False",
+        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "2"},
+        timeout=600,
+    )  # fmt: skip
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    assert "process 2" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
+    resumed = launch(4, 2, "train", *args, "--resume", timeout=600)
+    assert resumed.returncode == 0, why(resumed)
+    assert "generation on processes [0, 1], the rest on [2, 3]" in resumed.stderr
+    assert_same_metrics(one, run_dir, stages=("ppo",))
+    ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
+    assert [r["step"] for r in ppo] == [1, 2, 3]
+    assert max(r["staleness/max"] for r in ppo) == 2  # the bound is reached, never passed
+    assert all(r["partial/passes_max"] >= 1 for r in ppo)
+
+
+# Generation on process 0, scoring (reference, reward, critic inference) on process 1, training
+# on processes 2-3: three groups of calls, the last two one training group whose host reads go
+# between its processes; weights cross between meshes of 4 and 2 devices (stacked layouts).
+THREE_WAY = [
+    *ASYNC[:1],
+    "RunConfig.placement='custom'",
+    *ASYNC[2:],
+    "actor/RoleConfig.generate_mesh='data=2@0:2'",
+    *[f"{role}/RoleConfig.infer_mesh='fsdp=2@2:4'" for role in ("reference", "reward", "critic")],
+    "reward/RoleConfig.train_mesh='fsdp=2@2:4'",
+    *[f"{role}/RoleConfig.train_mesh='fsdp=2,tensor=2@4:8'" for role in ("actor", "critic")],
+]
+
+
+def test_generation_scoring_and_training_on_one_one_and_two_processes_equal_one_process(
+    tmp_path,
+):
+    """4 processes x 2 devices: generation on process 0, scoring on 1, training on 2-3, with
+    max_staleness=1; the actor's weights go from 4 training devices to 2 generation devices and
+    the critic's from 4 to 2 scoring devices; every metric equals the one-process run's."""
+    one = tmp_path / "one"
+    assert train.main(["--run-dir", str(one), "--quiet", *THREE_WAY]) == 0
+    run_dir = tmp_path / "four"
+    out = launch(4, 2, "train", "--run-dir", str(run_dir), "--quiet", *THREE_WAY, timeout=600)
+    assert out.returncode == 0, why(out)
+    assert "generation on processes [0], the rest on [1, 2, 3]" in out.stderr
+    assert_same_metrics(one, run_dir, stages=("ppo",))
+    ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
+    assert [r["step"] for r in ppo] == [1, 2, 3] and all(r["reshard/bytes"] > 0 for r in ppo)

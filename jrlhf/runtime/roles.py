@@ -93,17 +93,25 @@ def mesh_setting(cfg: Config, role: str, phase: str, placement: CallPlacement) -
 
 
 def _check_edge(edge: ReshardEdge, plan: ExecutionPlan) -> None:
-    """One-line error for weights that would move between meshes of different processes with
-    different device counts: JAX's cross-host transfer copies shard for shard only."""
+    """One-line error for weights that would move between meshes of different processes in a
+    way JAX's cross-host transfer cannot: it copies shard for shard only, so the resharder
+    needs the same device count, or disjoint device sets whose counts divide one another (a
+    stacked layout on the larger side, jrlhf.reshard)."""
     src, dst = plan[edge.src].mesh, plan[edge.dst].mesh
     devices = jax.devices()
-    procs = [{devices[i].process_index for i in m.device_ids()} for m in (src, dst)]
-    if procs[0] != procs[1] and len(src.device_ids()) != len(dst.device_ids()):
-        raise ValueError(
-            f"{edge.dst} mesh {dst} holds devices of process(es) {sorted(procs[1])} and "
-            f"{edge.src} mesh {src} of {sorted(procs[0])}: weights move between processes "
-            "shard for shard only, so both meshes need as many devices"
-        )
+    ids = [set(m.device_ids()) for m in (src, dst)]
+    procs = [{devices[i].process_index for i in m} for m in ids]
+    n, m = len(ids[0]), len(ids[1])
+    if procs[0] == procs[1] or n == m:
+        return
+    if ids[0].isdisjoint(ids[1]) and (n % m == 0 or m % n == 0):
+        return
+    raise ValueError(
+        f"{edge.dst} mesh {dst} holds devices of process(es) {sorted(procs[1])} and "
+        f"{edge.src} mesh {src} of {sorted(procs[0])}: weights move between processes "
+        "shard for shard only, so the meshes need as many devices, or disjoint devices "
+        "whose counts divide one another"
+    )
 
 
 class ChunkedOutput(list):
