@@ -414,7 +414,7 @@ def train(args, ceil: dict) -> dict:
     from jrlhf.meshes import make_mesh
     from jrlhf.models.model_def import ModelDef
     from jrlhf.placement.workload import train_flops_per_token
-    from jrlhf.ppo.trainer import actor_loss
+    from jrlhf.ppo.losses import actor_loss
     from jrlhf.runtime.steps import (
         OptimizerConfig,
         init_train_state,

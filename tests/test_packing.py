@@ -16,7 +16,7 @@ from jrlhf.meshes import make_mesh
 from jrlhf.meshes.batch import batch_shards
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.ppo import batch as rl_batch
-from jrlhf.ppo.trainer import actor_loss, critic_loss
+from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import init_train_state, make_train_step
 
 # One optimizer object for the module: programs are shared by optimizer identity

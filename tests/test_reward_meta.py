@@ -159,8 +159,10 @@ def test_grpo_run_hands_meta_to_the_reward(files, tmp_path):
     finally:
         REWARD_FNS.pop("test_spy")
     assert rc == 0
-    # Held-out evaluation before and after (4 prompts x 4 samples each) and one iteration's
+    # The start-up check on 4 dummy samples of the task's prompts (jrlhf.tasks.rewards), then
+    # the held-out evaluation before and after (4 prompts x 4 samples each) and one iteration's
     # 4 prompts x 2 samples; every record's own q arrived.
-    assert len(seen) == 16 + 8 + 16
+    assert len(seen) == 4 + 16 + 8 + 16
+    seen = seen[4:]
     assert sorted(set(seen[:16])) == [0, 1, 2, 3]
     assert set(seen[16:24]) <= set(range(8))

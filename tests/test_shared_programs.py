@@ -14,7 +14,7 @@ from jrlhf.meshes import make_mesh
 from jrlhf.models.config import tiny_config
 from jrlhf.models.model_def import ModelDef
 from jrlhf.ppo import batch as rl_batch
-from jrlhf.ppo.trainer import actor_loss, critic_loss
+from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.reshard.resharder import backend_compile_count
 from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import OptimizerConfig, make_optimizer, make_train_step

@@ -13,7 +13,7 @@ from jrlhf.meshes.batch import shard_batch
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.models.config import AUTO_UNROLL_LAYERS
 from jrlhf.ppo.core_algos import sft_loss
-from jrlhf.ppo.trainer import actor_loss, critic_loss
+from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 # One optimizer object for the module: programs are shared by optimizer identity

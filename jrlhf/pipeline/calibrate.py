@@ -61,7 +61,7 @@ from jrlhf.placement.plan import strategy
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
 from jrlhf.ppo import batch as rl_batch
-from jrlhf.ppo.trainer import actor_loss
+from jrlhf.ppo.losses import actor_loss
 from jrlhf.reshard import Resharder
 from jrlhf.runtime.roles import make_infer
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step

@@ -320,17 +320,20 @@ class Transition:
             self._in_shardings = self._stacks
             self._compiled = _compile(fn, self._abstract(self._stacks))
 
+    def _relabelled(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        """The leaves under the shardings the compiled jit takes (zero-copy relabelling)."""
+        return [
+            x
+            if r is None
+            else jax.make_array_from_single_device_arrays(
+                x.shape, r, [shard.data for shard in x.addressable_shards]
+            )
+            for x, r in zip(leaves, self._relabel)
+        ]
+
     def _run_stacked(self, leaves: list[jax.Array]) -> list[jax.Array]:
         if self.path == "stack+device_put":
-            args = [
-                x
-                if r is None
-                else jax.make_array_from_single_device_arrays(
-                    x.shape, r, [shard.data for shard in x.addressable_shards]
-                )
-                for x, r in zip(leaves, self._relabel)
-            ]
-            stacks = self._compiled(args)
+            stacks = self._compiled(self._relabelled(leaves))
             firsts = []
             for x, first in zip(stacks, self._firsts):
                 keep = first.device_set
@@ -464,15 +467,7 @@ class Transition:
                 for x, d in zip(leaves, self.dst)
             ]
         elif self.path == "jit":
-            args = [
-                x
-                if r is None
-                else jax.make_array_from_single_device_arrays(
-                    x.shape, r, [shard.data for shard in x.addressable_shards]
-                )
-                for x, r in zip(leaves, self._relabel)
-            ]
-            out = self._compiled(args)
+            out = self._compiled(self._relabelled(leaves))
         elif self.path in ("stack+device_put", "device_put+stack"):
             out = self._run_stacked(leaves)
         elif self.path == "device_put+jit":
