@@ -10,6 +10,7 @@ model is built. The operative config is written into each run directory.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -808,6 +809,19 @@ def _field_hint(setting: str) -> Any:
     return None
 
 
+def _check_scopes() -> None:
+    """One line for a binding under a scope that is not a role (``actr/RoleConfig...``): gin
+    would keep it and no section would ever read it, so the setting would silently not apply."""
+    # gin keeps its bindings keyed by (scope, selector); it has no public way to list them.
+    for scope, selector in gin.config._CONFIG:
+        for part in filter(None, scope.split("/")):
+            if part not in ROLES:
+                near = difflib.get_close_matches(part, ROLES, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else f" (roles: {', '.join(ROLES)})"
+                section = selector.rpartition(".")[2]
+                raise ConfigError(f"{scope}/{section}: {part!r} is not a role{hint}")
+
+
 def load_config(files: list[str], bindings: list[str]) -> Config:
     """Parse gin files and bindings, build and validate every section."""
     gin.clear_config()
@@ -833,6 +847,8 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
             if value is not None:
                 raise ConfigError(f"{value[0] or f'binding {binding!r}'}: {value[1]}") from None
             raise ConfigError(f"binding {binding!r}: {_gin_error_line(e)}") from None
+
+    _check_scopes()
 
     def build(section: type, scope: str = "") -> Any:
         # Gin evaluates macros and references here; a failure names the section it was for.

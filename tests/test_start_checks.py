@@ -10,6 +10,7 @@ import pytest
 from run_helpers import SMALL
 
 from jrlhf.cli import convert, evaluate, generate, launch, train
+from jrlhf.config import ConfigError, load_config
 from jrlhf.meshes import MeshSpec
 from jrlhf.runtime.devices import MAX_HOST_DEVICES
 from jrlhf.tasks import SyntheticTask
@@ -19,6 +20,20 @@ def _one_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     return err
+
+
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        ("actr/RoleConfig.learning_rate=1e-3", "'actr' is not a role; did you mean 'actor'?"),
+        ("policy/RoleConfig.train_mesh='fsdp=8'", "'policy' is not a role (roles: actor, "),
+    ],
+)
+def test_a_binding_under_a_scope_that_is_no_role_is_refused_in_one_line(binding, message):
+    """gin keeps a binding under any scope; one no role reads would silently not apply."""
+    with pytest.raises(ConfigError) as e:
+        load_config([], [binding])
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
