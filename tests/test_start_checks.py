@@ -141,6 +141,19 @@ def test_host_devices_beyond_what_xla_can_fake_are_refused_in_one_line(tmp_path,
     )
 
 
+@pytest.mark.parametrize("flag", ["--grace", "--max-time"])
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_launcher_times_that_are_not_finite_seconds_are_refused(flag, value, capsys):
+    """A NaN --grace was accepted (it compares false with every deadline, so nothing would be
+    ended); each is refused before any process starts."""
+    argv = ["--processes", "2", "--devices-per-process", "2", flag, value, "--", "train"]
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"{flag} must be a finite number of seconds >= 0, got {float(value)}")
+
+
 # -- --check builds what the run builds before its first step ---------------------------------
 def _data(tmp_path):
     data = tmp_path / "data"

@@ -17,6 +17,7 @@ peer, their notice of the SIGTERM) is not shown but counted in that line.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import queue
 import signal
@@ -395,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port {args.port}: not a TCP port")
     if args.cores_per_process < 0:
         parser.error(f"--cores-per-process must be >= 0, got {args.cores_per_process}")
+    for flag, value in (("--grace", args.grace), ("--max-time", args.max_time)):
+        if not math.isfinite(value) or value < 0:  # nan would never end a job, nor compare
+            parser.error(f"{flag} must be a finite number of seconds >= 0, got {value}")
     port = args.port or free_port()
     coordinator = f"127.0.0.1:{port}"
     cmd = child_command(command[0], command[1:])
