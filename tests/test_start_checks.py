@@ -154,6 +154,18 @@ def test_launcher_times_that_are_not_finite_seconds_are_refused(flag, value, cap
     assert err[-1].endswith(f"{flag} must be a finite number of seconds >= 0, got {float(value)}")
 
 
+@pytest.mark.parametrize("entry", ["nosuchentry", "jrlhf.nosuch", "tests.nosuch"])
+def test_launcher_refuses_an_entry_point_that_does_not_exist(entry, capsys):
+    """Each process printed Python's own error and the launcher its line; now one line, before
+    any process starts."""
+    argv = ["--processes", "2", "--devices-per-process", "2", "--", entry]
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{entry}: no module " in last and last.endswith("or a module path)"), last
+
+
 # -- --check builds what the run builds before its first step ---------------------------------
 def _data(tmp_path):
     data = tmp_path / "data"

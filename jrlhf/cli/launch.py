@@ -17,6 +17,7 @@ peer, their notice of the SIGTERM) is not shown but counted in that line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import queue
@@ -401,6 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be a finite number of seconds >= 0, got {value}")
     port = args.port or free_port()
     coordinator = f"127.0.0.1:{port}"
+    module = entry_module(command[0])
+    try:  # in this process's environment, which the children inherit
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        found = False
+    if not found:
+        parser.error(
+            f"{command[0]}: no module {module} to run (entry points: {', '.join(ENTRY_POINTS)}, "
+            "or a module path)"
+        )
     cmd = child_command(command[0], command[1:])
     base = dict(os.environ)
     try:
