@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jrlhf.pipeline.run_lock import LOCK_FILE
 from jrlhf.tasks import SyntheticTask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -571,10 +572,12 @@ def cases() -> list[Case]:
 
 
 def snapshot(directory: Path) -> dict[str, str]:
-    """Hash of every file under ``directory``, by relative path."""
+    """Hash of every file under ``directory``, by relative path; a run directory's lock file
+    is left out (it names its current holder, so every start or resume rewrites it: no saved
+    data changes)."""
     out = {}
     for p in sorted(directory.rglob("*")):
-        if p.is_file() and not p.is_symlink():
+        if p.is_file() and not p.is_symlink() and p.name != LOCK_FILE:
             out[str(p.relative_to(directory))] = hashlib.sha1(p.read_bytes()).hexdigest()
     return out
 
