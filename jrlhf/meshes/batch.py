@@ -80,11 +80,6 @@ def process_group(processes: Iterable[int]) -> Iterator[None]:
         _group = before
 
 
-def process_local() -> contextlib.AbstractContextManager[None]:
-    """:func:`process_group` of this process alone: host reads with no collective."""
-    return process_group([jax.process_index()])
-
-
 def _group_devices(group: frozenset[int]) -> tuple[jax.Device, ...]:
     """One device of each process of ``group`` (its first), in process order."""
     first: dict[int, jax.Device] = {}

@@ -37,11 +37,6 @@ class RoleGroups:
         """This process's side: ``"generate"`` or ``"train"``."""
         return "generate" if jax.process_index() in self.generate else "train"
 
-    @property
-    def mine(self) -> frozenset[int]:
-        """The processes of this process's group."""
-        return self.generate if self.side == "generate" else self.train
-
     def describe(self) -> str:
         return f"generation on processes {sorted(self.generate)}, the rest on {sorted(self.train)}"
 
@@ -103,6 +98,5 @@ def sample_channel(roles: Mapping[str, RoleSetup], groups: RoleGroups) -> Sample
     first = {}
     for d in jax.devices():  # a training process that runs no call still joins the group
         first.setdefault(d.process_index, d)
-    channel = SampleChannel(gen[0], [sinks.get(p, first[p]) for p in sorted(groups.train)])
-    channel.result_readers = sorted(groups.generate)
-    return channel
+    train = [sinks.get(p, first[p]) for p in sorted(groups.train)]
+    return SampleChannel(gen[0], train, readers=sorted(groups.generate))

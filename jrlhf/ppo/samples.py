@@ -106,8 +106,8 @@ class SampleChannel:
     ``source``: the generating group's device that stages a batch (its process sends for the
     group, whose processes all hold the same batches); ``sinks``: one device of each process of
     the training group, each of which receives every batch. Results go from the training
-    group's first process to every process of the generating group. Every process constructs the
-    same channel and calls its side's methods.
+    group's first process to every process of ``readers`` (the generating group). Every process
+    constructs the same channel and calls its side's methods.
 
     JAX pairs cross-host transfers by their order on each process (the n-th call of the
     sender with the n-th call of the receiver), so every process makes every transfer call, in
@@ -117,9 +117,15 @@ class SampleChannel:
     same two weight transfers.
     """
 
-    def __init__(self, source: jax.Device, sinks: Sequence[jax.Device], prefix: str = "async"):
+    def __init__(
+        self,
+        source: jax.Device,
+        sinks: Sequence[jax.Device],
+        readers: Sequence[int],
+        prefix: str = "async",
+    ):
         self.source, self.sinks, self.prefix = source, list(sinks), prefix
-        self.result_readers: list[int] = []  # set by the builder: the generating group
+        self.result_readers = list(readers)  # the generating group's processes
         self.sent: dict[int, jax.Array] = {}  # staged batches not yet known to be read
         self.received: dict[int, GeneratedBatch] = {}  # training group: arrived, not trained
         self.announced: dict[int, list[dict[str, Any]]] = {}  # per iteration, not yet received
