@@ -514,7 +514,9 @@ class RLConfig:
     # included) are all equal carry no group-relative advantage and are dropped; the iteration
     # generates from the next prompts of the loader until it has prompts_per_iteration groups
     # with signal, for at most max_sampling_rounds generation rounds, and then fills up with
-    # dropped groups (metrics sampling/*). Needs samples_per_prompt >= 2.
+    # dropped groups (metrics sampling/*). Needs samples_per_prompt >= 2. With max_staleness
+    # >= 1 a batch's further rounds are generated at the iterations before it trains, under
+    # their weights (jrlhf.ppo.schedules.bounded).
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
     # Off-policy correction (core_algos.behaviour_importance_weights) for samples whose
@@ -547,6 +549,8 @@ class RLConfig:
     # critic) in calls of fusion_score_rows rows while generation goes on (0: a quarter of the
     # iteration's rows; rounded up to the scoring meshes' batch shards). Same samples and scores
     # (to float rounding); time/generate then includes the scoring done during generation.
+    # With max_staleness >= 1 each batch is scored as it is generated, on the training group
+    # where generation has processes of its own; a critic's values are taken when it trains.
     fusion: bool = False
     fusion_score_rows: int = 0
     # RLHFuse's migration (needs fusion; 0: off): once no prompt waits for a decode slot and at
@@ -657,19 +661,6 @@ class RLConfig:
         )
         _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
         _check(self.max_staleness >= 0, "RLConfig.max_staleness", "must be >= 0 (0: synchronous)")
-        if self.max_staleness:
-            _check(
-                not self.dynamic_sampling,
-                "RLConfig.max_staleness",
-                "asynchronous generation (max_staleness >= 1) does not support "
-                "RLConfig.dynamic_sampling (its extra rounds depend on the batch being trained)",
-            )
-            _check(
-                not self.fusion,
-                "RLConfig.fusion",
-                "is not supported with RLConfig.max_staleness >= 1 yet (asynchronous batches are "
-                "scored after generation)",
-            )
         _check(self.partial_rollout_tokens >= 0, "RLConfig.partial_rollout_tokens", "must be >= 0")
         _check(
             not self.partial_rollout_tokens or self.max_staleness >= 1,

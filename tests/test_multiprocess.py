@@ -343,10 +343,20 @@ def test_async_generation_and_training_processes_equal_one_process_through_a_res
         assert 0 < r["samples/control_bytes"] < 8192 and r["samples/stored_keys"] <= 4, r
 
 
-# Four processes x 2 devices with generation on processes of its own; the one-process run of
-# the same plan is the reference (the schedule and its numbers are the same, nothing overlaps).
+# Four processes x 2 devices with generation on processes of its own, GRPO with DAPO's dynamic
+# sampling on a verifiable reward (a random actor gives most prompts no signal, so batches take
+# more rounds), fusion, and partial rollouts; the one-process run of the same plan is the
+# reference (the schedule and its numbers are the same, nothing overlaps).
 GROUPS = [
-    *ASYNC[:-2],
+    "RunConfig.stages=('grpo',)",
+    "RunConfig.placement='separate'",
+    *[f"{role}/RoleConfig.init='tiny'" for role in ("actor", "reference")],
+    *PIPELINE[4:],
+    "TaskConfig.reward_fn='synthetic_ground_truth'",
+    "RLConfig.samples_per_prompt=4",
+    "RLConfig.dynamic_sampling=True",
+    "RLConfig.max_sampling_rounds=3",
+    "RLConfig.fusion=True",
     "RLConfig.max_staleness=2",
     "RLConfig.partial_rollout_tokens=6",  # half a response a pass
     "RLConfig.off_policy_correction='tis'",
@@ -356,9 +366,11 @@ GROUPS = [
 def test_generation_and_training_groups_of_two_processes_equal_one_process(tmp_path):
     """4 processes x 2 devices, ``separate``: generation on processes 0-1, scoring and training
     on 2-3, each group reading its host values among its own processes; max_staleness=2 with
-    partial rollouts (samples continue across updates on the generating group). Process 2 dies
-    during iteration 2; --resume continues from the iteration-1 checkpoint; every metric equals
-    the one-process run's, and every batch is trained once, in order, within the bound."""
+    partial rollouts (samples continue across updates on the generating group), dynamic
+    sampling (the training group scores each round as it arrives and asks for more rounds) and
+    fusion. Process 2 dies during iteration 2; --resume continues from the iteration-1
+    checkpoint; every metric equals the one-process run's, and every batch is trained once, in
+    order, within the bound."""
     one = tmp_path / "one"
     assert train.main(["--run-dir", str(one), "--quiet", *GROUPS]) == 0
     run_dir = tmp_path / "four"
@@ -373,11 +385,12 @@ def test_generation_and_training_groups_of_two_processes_equal_one_process(tmp_p
     resumed = launch(4, 2, "train", *args, "--resume", timeout=600)
     assert resumed.returncode == 0, why(resumed)
     assert "generation on processes [0, 1], the rest on [2, 3]" in resumed.stderr
-    assert_same_metrics(one, run_dir, stages=("ppo",))
-    ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
-    assert [r["step"] for r in ppo] == [1, 2, 3]
-    assert max(r["staleness/max"] for r in ppo) == 2  # the bound is reached, never passed
-    assert all(r["partial/passes_max"] >= 1 for r in ppo)
+    assert_same_metrics(one, run_dir, stages=("grpo",))
+    grpo = [r for r in rows(run_dir, "grpo") if "reward" in r]
+    assert [r["step"] for r in grpo] == [1, 2, 3]
+    assert max(r["staleness/max"] for r in grpo) == 2  # the bound is reached, never passed
+    assert all(r["partial/passes_max"] >= 1 for r in grpo)
+    assert max(r["sampling/rounds"] for r in grpo) >= 2  # batches took more rounds
 
 
 # Generation on process 0, scoring (reference, reward, critic inference) on process 1, training

@@ -87,7 +87,7 @@ def test_a_sample_ends_at_its_stop_id_and_is_not_continued():
     assert fake.seen == [2, 1, 1]  # the ended sample is never decoded again
     assert batch.completions == [[9], [4] * 6] and batch.passes == [1, 3]
     assert batch.token_versions[1].tolist() == [0, 0, 1, 1, 2, 2]
-    assert partial.continuation_metrics(batch) == {
+    assert partial.continuation_metrics([batch]) == {
         "partial/continued_frac": 0.5,
         "partial/passes_max": 3.0,
     }

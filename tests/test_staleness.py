@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_helpers import assert_rows_close, metric_rows, ppo_bindings
+from run_helpers import SMALL, assert_rows_close, metric_rows, ppo_bindings
 
 from jrlhf import checkpoint
 from jrlhf.cli import train
@@ -107,8 +107,8 @@ def test_generated_batch_survives_the_data_plane_exactly(extra):
 def test_config_checks():
     with pytest.raises(ConfigError, match="^RLConfig.max_staleness: must be >= 0"):
         RLConfig(max_staleness=-1).validate()
-    with pytest.raises(ConfigError, match="^RLConfig.max_staleness: .*dynamic_sampling"):
-        RLConfig(max_staleness=1, dynamic_sampling=True, samples_per_prompt=2).validate()
+    # asynchrony composes with dynamic sampling and fusion (see the tests below)
+    RLConfig(max_staleness=2, dynamic_sampling=True, samples_per_prompt=2, fusion=True).validate()
 
 
 def test_schedule_at_zero_staleness_is_the_synchronous_loop(base_run, colocated_run, tmp_path):
@@ -144,13 +144,18 @@ def async_run(base_run, tmp_path_factory, monkeypatch_module):
     seen = []
     original = BoundedStaleness._train
 
-    def recording(self, iteration, gen, arrays, timer, before_sync=None):
+    def recording(self, iteration, rounds, timer, before_sync=None):
+        metrics = original(self, iteration, rounds, timer, before_sync)
+        if len(rounds) > 1:  # a later test's dynamic sampling (this patch lasts the module)
+            return metrics
+        (gen,) = rounds  # one round a batch without dynamic sampling
         # KL to the reference of the policy that sampled (per-sequence sum of k1), as scored
+        arrays = gen.arrays
         kl = (arrays["old_logprobs"] - arrays["ref_logprobs"]) * arrays["mask"]
         kl = float(np.mean(kl.sum(axis=1)))
         seen.append((iteration, gen.index, [v.copy() for v in gen.token_versions],
                      [len(c) for c in gen.completions], kl))  # fmt: skip
-        return original(self, iteration, gen, arrays, timer, before_sync)
+        return metrics
 
     monkeypatch_module.setattr(BoundedStaleness, "_train", recording)
     run_dir = tmp_path_factory.mktemp("async") / "run"
@@ -244,3 +249,99 @@ def test_partial_rollouts_resume_exactly(base_run, tmp_path):
     assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
     assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
     assert_rows_close(metric_rows(resumed), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)
+
+
+# GRPO with a verifiable reward that gives about half the prompts no signal, so DAPO's dynamic
+# sampling needs more rounds than one.
+DAPO = [
+    "RunConfig.stages=('grpo',)",
+    "TaskConfig.reward_fn='run_helpers:parity_reward'",
+    "RLConfig.samples_per_prompt=4",
+    "RLConfig.dynamic_sampling=True",
+    "RLConfig.max_sampling_rounds=3",
+    "RLConfig.iterations=4",
+    "RLConfig.checkpoint_every=2",
+    "RLConfig.kl_coef=0.0",
+    *SMALL,
+]
+
+
+def dapo_args(base: Path, run_dir: Path, *extra: str) -> list[str]:
+    inits = [f"{r}/RoleConfig.init='ckpt:{base}/sft'" for r in ("actor", "reference")]
+    return ["--run-dir", str(run_dir), "--quiet", *inits, *DAPO, *extra]
+
+
+def test_dynamic_sampling_at_zero_staleness_is_the_synchronous_loop(base_run, tmp_path):
+    """Dynamic sampling through the bounded-staleness schedule at k = 0 (a batch's rounds
+    scored as they are generated, more drawn while it is short) gives the synchronous loop's
+    metrics and loader position exactly."""
+    sync = tmp_path / "sync"
+    assert train.main(dapo_args(base_run, sync)) == 0
+    original = RLTrainer.run_iteration
+
+    def through_the_schedule(self, prompts, meta=None, refill=None):
+        drawn = [(prompts, meta)]
+        return self.run_async_iteration(lambda: drawn.pop() if drawn else refill())
+
+    RLTrainer.run_iteration = through_the_schedule
+    try:
+        assert train.main(dapo_args(base_run, tmp_path / "k0")) == 0
+    finally:
+        RLTrainer.run_iteration = original
+    ours, theirs = metric_rows(tmp_path / "k0", "grpo"), metric_rows(sync, "grpo")
+    assert max(r.get("sampling/rounds", 0) for r in theirs) >= 2  # more than one round ran
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a == b
+    meta = [checkpoint.read_trainer_meta(d) for d in (tmp_path / "k0", sync)]
+    assert meta[0]["loader"] == meta[1]["loader"]
+
+
+ASYNC_DAPO = [
+    "RLConfig.max_staleness=2",
+    "RLConfig.partial_rollout_tokens=6",
+    "RLConfig.fusion=True",
+    "RLConfig.off_policy_correction='tis'",
+]
+
+
+def test_staleness_with_dynamic_sampling_fusion_and_partial_rollouts_resumes_exactly(
+    base_run, tmp_path
+):
+    """max_staleness=2 with partial rollouts, fusion and dynamic sampling: a short batch takes
+    more rounds of new prompts at later iterations (under newer weights, within the bound); the
+    step-2 checkpoint holds every round in flight with its signal count; resumed from it, the
+    run repeats the uninterrupted run's metrics and ends at the same loader position."""
+
+    def args(run_dir):
+        return dapo_args(base_run, run_dir, *ASYNC_DAPO)
+
+    full = tmp_path / "full"
+    assert train.main(args(full)) == 0
+    rows = [r for r in metric_rows(full, "grpo") if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["sampling/rounds"] for r in rows) >= 2
+    assert max(r["staleness/max"] for r in rows) <= 2
+    for r in rows:  # every batch trains prompts_per_iteration groups
+        assert r["sampling/groups_kept"] + r["sampling/groups_dropped"] == 16 * r["sampling/rounds"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    pending = checkpoint.read_trainer_meta(resumed / "checkpoints" / "2")["pending"]
+    assert all("signal" in g for g in pending if all(g.get("finished", [True])))
+    assert train.main([*args(resumed), "--resume"]) == 0
+    assert_rows_close(metric_rows(resumed, "grpo"), metric_rows(full, "grpo"), rtol=1e-5, atol=1e-6)
+    meta = [checkpoint.read_trainer_meta(d) for d in (resumed, full)]
+    assert meta[0]["loader"] == meta[1]["loader"]
+
+
+def test_fused_async_run_equals_the_unfused_one(async_run, base_run, tmp_path):
+    """PPO at max_staleness=1 with fusion: each batch is scored by the fused rollout as its rows
+    finish (one iteration before it trains), the critic's values are taken again when it trains;
+    every metric equals the unfused run's to float rounding."""
+    fused = tmp_path / "fused"
+    bindings = ppo_bindings(base_run, *ASYNC, "RLConfig.fusion=True")
+    assert train.main(["--run-dir", str(fused), "--quiet", *bindings]) == 0
+    rows = metric_rows(fused)
+    assert all(r["fusion/chunks"] >= 1 for r in rows if "reward" in r)
+    assert_rows_close(rows, metric_rows(async_run[0]), rtol=1e-4, atol=1e-5)

@@ -35,9 +35,14 @@ Generate = Callable[[Sequence[Sequence[int]], SamplingParams], GenerationResult]
 
 
 def start_batch(
-    index: int, prompts: list[list[int]], meta: Sequence[Mapping[str, Any]] | None, samples: int
+    index: int,
+    prompts: list[list[int]],
+    meta: Sequence[Mapping[str, Any]] | None,
+    samples: int,
+    round: int = 0,
 ) -> GeneratedBatch:
-    """Batch ``index`` before its first pass: ``samples`` empty samples per prompt."""
+    """Round ``round`` of batch ``index`` before its first pass: ``samples`` empty samples per
+    prompt."""
     rows = len(prompts) * samples
     return GeneratedBatch(
         index=index,
@@ -49,13 +54,15 @@ def start_batch(
         token_versions=[np.zeros((0,), np.int64) for _ in range(rows)],
         finished=[False] * rows,
         passes=[0] * rows,
+        round=round,
     )
 
 
-def row_seed(run_seed: int, batch: int, row: int, done: int) -> int:
+def row_seed(run_seed: int, batch: int, row: int, done: int, round: int = 0) -> int:
     """The sampling seed of one pass of one sample: a pure function of where it is, so a
     resumed run continues it identically."""
-    return int(np.random.default_rng([run_seed, batch, row, done, 0x5EED]).integers(2**31))
+    where = [run_seed, batch, row, done, 0x5EED] + ([round] if round else [])
+    return int(np.random.default_rng(where).integers(2**31))
 
 
 def run_pass(
@@ -76,7 +83,7 @@ def run_pass(
     if not todo:
         return {"rows": 0, "recomputed_tokens": 0}
     contexts = [b.sample_prompts[r] + b.completions[r] for b, r in todo]
-    seeds = tuple(row_seed(run_seed, b.index, r, len(b.completions[r])) for b, r in todo)
+    seeds = tuple(row_seed(run_seed, b.index, r, len(b.completions[r]), b.round) for b, r in todo)
     sp = dataclasses.replace(sampling, num_samples=1, seeds=seeds, max_new_tokens=tokens)
     result = generate(contexts, sp)
     stops = set(sp.stop_ids or ())
@@ -98,10 +105,11 @@ def run_pass(
     return {"rows": len(todo), "recomputed_tokens": int(recomputed)}
 
 
-def continuation_metrics(batch: GeneratedBatch) -> dict[str, float]:
-    """``partial/continued_frac``: the trained batch's samples that spanned more than one pass
-    (continued across an update); ``partial/passes_max``: the most passes one sample took."""
-    passes = np.asarray(batch.passes or [1] * len(batch.completions))
+def continuation_metrics(rounds: Sequence[GeneratedBatch]) -> dict[str, float]:
+    """``partial/continued_frac``: the trained batch's samples (of all its ``rounds``) that
+    spanned more than one pass (continued across an update); ``partial/passes_max``: the most
+    passes one sample took."""
+    passes = np.asarray([n for b in rounds for n in (b.passes or [1] * len(b.completions))])
     return {
         "partial/continued_frac": float(np.mean(passes > 1)) if len(passes) else 0.0,
         "partial/passes_max": float(passes.max(initial=0)),

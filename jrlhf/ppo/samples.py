@@ -71,7 +71,8 @@ def pack_batch(batch: GeneratedBatch) -> tuple[dict[str, Any], np.ndarray]:
         layout.append([name, a.dtype.str, list(a.shape), offset])
         parts.append(raw)
         offset += raw.size
-    return {"index": batch.index, "layout": layout, "bytes": offset}, np.concatenate(parts)
+    header = {"index": batch.index, "round": batch.round, "layout": layout, "bytes": offset}
+    return header, np.concatenate(parts)
 
 
 def unpack_batch(header: dict[str, Any], data: np.ndarray) -> GeneratedBatch:
@@ -93,6 +94,7 @@ def unpack_batch(header: dict[str, Any], data: np.ndarray) -> GeneratedBatch:
         token_versions=[v.copy() for v in _unragged(f["token_versions"], lengths)],
         finished=None if "finished" not in f else [bool(x) for x in f["finished"]],
         passes=None if "passes" not in f else [int(x) for x in f["passes"]],
+        round=int(header.get("round", 0)),
     )
 
 
@@ -111,10 +113,10 @@ class SampleChannel:
 
     JAX pairs cross-host transfers by their order on each process (the n-th call of the
     sender with the n-th call of the receiver), so every process makes every transfer call, in
-    one order for the whole job: the generating group when it sends the batches of an iteration
-    (:meth:`send`), the training group when it receives them (:meth:`receive`: the batch it
-    trains on first, the rest before the weights of that iteration move), each between the
-    same two weight transfers.
+    one order for the whole job: the generating group when it sends the rounds of an iteration
+    (:meth:`send`), the training group when it receives them (:meth:`receive_next`: those of
+    the batch it trains on first, the rest before the weights of that iteration move), each
+    between the same two weight transfers.
     """
 
     def __init__(
@@ -126,9 +128,9 @@ class SampleChannel:
     ):
         self.source, self.sinks, self.prefix = source, list(sinks), prefix
         self.result_readers = list(readers)  # the generating group's processes
-        self.sent: dict[int, jax.Array] = {}  # staged batches not yet known to be read
-        self.received: dict[int, GeneratedBatch] = {}  # training group: arrived, not trained
-        self.announced: dict[int, list[dict[str, Any]]] = {}  # per iteration, not yet received
+        # staged rounds, by (batch, round), not yet known to be read
+        self.sent: dict[tuple[int, int], jax.Array] = {}
+        self.announced: dict[str, list[dict[str, Any]]] = {}  # per tag, not yet received
         self.data_bytes = 0
         self.control_bytes = 0
 
@@ -160,57 +162,78 @@ class SampleChannel:
         )
 
     # -- batches: the generating group -> the training group --------------------------------------
-    def send(self, iteration: int, batches: Sequence[GeneratedBatch]) -> None:
-        """Generating group: stage the batches generated in ``iteration`` for every receiver and
-        announce them; returns at once (the receivers pull them when they need them)."""
+    def send(self, tag: str, batches: Sequence[GeneratedBatch]) -> None:
+        """Generating group: stage the rounds generated under ``tag`` (an iteration, or an
+        iteration's extra round) for every receiver and announce them; returns at once (the
+        receivers pull them when they need them)."""
         headers = []
         for batch in batches:
             header, data = pack_batch(batch)
             headers.append(header)
             if jax.process_index() == self.source.process_index:
                 staged = jax.device_put(data, _on(self.source))
-                self.sent[batch.index] = staged
+                self.sent[(batch.index, batch.round)] = staged
                 self.data_bytes += data.size * len(self.sinks)
             else:  # the group's other processes hold the same batch; the source sends it
                 staged = self._placeholder(data.size)
             self._transfer(staged)
         if jax.process_index() == self.source.process_index:
             for sink in self.sinks:  # one message per reader, so each deletes its own
-                self._post(f"sent/{iteration}/{sink.process_index}", headers)
+                self._post(f"sent/{tag}/{sink.process_index}", headers)
 
-    def _receive_next(self, iteration: int) -> None:
-        header = self.announced[iteration].pop(0)
+    def _announcement(self, tag: str) -> list[dict[str, Any]]:
+        if tag not in self.announced:
+            self.announced[tag] = self._take(f"sent/{tag}/{jax.process_index()}")
+        return self.announced[tag]
+
+    def receive_next(self, tag: str) -> GeneratedBatch | None:
+        """Training group: the next round sent under ``tag`` (waiting for it), None when every
+        round sent under it has been received."""
+        left = self._announcement(tag)
+        if not left:
+            return None
+        header = left.pop(0)
         outs = self._transfer(self._placeholder(int(header["bytes"])))
         me = jax.process_index()
         for sink, out in zip(self.sinks, outs):
             if sink.process_index == me:
                 data = np.asarray(out.addressable_data(0))
                 self.data_bytes += data.size
-                self.received[int(header["index"])] = unpack_batch(header, data)
+                return unpack_batch(header, data)
+        raise AssertionError(f"process {me} is not a receiver of the sample channel")
 
-    def _announcement(self, iteration: int) -> list[dict[str, Any]]:
-        if iteration not in self.announced:
-            self.announced[iteration] = self._take(f"sent/{iteration}/{jax.process_index()}")
-        return self.announced[iteration]
+    def receive_all(self, tag: str) -> list[GeneratedBatch]:
+        """Training group: every round sent under ``tag`` not yet received, in order."""
+        out = []
+        while (batch := self.receive_next(tag)) is not None:
+            out.append(batch)
+        return out
 
-    def receive(self, iteration: int, index: int | None = None) -> GeneratedBatch | None:
-        """Training group: receive what the generating group sent in ``iteration``, in order,
-        up to batch ``index`` (None: all of it); returns batch ``index`` (None if not asked).
-        A batch that arrived in an earlier iteration is returned without waiting."""
-        if index is not None and index in self.received:
-            return self.received.pop(index)
-        left = self._announcement(iteration)
-        while left and (index is None or index not in self.received):
-            self._receive_next(iteration)
-        if index is None:  # the iteration's last call, before its weights move
-            del self.announced[iteration]
-        return None if index is None else self.received.pop(index, None)
+    def forget_through(self, iteration: int) -> None:
+        """Training group: drop the bookkeeping of tags of iterations up to ``iteration``."""
+        for tag in [t for t in self.announced if int(t.split(".")[0]) <= iteration]:
+            if self.announced[tag]:
+                raise AssertionError(f"rounds sent under {tag} were never received")
+            del self.announced[tag]
 
     def release_through(self, index: int) -> None:
-        """Sender: free the staged batches up to ``index`` (every receiver has read them: it
-        trained on them before the weights of that update were sent)."""
-        for j in [j for j in self.sent if j <= index]:
-            self.sent.pop(j).delete()
+        """Sender: free the staged rounds of batches up to ``index`` (every receiver has read
+        them: it trained on them before the weights of that update were sent)."""
+        for key in [key for key in self.sent if key[0] <= index]:
+            self.sent.pop(key).delete()
+
+    # -- dynamic sampling's last chances: the training group asks for one more round -----------
+    def ask(self, iteration: int, step: int, more: bool) -> None:
+        """Training group: whether the generating group must generate another round of batch
+        ``iteration`` before its weights move (``step``: how many it generated so far)."""
+        if jax.process_index() != min(s.process_index for s in self.sinks):
+            return
+        for reader in self.result_readers:
+            self._post(f"more/{iteration}/{step}/{reader}", bool(more))
+
+    def asked(self, iteration: int, step: int) -> bool:
+        """Generating group: what :meth:`ask` said for ``iteration`` after ``step`` rounds."""
+        return bool(self._take(f"more/{iteration}/{step}/{jax.process_index()}"))
 
     # -- results: a receiver -> the sender -------------------------------------------------------
     def send_result(self, iteration: int, result: dict[str, float]) -> None:

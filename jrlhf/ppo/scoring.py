@@ -19,6 +19,8 @@ from jrlhf.tasks.rewards import BatchReward, RewardBatch, RewardFn
 
 # arrays (the packed layout of jrlhf.ppo.batch) -> per-row or per-token device values
 InferFn = Callable[[dict[str, np.ndarray]], Any]
+# The keys of jrlhf.data.batch.pack: what the scoring models read of a scored batch.
+_PACKED = ("tokens", "positions", "segment_ids", "response_tokens", "mask", "last_index")
 # A task's true score of (prompt_ids, response_ids), when it knows one (the synthetic task).
 GroundTruthFn = Callable[[Sequence[int], Sequence[int]], float]
 
@@ -149,6 +151,14 @@ class Scorer:
         if scores is not None:
             arrays["scores"] = np.asarray(scores, np.float32)[:rows] * self.reward_scale
         return arrays
+
+    def values(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """The critic's values of packed, scored ``arrays`` now (a batch scored before the
+        critic's latest update takes its values again before training); zeros without one."""
+        if self.critic is None:
+            return np.zeros_like(arrays["old_logprobs"])
+        packed = {k: arrays[k] for k in _PACKED}
+        return np.asarray(to_host(self.critic(packed)), np.float32)[: len(arrays["mask"])]
 
     def summarize(self, arrays, prompts, responses) -> dict[str, float]:
         """Mean reward (only with one), KL to the reference (per-sequence sum of log pi - log

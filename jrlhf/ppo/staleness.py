@@ -42,11 +42,15 @@ def batches_ahead(iteration: int, max_staleness: int, iterations: int) -> range:
 
 @dataclasses.dataclass
 class GeneratedBatch:
-    """One generated batch before scoring: what iteration ``index`` trains on.
+    """One generated round of a batch: what iteration ``index`` trains on.
 
     ``prompts``/``meta``: the loader's draw (one per prompt); ``prompt_index[i]``: sample i's
     prompt; ``completions``/``raw_logprobs``: per sample, the tokens and their behaviour
-    log-probs; ``token_versions``: per sample, the policy version of each token.
+    log-probs; ``token_versions``: per sample, the policy version of each token. ``round``:
+    0 for the batch's first draw; dynamic sampling (DAPO) adds rounds 1, 2, ... of further
+    prompts while the batch holds too few groups with signal (``signal``: this round's count,
+    once scored). ``arrays``: its scored arrays when scored before training (never saved:
+    scoring is a pure function of the samples and the frozen models, so a resume rescores).
     """
 
     index: int
@@ -60,6 +64,11 @@ class GeneratedBatch:
     # took; None for a batch generated in one go (every sample ended, one pass).
     finished: list[bool] | None = None
     passes: list[int] | None = None
+    round: int = 0
+    signal: int | None = None
+    arrays: dict[str, np.ndarray] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def complete(self) -> bool:
@@ -88,6 +97,8 @@ class GeneratedBatch:
             "token_versions": [np.asarray(v).tolist() for v in self.token_versions],
             **({} if self.finished is None else {"finished": list(map(bool, self.finished))}),
             **({} if self.passes is None else {"passes": list(map(int, self.passes))}),
+            **({"round": self.round} if self.round else {}),
+            **({} if self.signal is None else {"signal": int(self.signal)}),
         }
 
     @classmethod
@@ -102,6 +113,8 @@ class GeneratedBatch:
             token_versions=[np.asarray(v, np.int64) for v in d["token_versions"]],
             finished=None if "finished" not in d else [bool(x) for x in d["finished"]],
             passes=None if "passes" not in d else [int(x) for x in d["passes"]],
+            round=int(d.get("round", 0)),
+            signal=None if d.get("signal") is None else int(d["signal"]),
         )
 
 

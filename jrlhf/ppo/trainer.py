@@ -36,10 +36,11 @@ from jrlhf.placement.plan import ExecutionPlan
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.fusion import fusion_score_rows, tail_migration
 from jrlhf.ppo.groups import role_groups
+from jrlhf.ppo.producer import Draw
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.schedules import BoundedStaleness, Synchronous
-from jrlhf.ppo.schedules.synchronous import Draw, Round
+from jrlhf.ppo.schedules.synchronous import Round
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.ppo.staleness import GeneratedBatch
 from jrlhf.ppo.update import Update

@@ -6,16 +6,28 @@ is scored and trained on. With ``k = 0`` this is the synchronous loop without dy
 number for number. With ``RLConfig.partial_rollout_tokens`` every unfinished sample in flight
 takes one pass of that many tokens per iteration under the newest weights (jrlhf.ppo.partial).
 
+A batch is one or more *rounds* of prompts. With ``RLConfig.dynamic_sampling`` (DAPO) each round
+is scored once it has been generated (its reference log-probs and rewards: the models that give
+them never change), and a batch whose rounds hold fewer groups with signal than it has prompts
+gets another round of the loader's next prompts at the next iteration's generation, under that
+iteration's weights, up to ``max_sampling_rounds`` rounds; a batch still short when it is due
+gets its remaining rounds at once, under the weights it is trained from. With
+``RLConfig.fusion`` rounds are scored as they are generated too: in one process the rollout
+scores finished rows while the rest decode (jrlhf.ppo.fusion); where the scoring models live on
+other processes, the training group scores each round when it arrives. A critic's values are
+always taken when the batch is trained, by the critic being trained.
+
 Where the plan gives generation processes of its own (jrlhf.ppo.groups), the generating and
-the training group run at the same time and meet once per iteration: batches go to the training
+the training group run at the same time and meet once per iteration: rounds go to the training
 group through the sample channel as soon as they are generated, weights come back through the
-weight channel (a cross-host transfer both make), and the update's metrics and KL coefficient
-follow, so the generating group (process 0 writes logs and checkpoint meta) knows them.
+weight channel (a cross-host transfer both make), and the update's metrics, the KL coefficient,
+the rounds' signal counts and the further rounds wanted follow, so the generating group (process
+0 writes logs and checkpoint meta) knows them. Every decision is taken from the same facts in
+both layouts, so a run of several processes equals the one-process run of its plan.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 
 import numpy as np
@@ -25,30 +37,33 @@ from jrlhf.meshes.processes import stored_keys
 from jrlhf.metrics import PhaseTimer
 from jrlhf.ppo import partial
 from jrlhf.ppo.groups import RoleGroups, sample_channel
+from jrlhf.ppo.producer import Draw, Producer
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
-from jrlhf.ppo.schedules.synchronous import Draw, Learn
+from jrlhf.ppo.schedules.synchronous import Learn
 from jrlhf.ppo.scoring import Scorer
 from jrlhf.ppo.staleness import (
     GeneratedBatch,
     StalenessError,
-    batches_ahead,
     check_staleness,
     staleness_metrics,
     versions_bt,
 )
-from jrlhf.ppo.update import Update, shaped_scores
+from jrlhf.ppo.update import Update
 from jrlhf.ppo.weights import WeightChannel
 
 log = logging.getLogger("jrlhf")
 
-# The KL coefficient after an update, sent with the iteration's metrics to the generating side.
+# Sent with an iteration's metrics to the generating side: the KL coefficient after the update,
+# the signal counts of the rounds scored, and the rounds dynamic sampling wants next.
 _KL_NEXT = "_kl_coef_next"
+_SIGNALS = "_signals"
+_WANTED = "_wanted"
 
 
 class BoundedStaleness:
-    """Generate ahead, train on the batch due; ``pending`` holds the batches generated and not
-    yet trained on (part of the resume state)."""
+    """Generate ahead, train on the batch due; ``pending`` holds the rounds generated (or
+    started, with partial rollouts) and not yet trained on (part of the resume state)."""
 
     def __init__(
         self,
@@ -70,14 +85,20 @@ class BoundedStaleness:
         self.groups = groups
         self.side = groups.side if groups else None
         self.channel = sample_channel(update.roles, groups) if groups else None
-        self.pending: collections.deque[GeneratedBatch] = collections.deque()
-        self.next_batch = 0  # the index of the next batch to generate
-        self.partial_stats: dict[str, int] = {}
+        # Rounds scored as soon as they are generated (see the module docstring).
+        self.early = bool(rl.fusion or rl.dynamic_sampling)
+        fused = bool(rl.fusion and self.side is None and rollout.fusion_rows)
+        self.producer = Producer(rl, max_response_len, run_seed, rollout, scorer, weights, fused)
+
+    @property
+    def pending(self) -> list[GeneratedBatch]:
+        """The rounds generated or started and not yet trained on, oldest first (part of the
+        resume state)."""
+        return self.producer.pending
 
     def restore(self, pending: list[GeneratedBatch], iteration: int) -> None:
-        """Continue from a checkpoint's batches generated and not yet trained on."""
-        self.pending = collections.deque(pending)
-        self.next_batch = iteration + len(self.pending)
+        """Continue from a checkpoint's rounds generated and not yet trained on."""
+        self.producer.restore(pending, iteration)
 
     def __call__(self, iteration: int, draw: Draw) -> dict[str, float]:
         """Iteration ``iteration``; ``draw()`` gives the next batch's prompts and meta."""
@@ -88,125 +109,70 @@ class BoundedStaleness:
         timer = PhaseTimer()
         with timer.phase("generate"):
             self.residency.enter("generate")
-            self.fill(iteration, draw)
-        gen = self.pending.popleft()
-        if gen.index != iteration or not gen.complete:
-            raise StalenessError(
-                f"iteration {iteration} would train on batch {gen.index} (unfinished)"
-            )
-        with timer.phase("score"):
-            self.residency.enter("score")
-            arrays = self.score_batch(gen)
-        return self._train(iteration, gen, arrays, timer)
-
-    def _train(
-        self, iteration: int, gen: GeneratedBatch, arrays, timer, before_sync=None
-    ) -> dict[str, float]:
-        versions = versions_bt(gen.token_versions, self.R)
-        # The bound, checked on the tokens themselves, whatever produced them.
-        check_staleness(versions, arrays["mask"], iteration, self.rl.max_staleness)
-        rounds = [(gen.sample_prompts, gen.completions, arrays)]
-        metrics = self.learn(rounds, len(gen.prompts), timer, iteration, before_sync)
-        if self.rl.max_staleness:
-            metrics.update(staleness_metrics(versions, arrays["mask"], iteration))
-        if self.rl.partial_rollout_tokens:
-            metrics.update(partial.continuation_metrics(gen))
-            metrics.update({name: float(v) for name, v in self.partial_stats.items()})
+            new = self.producer.fill(iteration, draw)
+        self._score_early(new, timer)
+        while self.producer.short(iteration):  # the due batch's last chances
+            with timer.phase("generate"):
+                self.residency.enter("generate")
+                new = self.producer.extra_round(iteration, draw)
+            self._score_early(new, timer)
+        rounds = self.producer.take(iteration)
+        metrics = self._train(iteration, rounds, timer)
+        self.producer.wanted += self.producer.refills(after=iteration)
         return metrics
 
-    # -- generation ------------------------------------------------------------------------------
-    def generate_batch(
-        self, index: int, prompts: list[list[int]], meta, version: int
-    ) -> GeneratedBatch:
-        """Generate batch ``index`` (the one iteration ``index`` trains on) with the current
-        generation weights, policy ``version``; the sampling seed is batch ``index``'s, as in the
-        synchronous iteration ``index``."""
-        sampling = self.rollout.sampling(index, salt=0)
-        _, result = self.rollout.generate(self.weights.gen_params, prompts, sampling)
-        return GeneratedBatch(
-            index=index,
-            prompts=[list(p) for p in prompts],
-            meta=None if meta is None else list(meta),
-            prompt_index=np.asarray(result.prompt_index),
-            completions=result.completion_ids,
-            raw_logprobs=result.raw_logprobs,
-            token_versions=[np.full(len(c), version, np.int64) for c in result.completion_ids],
-        )
+    def _score_early(self, rounds: list[GeneratedBatch], timer: PhaseTimer) -> None:
+        if self.early and rounds:
+            with timer.phase("score"):
+                self.residency.enter("score")
+                for g in rounds:
+                    self.producer.score(g)
 
-    def fill(self, iteration: int, draw: Draw) -> list[GeneratedBatch]:
-        """Generate, with the current weights (version ``iteration``), every batch due before
-        iteration ``iteration`` trains (jrlhf.ppo.staleness.batches_ahead); returns the batches
-        that became complete (also queued in ``pending``)."""
+    def _train(
+        self, iteration: int, rounds: list[GeneratedBatch], timer, before_sync=None
+    ) -> dict[str, float]:
+        with timer.phase("score"):
+            self.residency.enter("score")
+            for g in rounds:
+                self.producer.score(g)
+                if self.early and self.scorer.critic is not None:  # the critic being trained
+                    g.arrays["old_values"] = self.scorer.values(g.arrays)
+        versions = versions_bt([v for g in rounds for v in g.token_versions], self.R)
+        mask = np.concatenate([g.arrays["mask"] for g in rounds])
+        # The bound, checked on the tokens themselves, whatever produced them.
+        check_staleness(versions, mask, iteration, self.rl.max_staleness)
+        scored = [(g.sample_prompts, g.completions, g.arrays) for g in rounds]
+        metrics = self.learn(scored, len(rounds[0].prompts), timer, iteration, before_sync)
+        if self.rl.max_staleness:
+            metrics.update(staleness_metrics(versions, mask, iteration))
         if self.rl.partial_rollout_tokens:
-            return self._fill_partial(iteration, draw)
-        new = []
-        for j in batches_ahead(iteration, self.rl.max_staleness, self.rl.iterations):
-            if j < self.next_batch:
-                continue
-            prompts, meta = draw()
-            new.append(self.generate_batch(j, prompts, meta, version=iteration))
-            self.pending.append(new[-1])
-            self.next_batch = j + 1
-        return new
-
-    def _fill_partial(self, iteration: int, draw: Draw) -> list[GeneratedBatch]:
-        """Partial rollouts: start the batches due, run one pass over every unfinished sample in
-        flight with the current weights, then more passes over the batch this iteration trains
-        until it has ended (only while the pipeline fills: later batches have had k passes)."""
-        for j in batches_ahead(iteration, self.rl.max_staleness, self.rl.iterations):
-            if j >= self.next_batch:
-                prompts, meta = draw()
-                self.pending.append(
-                    partial.start_batch(j, prompts, meta, self.rl.samples_per_prompt)
-                )
-                self.next_batch = j + 1
-        before = {g.index: g.complete for g in self.pending}
-        sampling = self.rollout.sampling(iteration, salt=0)
-        engine = self.rollout.engine
-
-        def one_pass(batches):
-            counts = partial.run_pass(
-                batches,
-                lambda contexts, sp: engine.generate(self.weights.gen_params, contexts, sp),
-                sampling,
-                version=iteration,
-                tokens=self.rl.partial_rollout_tokens,
-                max_len=self.R,
-                run_seed=self.run_seed,
-            )
-            self.partial_stats["partial/recomputed_tokens"] += counts["recomputed_tokens"]
-
-        self.partial_stats = {"partial/recomputed_tokens": 0}
-        one_pass(list(self.pending))
-        while self.pending and self.pending[0].index == iteration:
-            if self.pending[0].complete:
-                break
-            one_pass([self.pending[0]])
-        return [g for g in self.pending if g.complete and not before[g.index]]
-
-    def score_batch(self, gen: GeneratedBatch) -> dict[str, np.ndarray]:
-        """The scored arrays of a generated batch (reference, reward, critic; shaped scores)."""
-        arrays = self.scorer(
-            gen.sample_prompts, gen.completions, gen.raw_logprobs, meta=gen.sample_meta
-        )
-        arrays["train_scores"] = shaped_scores(self.rl, self.R, arrays)
-        return arrays
+            metrics.update(partial.continuation_metrics(rounds))
+            metrics.update({name: float(v) for name, v in self.producer.partial_stats.items()})
+        return metrics
 
     # -- the two sides of a separated plan ---------------------------------------------------
     # Each runs its own calls with process-local host reads; they meet once per iteration.
     def _generating_side(self, iteration: int, draw: Draw) -> dict[str, float]:
         timer = PhaseTimer()
         with process_group(self.groups.generate), timer.phase("generate"):
-            new = self.fill(iteration, draw)
-        self.channel.send(iteration, new)
+            new = self.producer.fill(iteration, draw)
+        self.channel.send(f"{iteration}", new)
+        step = 0
+        while self.rl.dynamic_sampling and self.channel.asked(iteration, step):
+            step += 1  # the batch due is still short: one more round of it, now
+            with process_group(self.groups.generate), timer.phase("generate"):
+                more = self.producer.extra_round(iteration, draw)
+            new += more
+            self.channel.send(f"{iteration}.{step}", more)
         with timer.phase("wait_for_update") as ph:
             moved = self.weights.sync(self.update.states)
             ph.block_on(self.weights.gen_params)
         remote = self.channel.receive_result(iteration)
-        trained = self.pending.popleft()  # the training group trained on it this iteration
-        assert trained.index == iteration, (trained.index, iteration)
+        self.producer.take(iteration)  # the training group trained on it this iteration
         self.channel.release_through(iteration)
         self.update.set_kl_coef(remote.pop(_KL_NEXT))
+        self.producer.learn_signals(remote.pop(_SIGNALS))
+        self.producer.wanted += [(int(j), int(r)) for j, r in remote.pop(_WANTED)]
         tokens = sum(len(c) for g in new for c in g.completions)
         mine = timer.summary()
         return {
@@ -215,32 +181,60 @@ class BoundedStaleness:
             "time/wait_for_update": mine["time/wait_for_update"],
             "tokens_per_sec": float(tokens / max(mine["time/generate"], 1e-9)),
             "reshard/bytes": float(moved),
-            **{name: float(v) for name, v in self.partial_stats.items()},
+            **{name: float(v) for name, v in self.producer.partial_stats.items()},
             **self.channel.counts(),
             "samples/stored_keys": float(stored_keys()),
         }
 
+    def _arrive(self, g: GeneratedBatch) -> None:
+        """Training group: a round from the generating group; scored now where rounds are
+        scored early."""
+        self.producer.arrive(g)
+        if self.early:
+            self.residency.enter("score")
+            self.producer.score(g)
+
     def _training_side(self, iteration: int) -> dict[str, float]:
         timer = PhaseTimer()
-        with timer.phase("wait_for_samples"):
-            if self.pending:  # batches restored from a checkpoint are here already
-                gen = self.pending.popleft()
-            else:
-                gen = self.channel.receive(iteration, index=iteration)
-        if gen is None or gen.index != iteration:
-            got = None if gen is None else gen.index
-            raise StalenessError(f"iteration {iteration} would train on batch {got}")
-
-        def before_sync() -> None:
-            # The rest of what the generating group sent this iteration, before the weights
-            # move (the transfers' order: see SampleChannel).
-            self.channel.receive(iteration)
-
+        tag = f"{iteration}"
         with process_group(self.groups.train):
-            with timer.phase("score"):
-                self.residency.enter("score")
-                arrays = self.score_batch(gen)
-            metrics = self._train(iteration, gen, arrays, timer, before_sync)
-        message = {**metrics, _KL_NEXT: float(self.update.kl_ctl.value)}
+            with timer.phase("wait_for_samples"):
+                # Rounds restored from a checkpoint or sent earlier are here already.
+                while not self.producer.ready(iteration):
+                    g = self.channel.receive_next(tag)
+                    if g is None:
+                        raise StalenessError(f"batch {iteration} did not arrive in time")
+                    self._arrive(g)
+                if self.rl.dynamic_sampling:
+                    step = 0
+                    # Still short: the rest of this iteration's rounds come first.
+                    if self.producer.short(iteration):
+                        for g in self.channel.receive_all(tag):
+                            self._arrive(g)
+                    while self.producer.short(iteration):
+                        self.channel.ask(iteration, step, more=True)
+                        step += 1
+                        for g in self.channel.receive_all(f"{iteration}.{step}"):
+                            self._arrive(g)
+                    self.channel.ask(iteration, step, more=False)
+            rounds = self.producer.take(iteration)
+
+            def before_sync() -> None:
+                # The rest of what the generating group sent this iteration, before the weights
+                # move (the transfers' order: see SampleChannel).
+                for g in self.channel.receive_all(tag):
+                    self._arrive(g)
+
+            metrics = self._train(iteration, rounds, timer, before_sync)
+        self.channel.forget_through(iteration)
+        wanted = self.producer.refills(after=iteration)
+        self.producer.wanted += wanted
+        signals = self.producer.signals()
+        message = {
+            **metrics,
+            _KL_NEXT: float(self.update.kl_ctl.value),
+            _SIGNALS: signals,
+            _WANTED: wanted,
+        }
         self.channel.send_result(iteration, message)
         return metrics

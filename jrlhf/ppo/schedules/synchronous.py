@@ -15,15 +15,13 @@ import numpy as np
 
 from jrlhf.metrics import PhaseTimer
 from jrlhf.ppo import core_algos as algos
+from jrlhf.ppo.producer import Draw
 from jrlhf.ppo.residency import Residency
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.ppo.scoring import Scorer, sample_meta
 from jrlhf.ppo.update import shaped_scores
 from jrlhf.ppo.weights import WeightChannel
 
-# The next prompts and their meta, for another generation round (dynamic sampling) or the next
-# batch (bounded staleness).
-Draw = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
 # One generated and scored round: per-sample prompts, completions, scored arrays.
 Round = tuple[list[Sequence[int]], list[list[int]], dict[str, np.ndarray]]
 # The rest of an iteration once its rounds are scored (RLTrainer.learn).
