@@ -1,17 +1,26 @@
 """``python -m jrlhf.bench async``: synchronous vs asynchronous RL (``RLConfig.max_staleness``)
-with generation and training on separate processes, side by side in one run.
+with generation and training on separate process groups, side by side in one run.
 
-Each variant is a real ``python -m jrlhf.launch --processes 2 --devices-per-process 4 -- train``
-job of the ``separate`` placement: generation on process 0's devices, scoring and training on
-process 1's. Synchronous (``max_staleness=0``): the processes take turns (generate, then score
-and train, then move the weights). Asynchronous (``max_staleness=1``): process 0 generates batch
-i+1 while process 1 trains on batch i (jrlhf.ppo.trainer, ``RLTrainer._async_side``); they meet
-once per iteration. The variants alternate (``--repeats``), so load on the machine hits both.
+Each variant is a real ``python -m jrlhf.launch ... -- train`` job whose plan gives generation
+processes of its own (jrlhf.ppo.groups), in one of three layouts:
 
-Each process is pinned to its own host core by default (``--cores-per-process 1``): generation
-and training then own separate hardware, as in a separated placement on accelerators. Unpinned,
-each process's XLA threads spread over every core, so on an idle 2-core machine the two
-processes only take cores from each other (measured: asynchronous 0.76x of synchronous).
+* ``1+1`` (``--processes 2``): 2 processes x 4 devices, ``separate``: generation on process 0,
+  scoring and training on process 1;
+* ``2+2`` (``--processes 4``): 4 processes x 2 devices, ``separate``: generation on processes
+  0-1, scoring and training on 2-3;
+* ``1+1+2`` (``--processes 4``): 4 processes x 2 devices, custom meshes: generation on process
+  0, scoring on 1, training on 2-3.
+
+Synchronous (``max_staleness=0``): the groups take turns (generate, then score and train, then
+move the weights). Asynchronous (``max_staleness=1``): the generating group generates batch i+1
+while the training group trains on batch i (jrlhf.ppo.schedules.bounded); they meet once per
+iteration. The variants alternate (``--repeats``), so load on the machine hits both.
+
+Each group is pinned to host cores of its own by default (``--pin``; jrlhf.launch ``--cores``):
+generation on core 0, everything else on core 1 (modulo the cores there are), so generation and
+training own separate hardware, as in a separated placement on accelerators. Unpinned, each
+process's XLA threads spread over every core, so on an idle 2-core machine the groups only take
+cores from each other (measured with 1+1: asynchronous 0.76x of synchronous).
 
 The iteration time is the median gap between consecutive iterations' metric records (written by
 process 0 as each iteration ends), after ``--warmup`` iterations (compilation). Beside it:
@@ -44,6 +53,27 @@ ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generate", "score", "train", "reshard")
 
 
+# layout -> (processes, devices per process, placement bindings, the group of each process:
+# 0 generates, 1 does the rest)
+LAYOUTS = {
+    "1+1": (2, 4, ["RunConfig.placement='separate'"], (0, 1)),
+    "2+2": (4, 2, ["RunConfig.placement='separate'"], (0, 0, 1, 1)),
+    "1+1+2": (
+        4,
+        2,
+        [
+            "RunConfig.placement='custom'",
+            "actor/RoleConfig.generate_mesh='data=2@0:2'",
+            *[f"{r}/RoleConfig.infer_mesh='fsdp=2@2:4'" for r in ("reference", "reward", "critic")],
+            "reward/RoleConfig.train_mesh='fsdp=2@2:4'",
+            *[f"{r}/RoleConfig.train_mesh='fsdp=2,tensor=2@4:8'" for r in ("actor", "critic")],
+        ],
+        (0, 1, 1, 1),
+    ),
+}
+LAYOUTS_OF = {2: ("1+1",), 4: ("2+2", "1+1+2")}
+
+
 def _bindings(args) -> list[str]:
     overrides = (
         f"(('hidden_size', {args.hidden}), ('intermediate_size', {args.mlp}), "
@@ -53,7 +83,6 @@ def _bindings(args) -> list[str]:
     rows = args.prompts * args.samples
     out = [
         "RunConfig.stages=('ppo',)",
-        "RunConfig.placement='separate'",
         "RunConfig.tensorboard=False",
         "RunConfig.progress_bar=False",
         f"RoleConfig.model_overrides={overrides}",
@@ -72,18 +101,20 @@ def _bindings(args) -> list[str]:
 
 
 def _run(
-    bindings: list[str], staleness: int, run_dir: Path, timeout: int, cores: int
+    layout: str, bindings: list[str], staleness: int, run_dir: Path, timeout: int, pin: bool
 ) -> list[dict]:
+    processes, devices, placement, groups = LAYOUTS[layout]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    total = os.cpu_count() or 1
+    cores = ["--cores", ";".join(str(g % total) for g in groups)] if pin else []
     cmd = [
-        sys.executable, "-m", "jrlhf.launch", "--processes", "2", "--devices-per-process", "4",
-        "--cores-per-process", str(cores), "--", "train", "--run-dir", str(run_dir), "--quiet",
-        *bindings,
-        f"RLConfig.max_staleness={staleness}",
+        sys.executable, "-m", "jrlhf.launch", "--processes", str(processes),
+        "--devices-per-process", str(devices), *cores, "--", "train", "--run-dir", str(run_dir),
+        "--quiet", *bindings, *placement, f"RLConfig.max_staleness={staleness}",
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
-        raise RuntimeError(f"max_staleness={staleness} run failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{layout} max_staleness={staleness} run failed:\n{out.stderr[-3000:]}")
     lines = (run_dir / "logs" / "ppo" / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "reward" in r]
 
@@ -102,6 +133,8 @@ def _summary(rows: list[dict], warmup: int) -> dict:
 
 
 def _estimate(bindings: list[str]) -> dict:
+    """The estimator's phases for the plan of ``bindings`` on 8 devices, and its iteration
+    times: synchronous (the sum) and asynchronous (the groups as separate hosts)."""
     from jrlhf.config import DEFAULT_CONFIG, ROLES, load_config
     from jrlhf.pipeline.task_data import task_model_overrides
     from jrlhf.placement import effective_plan
@@ -142,12 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     p.add_argument(
-        "--cores-per-process",
+        "--processes",
         type=int,
+        choices=sorted(LAYOUTS_OF),
+        default=2,
+        help="2: the 1+1 layout; 4: the 2+2 and 1+1+2 layouts (see above)",
+    )
+    p.add_argument(
+        "--pin",
+        type=int,
+        choices=(0, 1),
         default=1 if (os.cpu_count() or 1) >= 2 else 0,
-        help="host cores each process is pinned to (jrlhf.launch --cores-per-process), as if "
-        "generation and training owned separate hardware; 0: unpinned, both processes share "
-        "every core (default 1 where there are 2 cores or more)",
+        help="1: the generating group on core 0, the others on core 1 (default where there are "
+        "2 cores or more); 0: unpinned, every process shares every core",
     )
     add_out_argument(p)
     args = p.parse_args(argv)
@@ -155,24 +195,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 1 or args.iterations < args.warmup + 2:
         p.error("need --warmup >= 1 and --iterations >= warmup + 2")
     bindings = _bindings(args)
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    layouts = {}
     with tempfile.TemporaryDirectory(prefix="jrlhf-bench-async-") as tmp:
-        for r in range(args.repeats):
-            order = [("sync", 0), ("async", 1)] if r % 2 == 0 else [("async", 1), ("sync", 0)]
-            for name, k in order:
-                rows = _run(
-                    bindings, k, Path(tmp) / f"{name}{r}", args.timeout, args.cores_per_process
-                )
-                results[name].append(_summary(rows, args.warmup))
+        for layout in LAYOUTS_OF[args.processes]:
+            results: dict[str, list[dict]] = {"sync": [], "async": []}
+            for r in range(args.repeats):
+                order = [("sync", 0), ("async", 1)] if r % 2 == 0 else [("async", 1), ("sync", 0)]
+                for name, k in order:
+                    run_dir = Path(tmp) / f"{layout}-{name}{r}"
+                    rows = _run(layout, bindings, k, run_dir, args.timeout, bool(args.pin))
+                    results[name].append(_summary(rows, args.warmup))
+            layouts[layout] = _layout_report(results, [*bindings, *LAYOUTS[layout][2]])
+    report = {
+        "benchmark": "async",
+        "setting": {**vars(args)},
+        "layouts": layouts,
+        "cpu_count": os.cpu_count(),
+    }
+    emit(report, args.out)
+    return 0
+
+
+def _layout_report(results: dict[str, list[dict]], bindings: list[str]) -> dict:
+    """One layout's runs, their median iteration times and speedup, beside the same formulas
+    applied to the synchronous run's measured phases and the estimator's."""
     sync_s = statistics.median(x["iteration_s"] for x in results["sync"])
     async_s = statistics.median(x["iteration_s"] for x in results["async"])
     measured = results["sync"][0]["phases_s"]
     phases = {k: measured.get(k, 0.0) for k in PHASES}
     rest = sum(v for k, v in phases.items() if k != "generate")
     estimate = _estimate(bindings)
-    report = {
-        "benchmark": "async",
-        "setting": {**vars(args), "processes": 2, "devices_per_process": 4},
+    return {
         "sync": results["sync"],
         "async": results["async"],
         "sync_iteration_s": sync_s,
@@ -188,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             **estimate,
             "speedup": estimate["sync_iteration_s"] / estimate["async_iteration_s"],
         },
-        "cpu_count": os.cpu_count(),
     }
-    emit(report, args.out)
-    return 0
 
 
 if __name__ == "__main__":

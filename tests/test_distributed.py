@@ -289,3 +289,18 @@ def test_launcher_command_and_environment():
     assert with_host_device_count("", 2) == "--xla_force_host_platform_device_count=2"
     assert launch.describe_status(1, -9) == "process 1 was killed by SIGKILL"
     assert launch.exit_status(-9) == 137
+
+
+def test_launcher_core_sets_per_process():
+    """--cores: one set of host cores per process (groups of processes on cores of their own);
+    a spec that does not fit the processes or the host is refused in one line."""
+    assert launch.core_sets("0;0;1;1", 4, 2) == [{0}, {0}, {1}, {1}]
+    assert launch.core_sets("0-2,5;3", 2, 8) == [{0, 1, 2, 5}, {3}]
+    for spec, processes, why in (
+        ("0;1", 4, "2 entries for 4 processes"),
+        ("0;2", 2, "'2' is not within this host's cores 0-1"),
+        ("0;x", 2, "'x' is not a core or a range"),
+        ("1-0;0", 2, "'1-0' is not within"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            launch.core_sets(spec, processes, 2)

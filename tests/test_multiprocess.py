@@ -412,11 +412,23 @@ def test_generation_scoring_and_training_on_one_one_and_two_processes_equal_one_
 ):
     """4 processes x 2 devices: generation on process 0, scoring on 1, training on 2-3, with
     max_staleness=1; the actor's weights go from 4 training devices to 2 generation devices and
-    the critic's from 4 to 2 scoring devices; every metric equals the one-process run's."""
+    the critic's from 4 to 2 scoring devices. Process 0, the whole generating group (and the
+    coordinator), dies during iteration 2 right after generating; the launcher names it, the
+    others end, and --resume continues from the iteration-1 checkpoint: every metric equals the
+    one-process run's, every batch trained once, in order."""
     one = tmp_path / "one"
     assert train.main(["--run-dir", str(one), "--quiet", *THREE_WAY]) == 0
     run_dir = tmp_path / "four"
-    out = launch(4, 2, "train", "--run-dir", str(run_dir), "--quiet", *THREE_WAY, timeout=600)
+    args = ["--run-dir", str(run_dir), "--quiet", *THREE_WAY]
+    killed = launch(
+        4, 2, "train", *args, "RLConfig.async_checkpoint=False",
+        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "0"},
+        timeout=600,
+    )  # fmt: skip
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    assert "process 0" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "1").is_dir()
+    out = launch(4, 2, "train", *args, "--resume", timeout=600)
     assert out.returncode == 0, why(out)
     assert "generation on processes [0], the rest on [1, 2, 3]" in out.stderr
     assert_same_metrics(one, run_dir, stages=("ppo",))

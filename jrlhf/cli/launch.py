@@ -86,12 +86,42 @@ def build_parser() -> argparse.ArgumentParser:
         "each process owned its own hardware (default 0: no pinning)",
     )
     p.add_argument(
+        "--cores",
+        default="",
+        help="the host cores of each process, one entry per process separated by ';', each a "
+        "comma list of cores or ranges, e.g. '0;0;1;1' (processes 0-1 share core 0, 2-3 core "
+        "1: two groups on hardware of their own); instead of --cores-per-process",
+    )
+    p.add_argument(
         "--max-time",
         type=float,
         default=0.0,
         help="end the whole job after this many seconds, exit 124 (default 0: no limit)",
     )
     return p
+
+
+def core_sets(spec: str, processes: int, available: int) -> list[set[int]]:
+    """``--cores``: one set of host cores per process; ValueError naming what is wrong."""
+    entries = spec.split(";")
+    if len(entries) != processes:
+        raise ValueError(f"--cores {spec!r}: {len(entries)} entries for {processes} processes")
+    out = []
+    for entry in entries:
+        cores: set[int] = set()
+        for part in entry.split(","):
+            lo, _, hi = part.strip().partition("-")
+            try:
+                first, last = int(lo), int(hi or lo)
+            except ValueError:
+                raise ValueError(f"--cores {spec!r}: {part!r} is not a core or a range") from None
+            if not 0 <= first <= last < available:
+                raise ValueError(
+                    f"--cores {spec!r}: {part!r} is not within this host's cores 0-{available - 1}"
+                )
+            cores.update(range(first, last + 1))
+        out.append(cores)
+    return out
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -268,13 +298,12 @@ def _start(
     cmd: list[str],
     env: dict[str, str],
     exits: queue.Queue,
-    cores: int = 0,
+    cores: set[int] | None = None,
     fold: _Fold | None = None,
 ) -> _Child:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if cores:  # before the child's interpreter starts any thread, so every thread inherits it
-        total = os.cpu_count() or 1
-        os.sched_setaffinity(proc.pid, {(index * cores + c) % total for c in range(cores)})
+        os.sched_setaffinity(proc.pid, cores)
     threading.Thread(
         target=_watch, args=(index, proc, exits), daemon=True, name=f"p{index}-wait"
     ).start()
@@ -397,6 +426,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port {args.port}: not a TCP port")
     if args.cores_per_process < 0:
         parser.error(f"--cores-per-process must be >= 0, got {args.cores_per_process}")
+    total = os.cpu_count() or 1
+    pins = [{(i * args.cores_per_process + c) % total for c in range(args.cores_per_process)}
+            for i in range(args.processes)]  # fmt: skip
+    if args.cores:
+        if args.cores_per_process:
+            parser.error("give --cores or --cores-per-process, not both")
+        try:
+            pins = core_sets(args.cores, args.processes, total)
+        except ValueError as e:
+            parser.error(str(e))
     for flag, value in (("--grace", args.grace), ("--max-time", args.max_time)):
         if not math.isfinite(value) or value < 0:  # nan would never end a job, nor compare
             parser.error(f"{flag} must be a finite number of seconds >= 0, got {value}")
@@ -428,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             env = child_env(
                 base, i, args.processes, coordinator, args.devices_per_process, args.timeout
             )
-            children.append(_start(i, cmd, env, exits, args.cores_per_process, fold))
+            children.append(_start(i, cmd, env, exits, pins[i], fold))
         return supervise(children, exits, args.grace, args.max_time, fold)
     except KeyboardInterrupt as e:
         end_children(children, args.grace)

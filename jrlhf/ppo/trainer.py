@@ -20,12 +20,10 @@ batches generated but not yet trained on, so a resumed run repeats the uninterru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jrlhf import checkpoint
@@ -46,13 +44,9 @@ from jrlhf.ppo.staleness import GeneratedBatch
 from jrlhf.ppo.update import Update
 from jrlhf.ppo.weights import WeightChannel
 from jrlhf.runtime.guard import check_finite
+from jrlhf.runtime.preempt import exit_if_asked
 from jrlhf.runtime.roles import RoleSetup, frozen_infer, make_infer
 from jrlhf.tasks.rewards import RewardFn
-
-# Test hooks: exit abruptly (no cleanup, like a preempted job) while this iteration is training;
-# with several processes, only the process whose index the second variable names (default: all).
-_EXIT_AT_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
-_EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
 
 
 class RLTrainer:
@@ -242,11 +236,7 @@ class RLTrainer:
             arrays = {k: np.concatenate([r[2][k] for r in rounds]) for k in arrays}
         with timer.phase("score"):
             batch, kl_coef, update_metrics = self.update.prepare(arrays, n_groups, len(rounds))
-        me = str(jax.process_index())
-        if os.environ.get(_EXIT_AT_ENV) == str(iteration) and (
-            os.environ.get(_EXIT_PROCESS_ENV, me) == me
-        ):
-            os._exit(137)
+        exit_if_asked(iteration)  # a test's preemption, while this iteration trains
         with timer.phase("train"):
             self.residency.enter("train")
             train_metrics = self.update.step(batch, kl_coef, iteration)

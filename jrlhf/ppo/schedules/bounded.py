@@ -51,6 +51,7 @@ from jrlhf.ppo.staleness import (
 )
 from jrlhf.ppo.update import Update
 from jrlhf.ppo.weights import WeightChannel
+from jrlhf.runtime.preempt import exit_if_asked
 
 log = logging.getLogger("jrlhf")
 
@@ -156,6 +157,7 @@ class BoundedStaleness:
         timer = PhaseTimer()
         with process_group(self.groups.generate), timer.phase("generate"):
             new = self.producer.fill(iteration, draw)
+        exit_if_asked(iteration)  # a test's preemption, between generating and sending
         self.channel.send(f"{iteration}", new)
         step = 0
         while self.rl.dynamic_sampling and self.channel.asked(iteration, step):

@@ -1,0 +1,26 @@
+"""A test hook that stands in for a preempted job: exit abruptly, no cleanup, mid-iteration.
+
+``JRLHF_DEBUG_EXIT_AT_ITERATION=i`` ends the process while RL iteration ``i`` runs (the training
+side while it trains, a generating group of its own right after it generated);
+``JRLHF_DEBUG_EXIT_PROCESS=p`` limits that to process ``p`` (default: every process). Fault
+tests use it to check that a resume loses, repeats and duplicates no sample.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+EXIT_AT_ITERATION_ENV = "JRLHF_DEBUG_EXIT_AT_ITERATION"
+EXIT_PROCESS_ENV = "JRLHF_DEBUG_EXIT_PROCESS"
+
+
+def exit_if_asked(iteration: int) -> None:
+    """Exit with status 137 (as SIGKILL would) if the environment names this iteration and
+    this process."""
+    me = str(jax.process_index())
+    if os.environ.get(EXIT_AT_ITERATION_ENV) == str(iteration) and (
+        os.environ.get(EXIT_PROCESS_ENV, me) == me
+    ):
+        os._exit(137)
