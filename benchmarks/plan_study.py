@@ -2,12 +2,16 @@
 
     python -m benchmarks.plan_study                         # print the tables (markdown)
     python -m benchmarks.plan_study --update docs/plans.md  # rewrite the generated part of the doc
+    python -m benchmarks.plan_study --reasoning --update docs/plans.md  # long-reasoning GRPO
 
 For a 7B and a 70B actor + critic PPO setup (reference and reward the same size as the actor), on
 8, 16, 32, 64 and 128 devices of a profile (H100 by default), it reports the best variant of each
 named strategy (flatten, interleave, separate, each tuned over tensor sizes) and the searched
-plan. Every number is the cost estimator's (jrlhf.placement.estimator) from the profile's datasheet
-rates: an estimate, not a measurement. The search is seeded, so the tables are reproducible.
+plan. With ``--reasoning``: long-reasoning GRPO (responses up to 16k tokens, long-tailed) on 64,
+128 and 1,024 devices under the synchronous, bounded-staleness and partial-rollout schedules, and
+the bytes that cross between the generating and the training group. Every number is the cost
+estimator's (jrlhf.placement.estimator) from the profile's datasheet rates: an estimate, not a
+measurement. The search is seeded, so the tables are reproducible.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 from jrlhf.models.presets import get_preset
+from jrlhf.placement.plan import CALLS
 from jrlhf.placement.search import SearchResult, peak_memory_bytes, search
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
@@ -335,13 +340,242 @@ def overlap_tables(cases: list[Case], profile) -> list[str]:
     return lines
 
 
-def update(path: Path, text: str) -> None:
+# ------------------------------------------------------------------ long-reasoning GRPO
+# The workload where the 2026 systems get their gains: GRPO with long, long-tailed responses.
+# Llama-3 shapes (grouped-query attention: 8 KV heads, as the long-reasoning models have).
+REASONING_MODELS = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+REASONING = dict(
+    prompts=128,
+    samples_per_prompt=16,
+    prompt_len=1024,
+    gen_len=16384,
+    epochs=1,
+    minibatch_size=512,
+)
+# jrlhf.tasks.longtail's law from 1,024 tokens: 1024, 1448, ..., 16384 (tail index 1)
+REASONING_TAIL = dict(response_len=1024, tail_index=1.0)
+REASONING_SLOTS = 512
+REASONING_CASES = (("8B", 64), ("8B", 128), ("70B", 64), ("70B", 128), ("405B", 1024))
+# The 405B case's search walks 1,024 devices per estimate: about 10 minutes a schedule on 2
+# cores with LARGE_SEARCH, so it is left out unless asked for (--reasoning-models ... 405B).
+# (label, max_staleness, partial_rollout_tokens): T must divide 16,384 and T x k reach it
+SCHEDULES = (
+    ("sync", 0, 0),
+    ("k=1", 1, 0),
+    ("k=2", 2, 0),
+    ("k=2, T=8192", 2, 8192),
+    ("k=4, T=4096", 4, 4096),
+)
+REASONING_BEGIN, REASONING_END = "<!-- reasoning:begin -->", "<!-- reasoning:end -->"
+TRAFFIC_BEGIN, TRAFFIC_END = "<!-- traffic:begin -->", "<!-- traffic:end -->"
+
+
+def reasoning_lengths(rows: int) -> tuple[tuple[int, int], ...]:
+    """The long-tailed lengths of ``rows`` responses (the law's expected batch)."""
+    from jrlhf.placement.workload import law_lengths
+    from jrlhf.tasks.longtail import LongTailTask
+
+    task = LongTailTask(max_response_len=REASONING["gen_len"] + 1, **REASONING_TAIL)
+    return law_lengths(task.lengths, task.length_probs, rows)
+
+
+def reasoning_workload(size: str, max_staleness: int = 0, partial: int = 0):
+    """Long-reasoning GRPO: actor and reference of ``size``, a verifiable reward."""
+    from jrlhf.placement.workload import Workload
+
+    model = get_preset(REASONING_MODELS[size], remat_policy=REMAT, max_position_embeddings=32768)
+    rows = REASONING["prompts"] * REASONING["samples_per_prompt"]
+    return Workload(
+        actor=model,
+        critic=None,
+        reference=model,
+        reward=None,
+        **REASONING,
+        decode_slots=REASONING_SLOTS,
+        response_lengths=reasoning_lengths(rows),
+        max_staleness=max_staleness,
+        partial_rollout_tokens=partial,
+    )
+
+
+def grpo_workload(size: str):
+    """The study's GRPO workload (1,024-token responses) with a Llama-3 shape of ``size``."""
+    return dataclasses.replace(
+        reasoning_workload(size),
+        **{**WORKLOAD, **GRPO},
+        response_lengths=(),
+        decode_slots=DECODE_SLOTS,
+    )
+
+
+def run_schedule(size: str, devices: int, schedule: tuple, profile) -> tuple:
+    label, k, t = schedule
+    kwargs = dict(SEARCH)
+    if devices >= 1024:
+        kwargs.update(LARGE_SEARCH)
+    t0 = time.perf_counter()
+    result = search(
+        reasoning_workload(size, k, t),
+        devices,
+        profile,
+        devices_per_node=min(profile.devices_per_node, devices),
+        tune_batches=True,
+        **kwargs,
+    )
+    return (size, devices, label), result, time.perf_counter() - t0
+
+
+def layout(estimate) -> str:
+    """Generation devices / the rest's, or 'shared' where generation shares devices."""
+    plan, w = estimate.plan, estimate.workload
+    gen = plan["actor_generate"].devices
+    rest = set().union(*(plan[c].devices for c, (role, _) in CALLS.items() if role in w.models()
+                         and c != "actor_generate"))  # fmt: skip
+    if gen & rest:
+        return f"shared ({len(gen | rest)})"
+    return f"{len(gen)} / {len(rest)}"
+
+
+def reasoning_tables(results: dict, profile) -> str:
+    from jrlhf.placement.estimator import partial_pass_rows
+
+    w = reasoning_workload("8B")
+    lengths = w.lengths
+    mean = sum(k * n for k, n in lengths) / w.rows
+    longest = sum(n for k, n in lengths if k == max(k for k, _ in lengths))
+    lines = [
+        f"Long-reasoning GRPO, estimated (profile `{profile.name}`): {w.prompts} prompts x "
+        f"{w.samples_per_prompt} samples, prompt {w.prompt_len} + responses up to {w.gen_len} "
+        f"tokens drawn from the longtail task's law from {REASONING_TAIL['response_len']} "
+        f"tokens (tail index {REASONING_TAIL['tail_index']:g}; the law's expected batch, "
+        f"`law_lengths`: mean {mean:.0f} tokens, {longest} of {w.rows} rows at {w.gen_len}); "
+        f"{REASONING_SLOTS} decode slots (continuous batching), 1 epoch, minibatch "
+        f"{w.minibatch_size}; actor and reference of Llama-3 shape (`llama3_8b`, `llama3_70b`, "
+        f"`llama3_405b`), a verifiable reward. Scoring and training see full-width rows "
+        f"(prompt + {w.gen_len} columns). Each schedule is its own search (batch and memory "
+        f"knobs tuned per plan; {SEARCH}, at 1,024 devices {LARGE_SEARCH}): sync is "
+        "max_staleness 0; k=1, k=2 bounded staleness; T: partial rollouts of T tokens a pass. "
+        "Seconds per iteration; layout: generation devices / the rest's (shared: generation "
+        "shares devices with the other calls, so nothing overlaps):",
+        "",
+        "| model | devices | " + " | ".join(lb for lb, _, _ in SCHEDULES) + " | best vs sync |",
+        "|---|---|" + "---|" * len(SCHEDULES) + "---|",
+    ]
+    for size, devices in dict.fromkeys((s, d) for s, d, _ in results):
+        row = [results.get((size, devices, lb)) for lb, _, _ in SCHEDULES]
+        cells, costs = [], []
+        for r in row:
+            if r is None:
+                cells.append("-")
+                continue
+            best = r.best
+            cells.append(f"{_secs(best)} ({layout(best.estimate)})")
+            costs.append(best.cost)
+        sync = row[0].best.cost if row[0] is not None else math.nan
+        ratio = sync / min(costs) if costs and math.isfinite(sync) else math.nan
+        gain = f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
+        lines.append(f"| {size} | {devices} | " + " | ".join(cells) + f" | {gain} |")
+    lines += [
+        "",
+        "Phases of each best plan (seconds: generate / score / train / reshard, and the data "
+        "plane's transfer where samples cross between groups):",
+        "",
+        "| model | devices | schedule | plan | generate | score | train | reshard | data plane "
+        "| peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (size, devices, label), r in results.items():
+        e = r.best.estimate
+        ph = e.phase_seconds
+        fits = "" if e.fits else " (OOM)"
+        lines.append(
+            f"| {size} | {devices} | {label} | {r.best.plan.name}{fits} | "
+            + " | ".join(f"{ph.get(p, 0.0):.1f}" for p in ("generate", "score", "train", "reshard"))
+            + f" | {e.data_plane_seconds:.2f} | {peak_memory_bytes(e) / 2**30:.0f} |"
+        )
+    wp = reasoning_workload("8B", 2, 8192)
+    rows = partial_pass_rows(wp)
+    continued = sum(n for pre, _, _, n in rows if pre > wp.prompt_len)
+    recomputed = sum((pre - wp.prompt_len) * n for pre, _, _, n in rows if pre > wp.prompt_len)
+    lines += [
+        "",
+        f"A pass of T=8192 at k=2 decodes {sum(n for *_, n in rows)} rows: the new batch's "
+        f"{wp.rows} and {continued} continued from the batch before, whose {recomputed:,} tokens "
+        "so far are prefilled again (`estimator.partial_pass_rows`).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+TRAFFIC_CASES = (("8B", 64), ("70B", 128), ("405B", 1024))
+
+
+def traffic_table(profile) -> str:
+    """Bytes between the groups per iteration, for generation on half the devices."""
+    from jrlhf.placement import plan as plans
+    from jrlhf.placement.estimator import group_traffic
+
+    lines = [
+        "| model | devices (generation / rest) | workload | receiving processes | samples per "
+        "process | data plane out of the sender | on its link (s) | control plane | weights "
+        "(one copy) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def mb(x: float) -> str:
+        return f"{x / 1e9:,.1f} GB" if x >= 1e9 else f"{x / 1e6:,.0f} MB"
+
+    for size, devices in TRAFFIC_CASES:
+        plan = plans.separate(devices, devices // 2)
+        for name, w in (
+            ("GRPO, 1,024-token responses", grpo_workload(size)),
+            ("long-reasoning GRPO, k=2, T=8192", reasoning_workload(size, 2, 8192)),
+        ):
+            t = group_traffic(dataclasses.replace(w, max_staleness=max(1, w.max_staleness)),
+                              plan, profile)  # fmt: skip
+            lines.append(
+                f"| {size} | {devices} ({devices // 2} / {devices - devices // 2}) | {name} "
+                f"({w.rows} rows) | {t.receivers} | {mb(t.batch_bytes)} | {mb(t.data_bytes)} | "
+                f"{t.data_seconds:.2f} | {t.control_bytes / 1e3:.0f} KB | {mb(t.weight_bytes)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def update(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to replace")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path}: no {begin} ... {end} markers to replace")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
+
+
+def reasoning_main(args, profile) -> int:
+    traffic = traffic_table(profile)
+    todo = [
+        (size, n, sc)
+        for size, n in REASONING_CASES
+        if n in args.devices and size in args.reasoning_models
+        for sc in SCHEDULES
+    ]
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_schedule, *c, profile) for c in todo]
+            done = [f.result() for f in futures]
+    else:
+        done = [run_schedule(*c, profile) for c in todo]
+    results = {}
+    for key, result, secs in done:
+        print(f"{' '.join(map(str, key))}: {secs:.0f} s search", file=sys.stderr)
+        results[key] = result
+    text = reasoning_tables(results, profile)
+    if args.update:
+        update(args.update, traffic, TRAFFIC_BEGIN, TRAFFIC_END)
+        update(args.update, text, REASONING_BEGIN, REASONING_END)
+    print(traffic)
+    print(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,8 +591,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--update", type=Path, help="rewrite the generated part of this markdown file")
     p.add_argument("--jobs", type=int, default=1, help="cases searched in parallel processes")
+    p.add_argument(
+        "--reasoning",
+        action="store_true",
+        help="the long-reasoning GRPO tables and the bytes between groups instead",
+    )
+    p.add_argument("--reasoning-models", nargs="*", default=["8B", "70B"], choices=REASONING_MODELS)
     args = p.parse_args(argv)
     profile = DeviceProfile.load(args.device_kind)
+    if args.reasoning:
+        if argv is None and "--devices" not in sys.argv:
+            args.devices = sorted({n for _, n in REASONING_CASES})
+        return reasoning_main(args, profile)
     todo = [(a, size, n) for a in args.algorithms for size in args.models for n in args.devices]
     if args.large:
         todo.append(LARGE)

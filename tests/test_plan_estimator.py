@@ -1,9 +1,11 @@
 """The plan cost estimator: FLOP/byte counts, memory rejection, overlap, reshard bytes, profiles."""
 
+import dataclasses
 import math
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from jrlhf.meshes.mesh import make_mesh
@@ -15,6 +17,8 @@ from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, flatten, i
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
 from jrlhf.reshard import layout
+
+replace = dataclasses.replace
 
 
 def _workload(cfg, **kw) -> Workload:
@@ -772,7 +776,9 @@ def test_async_iteration_is_the_slower_of_generation_and_the_rest_on_separated_p
     assert sync.iteration_seconds == pytest.approx(sum(ph.values()))
     a = est.estimate(separate(8), _workload(cfg, max_staleness=1), gpu)
     assert a.phase_seconds == ph
-    rest = ph["score"] + ph["train"] + ph["reshard"]
+    # the training group receives each batch before scoring it: the transfer adds to the rest
+    assert a.data_plane_seconds > 0 and sync.data_plane_seconds == 0
+    rest = ph["score"] + ph["train"] + ph["reshard"] + a.data_plane_seconds
     assert a.iteration_seconds == pytest.approx(max(ph["generate"], rest))
     assert a.iteration_seconds < sync.iteration_seconds
     # generation shares devices with training (flatten), or one host runs the devices one
@@ -1093,3 +1099,132 @@ def test_data_parallel_training_pays_a_gradient_all_reduce_per_micro_batch(monke
     for m in w:
         extra = priced[m] - est.train_seconds(w[m], "actor", dp, profile)
         assert extra == pytest.approx(w[m].train_steps * m * one, rel=1e-6), m
+
+
+# ------------------------------------------------------------- long-tailed and partial rollouts
+def _reasoning(cfg, **kw) -> Workload:
+    """GRPO (actor and reference) with long-tailed responses of 4 to 32 tokens."""
+    base = dict(critic=None, reward=None, prompts=8, samples_per_prompt=4, prompt_len=8)
+    base.update(gen_len=32, decode_slots=8, minibatch_size=32, epochs=1)
+    base.update(response_lengths=((4, 16), (8, 8), (16, 5), (32, 3)))
+    base.update(kw)
+    return _workload(cfg, **base)
+
+
+def test_law_lengths_are_the_laws_quantiles():
+    lengths, probs = (3, 4, 6, 8), np.array([0.4, 0.3, 0.2, 0.1])
+    got = wl.law_lengths(lengths, probs, 10)
+    # row i takes the smallest length whose cumulative probability reaches (i + 0.5) / 10
+    want = {}
+    for i in range(10):
+        q = (i + 0.5) / 10
+        k = next(k for k, c in zip(lengths, np.cumsum(probs)) if c >= q - 1e-12)
+        want[k] = want.get(k, 0) + 1
+    assert dict(got) == want == {3: 4, 4: 3, 6: 2, 8: 1}
+    assert sum(n for _, n in wl.law_lengths(lengths, probs, 777)) == 777
+
+
+def test_continuous_batching_by_hand():
+    # two slots, rows of 5, 3 and 4 tokens from 10 cached positions: rows 0 and 1 start at step
+    # 0 (4 and 2 decode steps), row 2 takes row 1's slot at step 2 and decodes steps 2-4
+    steps, by = est._continuous_batching((10, 10, 10), (5, 3, 4), 2)
+    assert steps == 5
+    # at its s-th step (s = 1, 2, ...) a row attends to 10 + s positions
+    two = (11 + 12 + 13 + 14) + (11 + 12) + (11 + 12)  # steps 0-3: two rows in flight
+    assert by == ((1, 1, 13.0), (2, 4, float(two)))
+
+
+def test_engine_call_of_uniform_rows_is_generate_seconds():
+    gpu = DeviceProfile.load("h100")
+    w = _workload(_llama7b(), prompts=64, samples_per_prompt=1, prompt_len=64, gen_len=512)
+    w = replace(w, decode_slots=32)
+    p = flatten(8)["actor_generate"]
+    rows = [(est.prefill_len(w), w.prompt_len, w.gen_len, w.rows)]
+    # the same steps (two waves), the attended context without the kernel's block rounding
+    got = est.engine_call_seconds(w, p, gpu, rows)
+    assert got == pytest.approx(est.generate_seconds(w, p, gpu), rel=0.01)
+    assert est.rollout_seconds(w, p, gpu) == est.generate_seconds(w, p, gpu)
+
+
+def test_a_long_tail_sets_the_synchronous_rollout_and_partial_passes_cut_it():
+    gpu = DeviceProfile.load("h100")
+    cfg = _llama7b()
+    p = flatten(8)["actor_generate"]
+    w = _reasoning(cfg)
+    sync = est.rollout_seconds(w, p, gpu)
+    rows = [(est.prefill_len(w), 8, k, n) for k, n in w.lengths]
+    assert sync == est.engine_call_seconds(w, p, gpu, rows)
+    # the call lasts as long as its longest row, and longer than the same rows at the mean
+    mean = sum(k * n for k, n in w.lengths) / w.rows
+    assert sync > est.engine_call_seconds(w, p, gpu, [(8, 8, round(mean), w.rows)])
+    # partial rollouts, k = 2, T = 16: the steady-state pass re-derived row by row
+    wp = replace(w, max_staleness=2, partial_rollout_tokens=16)
+    rows = est.partial_pass_rows(wp)
+    want = []
+    for age in (1, 0):  # oldest batch first
+        for k, n in w.lengths:
+            if k > 16 * age:
+                pre = 8 + 16 * age if age else est.prefill_len(w)
+                want.append((pre, 8 + 16 * age, min(16, k - 16 * age), n))
+    assert rows == want == [(24, 24, 16, 3)] + [(8, 8, min(16, k), n) for k, n in w.lengths]
+    # a pass generates as many tokens as one batch has (one batch trains per iteration)
+    assert sum(t * n for _, _, t, n in rows) == sum(k * n for k, n in w.lengths)
+    partial = est.rollout_seconds(wp, p, gpu)
+    assert partial == est.engine_call_seconds(wp, p, gpu, rows) and partial < sync
+    # T at the longest response: one pass is the synchronous call
+    whole = replace(w, max_staleness=1, partial_rollout_tokens=32)
+    assert est.rollout_seconds(whole, p, gpu) == pytest.approx(sync)
+    # the estimate's generate phase is the rollout
+    e = est.estimate(flatten(8), wp, gpu)
+    assert e.call_seconds["actor_generate"] == partial
+
+
+def test_dynamic_sampling_rounds():
+    # one prompt: rounds until its group has signal, a geometric law capped at 4 rounds
+    assert est.sampling_rounds(1, 0.5, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert est.sampling_rounds(64, 0.0, 4) == 1.0 and est.sampling_rounds(64, 1.0, 3) == 3.0
+    # Monte Carlo: draw rounds of 64 prompts until 64 groups have signal
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(20000):
+        signal, rounds = 0, 0
+        while rounds < 4 and signal < 64:
+            signal += rng.binomial(64, 1 - 0.45)
+            rounds += 1
+        runs.append(rounds)
+    assert est.sampling_rounds(64, 0.45, 4) == pytest.approx(np.mean(runs), abs=0.01)
+    # generation and scoring pay for every round, training does not
+    gpu = DeviceProfile.load("h100")
+    w = _workload(tiny_config(), critic=None, reward=None, samples_per_prompt=4)
+    w, ds = w, replace(w, no_signal_fraction=0.45)
+    a, b = est.estimate(flatten(8), w, gpu), est.estimate(flatten(8), ds, gpu)
+    rounds = est.sampling_rounds(16, 0.45, 4)
+    assert b.phase_seconds["generate"] == pytest.approx(rounds * a.phase_seconds["generate"])
+    overhead = 2 * gpu.call_overhead_s
+    assert b.phase_seconds["score"] - overhead == pytest.approx(
+        rounds * (a.phase_seconds["score"] - overhead)
+    )
+    assert b.phase_seconds["train"] == a.phase_seconds["train"]
+
+
+def test_group_traffic_by_hand():
+    gpu = DeviceProfile.load("h100")  # 8 devices per node
+    cfg = tiny_config()
+    w = _reasoning(cfg, max_staleness=2, partial_rollout_tokens=16)
+    plan = separate(32, gen_devices=8)  # generation on node 0, the rest on nodes 1-3
+    t = est.group_traffic(w, plan, gpu)
+    # per row: 32 (longest) x (int32 + float32 + int64) + length and prompt index (int32),
+    # finished (uint8) and passes (int32); per prompt: 8 x int32 + its length
+    batch = 32 * (32 * 16 + 4 + 4 + 1 + 4) + 8 * (8 * 4 + 4)
+    assert t.batch_bytes == batch and t.receivers == 3
+    assert t.data_bytes == 3 * batch and t.control_bytes == 3 * 2048
+    assert t.data_seconds == pytest.approx(3 * batch / gpu.inter_node_bandwidth)
+    assert t.weight_bytes == wl.num_params(cfg, "lm") * 4  # tiny_config's float32 weights
+    # one process per device: 24 receivers
+    assert est.group_traffic(w, plan, gpu, processes_per_node=8).receivers == 24
+    # on the critical path of the asynchronous iteration, as the training group's first step
+    e = est.estimate(plan, w, gpu)
+    assert e.data_plane_seconds == t.data_seconds
+    ph = e.phase_seconds
+    rest = ph["score"] + ph["train"] + ph["reshard"] + t.data_seconds
+    assert e.iteration_seconds == pytest.approx(max(ph["generate"], rest))

@@ -528,3 +528,16 @@ def test_cli_with_the_real_estimator(tmp_path, capsys):
         )
     assert set(best["phase_seconds"]) == {"generate", "score", "train", "reshard"}
     assert "RunConfig.placement = 'custom'" in out.read_text()
+
+
+def test_separate_is_priced_on_every_eighth_of_the_devices():
+    assert search_mod.generation_splits(64) == [8, 16, 24, 32, 40, 48, 56]
+    assert search_mod.generation_splits(4) == [1, 2, 3]
+    # a split is a variant where the batch divides over the rest: of 64 devices, 16 rows split
+    # over 32, 16 or 8 training devices but not over 56, 48, 40 or 24 (7, 6, 5 or 3 shards at
+    # tensor 8 and multiples of them below)
+    m = tiny_config(num_heads=8, num_kv_heads=8)
+    wl = FakeWorkload(actor=m, critic=None, reference=m, reward=None, prompts=16)
+    space = SearchSpace(wl, 64)
+    variants = search_mod.strategy_variants(space)["separate"]
+    assert {len(p["actor_generate"].devices) for p in variants} == {32, 48, 56}

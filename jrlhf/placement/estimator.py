@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 import types
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,7 @@ from jrlhf.placement.workload import (
     head_params,
     itemsize,
     kv_bytes_per_token,
+    num_params,
 )
 from jrlhf.reshard.layout import moved_elements
 
@@ -117,6 +119,9 @@ class PlanEstimate:
     # for each call: what its most loaded device holds at its peak ({what: bytes}, "working"
     # being the call's transient bytes)
     memory_breakdown: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # seconds of the sample channel's transfer on the training group's side of an asynchronous
+    # iteration (``group_traffic``; 0 where no samples cross between processes)
+    data_plane_seconds: float = 0.0
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v:.3g}s" for k, v in self.phase_seconds.items())
@@ -530,7 +535,6 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
     cfg = w.actor
     g = _geometry(p, profile)
     rows = w.rows
-    a = itemsize(cfg.dtype)
     slots = _engine_slots(w, g)
     # prefill: prompts padded as the engine buckets them, <= 64 rows per call
     plen = prefill_len(w)
@@ -556,33 +560,283 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
             weight_bytes, g, profile.memory_bandwidth * profile.decode_copy_efficiency, profile
         )
     for in_flight in _waves(w, g):
-        per_shard = -(-in_flight // g.batch)
-        compute = _work_s(
-            decode_step_flops(cfg, in_flight, 0) / g.n, g, profile.matmul_flops, profile
-        )
-        memory = _work_s(weight_bytes, g, profile.memory_bandwidth, profile)
-        kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
-        kv = _work_s(kv_bytes, g, profile.memory_bandwidth * profile.decode_kv_efficiency, profile)
-        tp = _comm_s(
-            2 * cfg.num_layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
-            2 * cfg.num_layers,
-            g,
-            profile,
-        )
-        if profile.decode_weight_efficiency > 0:  # shared host: the two add up
-            step = compute / profile.decode_efficiency + kv
-            step += _work_s(
-                weight_bytes,
-                g,
-                profile.memory_bandwidth * profile.decode_weight_efficiency,
-                profile,
-            )
-        else:
-            step = max(compute, memory) / profile.decode_efficiency + kv
-        step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
-        step += cfg.num_layers * profile.decode_layer_overhead_once_s
+        step = _decode_step_s(cfg, p, g, profile, in_flight, context)
         total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
     return total
+
+
+def _decode_step_s(
+    cfg: ModelConfig,
+    p: CallPlacement,
+    g: _Geometry,
+    profile: DeviceProfile,
+    in_flight: int,
+    context: float,
+) -> float:
+    """One decode step of ``in_flight`` sequences (over the call's data shards) that attend
+    to ``context`` KV positions each on average (``generate_seconds``)."""
+    a = itemsize(cfg.dtype)
+    weight_bytes = shard_bytes(cfg, "lm", p)
+    per_shard = -(-in_flight // g.batch)
+    compute = _work_s(decode_step_flops(cfg, in_flight, 0) / g.n, g, profile.matmul_flops, profile)
+    memory = _work_s(weight_bytes, g, profile.memory_bandwidth, profile)
+    kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
+    kv = _work_s(kv_bytes, g, profile.memory_bandwidth * profile.decode_kv_efficiency, profile)
+    tp = _comm_s(
+        2 * cfg.num_layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
+        2 * cfg.num_layers,
+        g,
+        profile,
+    )
+    if profile.decode_weight_efficiency > 0:  # shared host: the two add up
+        step = compute / profile.decode_efficiency + kv
+        step += _work_s(
+            weight_bytes, g, profile.memory_bandwidth * profile.decode_weight_efficiency, profile
+        )
+    else:
+        step = max(compute, memory) / profile.decode_efficiency + kv
+    step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
+    return step + cfg.num_layers * profile.decode_layer_overhead_once_s
+
+
+# ------------------------------------------------------------- long-tailed and partial rollouts
+@functools.lru_cache(maxsize=256)
+def _continuous_batching(
+    contexts: tuple[int, ...], tokens: tuple[int, ...], slots: int
+) -> tuple[int, tuple[tuple[int, int, float], ...]]:
+    """The decode steps of an engine call with ``slots`` sequence slots over rows that start
+    from ``contexts[i]`` KV positions and generate ``tokens[i]`` tokens (the first from the
+    prefill, then one per decode step), admitted in order, each into the first slot that frees
+    (continuous batching). Returns (steps until the last row ends, ((in flight, steps,
+    attended positions summed over those steps and rows), ...) by number in flight): at its
+    s-th decode step a row attends to context + s positions, as ``attended_context`` counts
+    them (without rounding to the kernel's blocks)."""
+    free = [0] * max(1, min(slots, len(contexts)))
+    starts = np.zeros(len(contexts), np.int64)
+    for i, n in enumerate(tokens):  # each row into the slot that frees first
+        t = heapq.heappop(free)
+        starts[i] = t
+        heapq.heappush(free, t + max(0, n - 1))
+    duration = np.maximum(0, np.asarray(tokens, np.int64) - 1)
+    ends = starts + duration
+    steps = int(ends.max(initial=0))
+    live = duration > 0
+    # Per step t: rows in flight, and the sum over them of (context - start + 1); a row's
+    # attended positions at step t are context + (t - start) + 1.
+    active = np.zeros(steps + 1, np.int64)
+    offset = np.zeros(steps + 1, np.float64)
+    np.add.at(active, starts[live], 1)
+    np.add.at(active, ends[live], -1)
+    base = np.asarray(contexts, np.float64) - starts + 1
+    np.add.at(offset, starts[live], base[live])
+    np.add.at(offset, ends[live], -base[live])
+    active, offset = np.cumsum(active)[:steps], np.cumsum(offset)[:steps]
+    attended = offset + np.arange(steps) * active
+    counts = np.bincount(active)
+    sums = np.bincount(active, weights=attended)
+    by = tuple((int(a), int(counts[a]), float(sums[a])) for a in np.nonzero(counts)[0] if a)
+    return steps, by
+
+
+def engine_call_seconds(
+    w: Workload,
+    p: CallPlacement,
+    profile: DeviceProfile,
+    rows: Sequence[tuple[int, int, int, int]],
+) -> float:
+    """One generate call over rows given as (prefilled tokens, KV positions they leave, tokens
+    generated, rows like it), admitted in a fixed shuffled order (a batch's lengths come in no
+    particular order): the engine's fixed costs, the prefill of
+    every row (in calls of <= min(slots, 64) rows, as ``generate_seconds``), then the decode
+    steps of continuous batching over the engine's slots (``_continuous_batching``), each
+    priced as ``generate_seconds`` prices a step of that many sequences in flight at their
+    mean attended context. With every row at prompt_len and gen_len this is
+    ``generate_seconds`` up to the kernel's block rounding of the attended context."""
+    cfg = w.actor
+    g = _geometry(p, profile)
+    slots = _engine_slots(w, g)
+    order = np.random.default_rng(0).permutation(sum(n for *_, n in rows))
+    flat = [(pre, ctx, k) for pre, ctx, k, n in rows for _ in range(n)]
+    flat = [flat[i] for i in order]
+    total_rows = len(flat)
+    if not total_rows:
+        return 0.0
+    prefill_calls = -(-total_rows // min(slots, 64))
+    total = prefill_calls * (
+        profile.call_overhead_s
+        + cfg.num_layers
+        * (profile.forward_layer_overhead_s + profile.forward_layer_overhead_once_s)
+    )
+    by_len: dict[int, int] = {}
+    for pre, _, _, n in rows:
+        by_len[pre] = by_len.get(pre, 0) + n
+    for length, n in by_len.items():
+        flops = forward_flops(cfg, n, length, "lm", n)
+        total += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+        tokens = -(-n // g.batch) * length
+        efficiency = profile.forward_activation_efficiency
+        total += _activation_s(cfg, tokens, length, g, efficiency, profile)
+    total += _fixed_s(profile.decode_call_overhead_s, g, profile)
+    if profile.decode_copy_efficiency > 0:
+        total += _work_s(
+            shard_bytes(cfg, "lm", p),
+            g,
+            profile.memory_bandwidth * profile.decode_copy_efficiency,
+            profile,
+        )
+    steps, by = _continuous_batching(
+        tuple(c for _, c, _ in flat), tuple(k for _, _, k in flat), slots
+    )
+    for in_flight, count, attended in by:
+        context = attended / (count * in_flight)
+        total += count * _decode_step_s(cfg, p, g, profile, in_flight, context)
+    chunks = -(-steps // max(1, w.decode_chunk_steps))
+    return total + chunks * _fixed_s(profile.call_overhead_s, g, profile)
+
+
+@functools.lru_cache(maxsize=1024)
+def sampling_rounds(prompts: int, no_signal: float, max_rounds: int) -> float:
+    """Expected generation rounds per batch under dynamic sampling: rounds of ``prompts``
+    prompts are drawn until they hold ``prompts`` groups with signal (each with probability
+    1 - ``no_signal``, independently), at most ``max_rounds``. E[R] = sum over r < max_rounds
+    of P(R > r) = 1 + sum over 1 <= r < max_rounds of P(Binomial(r prompts, 1 - no_signal)
+    < prompts). 1 without dynamic sampling (``no_signal`` 0)."""
+    if no_signal <= 0:
+        return 1.0
+    if no_signal >= 1:
+        return float(max_rounds)
+    p, total = 1.0 - no_signal, 1.0
+    for r in range(1, max_rounds):
+        n = r * prompts
+        log_pmf = [
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(p) + (n - k) * math.log1p(-p)
+            for k in range(min(prompts, n + 1))
+        ]  # fmt: skip
+        total += math.fsum(math.exp(x) for x in log_pmf)
+    return total
+
+
+def workload_rounds(w: Workload) -> float:
+    """``sampling_rounds`` of the workload's batch."""
+    return sampling_rounds(w.prompts, w.no_signal_fraction, w.max_sampling_rounds)
+
+
+def _scaled(count: int, rounds: float) -> int:
+    return max(1, round(count * rounds)) if count else 0
+
+
+def partial_pass_rows(w: Workload) -> list[tuple[int, int, int, int]]:
+    """The rows of one partial-rollout pass in the steady state (``engine_call_seconds``'s
+    row groups, oldest batch first): the pass gives every unfinished sample of the batches in
+    flight up to T = ``partial_rollout_tokens`` more tokens. A batch has had ``age`` passes
+    before (0 .. k - 1; T x k >= its longest response, so none is left at its k-th); its rows
+    longer than age x T continue: re-prefilled over their prompt and age x T tokens so far (the
+    KV cache is recomputed under the current weights), then min(T, length - age x T) tokens.
+    New rows prefill their prompt (padded as the engine buckets it). Dynamic sampling's extra
+    rounds add rows in proportion (``workload_rounds``)."""
+    t = w.partial_rollout_tokens
+    rounds = workload_rounds(w)
+    longest = max(k for k, _ in w.lengths)
+    out = []
+    age = -(-longest // t) - 1
+    while age >= 0:
+        done = age * t
+        for k, n in w.lengths:
+            if k > done:
+                pre = prefill_len(w) if age == 0 else w.prompt_len + done
+                out.append((pre, w.prompt_len + done, min(t, k - done), _scaled(n, rounds)))
+        age -= 1
+    return out
+
+
+def rollout_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> float:
+    """Generation seconds per iteration (the generate phase). Uniform lengths without partial
+    rollouts: ``generate_seconds``, once per dynamic-sampling round (``workload_rounds``; each
+    round is its own generate call). Long-tailed lengths (``Workload.response_lengths``): the
+    same rounds, each one ``engine_call_seconds`` over the batch's rows, so the call lasts at
+    least as long as its longest row. Partial rollouts (``partial_rollout_tokens`` with
+    ``max_staleness`` >= 1), in the steady state: one pass (``partial_pass_rows``), whose
+    decode lasts at most about T steps more than continuous batching needs for its rows: the
+    longest sample no longer sets the iteration's generation time, at the price of
+    re-prefilling the continued rows."""
+    rounds = workload_rounds(w)
+    if w.partial_rollout_tokens and w.max_staleness >= 1:
+        return engine_call_seconds(w, p, profile, partial_pass_rows(w))
+    if not w.response_lengths:
+        return rounds * generate_seconds(w, p, profile)
+    rows = [(prefill_len(w), w.prompt_len, k, n) for k, n in w.lengths]
+    return rounds * engine_call_seconds(w, p, profile, rows)
+
+
+# ----------------------------------------------------------------- what crosses between groups
+# The sample channel's layout (jrlhf.ppo.samples.pack_batch): per response token an int32 id,
+# a float32 behaviour log-prob and an int64 policy version, every row padded to the batch's
+# longest response; prompts as int32, padded to the longest prompt.
+SAMPLE_TOKEN_BYTES = 4 + 4 + 8
+PROMPT_TOKEN_BYTES = 4
+# Per row: its length and its prompt's index (int32 each); with partial rollouts also whether
+# it finished (uint8) and its passes (int32). Per prompt: its length (int32).
+ROW_BYTES, PARTIAL_ROW_BYTES, PROMPT_BYTES = 8, 5, 4
+# The control plane per iteration and training process: a batch header (its index and byte
+# layout) and the update's result (metrics, the KL coefficient), JSON in the key-value store.
+CONTROL_BYTES_PER_PROCESS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupTraffic:
+    """What crosses between the generating and the training group in one iteration."""
+
+    receivers: int  # processes of the training group: each receives its own copy
+    batch_bytes: float  # one iteration's samples as packed (every dynamic-sampling round)
+    data_bytes: float  # batch_bytes x receivers: out of the sending device
+    control_bytes: int  # key-value store messages
+    weight_bytes: int  # one copy of the actor's weights (the weight channel moves it)
+    data_seconds: float  # the data plane through the sending device's link
+
+
+def sample_bytes(w: Workload) -> float:
+    """Bytes of one iteration's samples as the sample channel packs them, once (per receiving
+    process): every row padded to the batch's longest response, prompts to prompt_len (the
+    task's per-prompt meta, a JSON string, not counted), times the expected dynamic-sampling
+    rounds."""
+    longest = max(k for k, _ in w.lengths)
+    per_row = longest * SAMPLE_TOKEN_BYTES + ROW_BYTES
+    if w.partial_rollout_tokens and w.max_staleness >= 1:
+        per_row += PARTIAL_ROW_BYTES
+    per_prompt = w.prompt_len * PROMPT_TOKEN_BYTES + PROMPT_BYTES
+    return workload_rounds(w) * (w.rows * per_row + w.prompts * per_prompt)
+
+
+def group_traffic(
+    w: Workload, plan: ExecutionPlan, profile: DeviceProfile, processes_per_node: int = 1
+) -> GroupTraffic:
+    """The data and control planes of an iteration with generation on processes of its own
+    (jrlhf.ppo.samples.SampleChannel): the first generation device sends every batch to one
+    device of each training process (``processes_per_node`` processes per node share the
+    node's devices evenly), so its link carries ``sample_bytes`` once per receiver, at the
+    inter-node bandwidth when a receiver is on another node. The training group is every
+    device of the workload's other calls that generation does not use."""
+    gen = plan["actor_generate"].devices
+    train: set[int] = set()
+    for call in _active_calls(w):
+        if call != "actor_generate":
+            train |= plan[call].devices - gen
+    per_process = max(1, profile.devices_per_node // max(1, processes_per_node))
+    receivers = len({d // per_process for d in train})
+    batch = sample_bytes(w)
+    data = batch * receivers
+    source_node = min(gen) // profile.devices_per_node
+    nodes = {source_node} | {d // profile.devices_per_node for d in train}
+    seconds = data / _link_bandwidth(len(nodes), profile) if receivers else 0.0
+    return GroupTraffic(
+        receivers=receivers,
+        batch_bytes=batch,
+        data_bytes=data,
+        control_bytes=CONTROL_BYTES_PER_PROCESS * receivers,
+        weight_bytes=num_params(w.actor, "lm") * itemsize(w.actor.param_dtype),
+        data_seconds=seconds,
+    )
 
 
 def _chunks(w: Workload) -> list[int]:
@@ -976,14 +1230,19 @@ def _active_calls(w: Workload) -> list[str]:
 
 
 def iteration_seconds(
-    phases: dict[str, float], max_staleness: int = 0, separated: bool = False
+    phases: dict[str, float],
+    max_staleness: int = 0,
+    separated: bool = False,
+    data_plane_s: float = 0.0,
 ) -> float:
     """An iteration's time from its phases. Synchronous (``max_staleness`` 0), or generation and
     the rest sharing devices: the sum. Asynchronous on a plan whose generation devices no other
     call uses (``separated``, and hosts that run them at the same time): generating the next
-    batch overlaps scoring, training and resharding this one, so the slower of the two."""
+    batch overlaps scoring, training and resharding this one, so the slower of the two; the
+    training group receives each batch (``data_plane_s``, ``group_traffic``) before it scores
+    it, so the transfer adds to the rest."""
     if max_staleness >= 1 and separated:
-        rest = sum(v for k, v in phases.items() if k != "generate")
+        rest = sum(v for k, v in phases.items() if k != "generate") + data_plane_s
         return max(phases.get("generate", 0.0), rest)
     return sum(phases.values())
 
@@ -1029,7 +1288,7 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         role, phase = CALLS[call]
         p = plan[call]
         if phase == "generate":
-            call_seconds[call] = generate_seconds(w, p, profile)
+            call_seconds[call] = rollout_seconds(w, p, profile)
         elif phase == "infer":
             call_seconds[call] = infer_seconds(w, role, p, profile)
         else:
@@ -1046,7 +1305,8 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
     infer = [call_seconds[c] for c in scoring]
     # host work of the score phase besides the model calls: packing, the advantage function and
     # fetching its results (a few synchronizing calls)
-    score = _calls_seconds(infer, plan.overlapping_inference(scoring), profile)
+    # dynamic sampling scores every round it generates
+    score = workload_rounds(w) * _calls_seconds(infer, plan.overlapping_inference(scoring), profile)
     score += 2 * profile.call_overhead_s
     disjoint_train = not (plan["actor_train"].devices & plan["critic_train"].devices)
     trains = [call_seconds["actor_train"], call_seconds["critic_train"]]
@@ -1094,16 +1354,17 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
                 f"({parts}, working {_fmt(working)}) but {profile.name} has "
                 f"{_fmt(profile.memory_bytes)}{reserve}"
             )
+    separated = generation_separated(plan, active) and not profile.shared_host
+    # samples cross between groups where generation has processes of its own
+    data_plane = group_traffic(w, plan, profile).data_seconds if separated else 0.0
+    data_plane = data_plane if w.max_staleness >= 1 else 0.0
     return PlanEstimate(
         plan=plan,
         call_seconds=call_seconds,
         reshard_seconds=reshard,
         phase_seconds=phases,
-        iteration_seconds=iteration_seconds(
-            phases,
-            w.max_staleness,
-            generation_separated(plan, active) and not profile.shared_host,
-        ),
+        iteration_seconds=iteration_seconds(phases, w.max_staleness, separated, data_plane),
+        data_plane_seconds=data_plane,
         memory_bytes=memory,
         fits=not reasons,
         reasons=reasons,
@@ -1479,12 +1740,15 @@ def compiled_memory_bytes(compiled) -> int | None:
 
 __all__ = [
     "PHASES",
+    "GroupTraffic",
     "PlanEstimate",
     "batch_bindings",
     "batch_problem",
     "compiled_memory_bytes",
+    "engine_call_seconds",
     "estimate",
     "estimate_tuned",
+    "group_traffic",
     "head_params",
     "layers_unrolled",
     "layout_problems",
@@ -1492,6 +1756,9 @@ __all__ = [
     "reshard_bytes_per_device",
     "reshard_gathered_bytes",
     "reshard_moving_leaves",
+    "rollout_seconds",
+    "sample_bytes",
+    "sampling_rounds",
     "shard_bytes",
     "tune_batches",
     "twin_placement",

@@ -300,10 +300,19 @@ class SearchSpace:
         return out
 
 
+def generation_splits(num_devices: int) -> list[int]:
+    """Devices ``separate`` gives generation: every eighth of them (1/8 .. 7/8) where the count
+    divides by 8, else every quarter; any split, not only halves, since with bounded staleness
+    the best split balances generation against the rest. Splits whose rest the batch does not
+    divide over are dropped later (``_plan_valid``)."""
+    parts = 8 if num_devices % 8 == 0 else 4
+    return sorted({num_devices * j // parts for j in range(1, parts)} - {0, num_devices})
+
+
 def strategy_variants(space: SearchSpace) -> dict[str, list[ExecutionPlan]]:
     """Flatten, interleave and separate over every valid (tensor, generation tensor) pair, and
-    for separate over generation slices of a quarter, half and three quarters of the devices:
-    the baselines are each strategy tuned, not a strawman."""
+    for separate over every generation split of ``generation_splits``: the baselines are each
+    strategy tuned, not a strawman."""
     n = space.num_devices
     tensors = []
     t = 1
@@ -328,9 +337,8 @@ def strategy_variants(space: SearchSpace) -> dict[str, list[ExecutionPlan]]:
         label = f"t={t},gen_t={gt}"
         add("flatten", label, tensor=t, gen_tensor=gt)
         add("interleave", label, tensor=t, gen_tensor=gt)
-        for gen in sorted({n // 4, n // 2, 3 * n // 4}):
-            if 0 < gen < n:
-                add("separate", f"gen={gen},{label}", gen_devices=gen, tensor=t, gen_tensor=gt)
+        for gen in generation_splits(n):
+            add("separate", f"gen={gen},{label}", gen_devices=gen, tensor=t, gen_tensor=gt)
     return out
 
 

@@ -17,6 +17,7 @@ FLOP conventions (one multiply-add = 2 FLOPs):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,6 +69,18 @@ class Workload:
     # policy of each training call is the role's ModelConfig.remat_policy.
     generation_copy: str = "kept"
     offload: tuple[str, ...] = ()
+    # One batch's response lengths as (tokens, rows) pairs, e.g. the long-tailed task's law
+    # (``law_lengths``); () = every response gen_len tokens. Generation is then priced as the
+    # engine runs it: continuous batching over the decode slots
+    # (jrlhf.placement.estimator.rollout_seconds).
+    response_lengths: tuple[tuple[int, int], ...] = ()
+    # RLConfig.partial_rollout_tokens (T, with max_staleness k >= 1): each iteration generates
+    # one pass of up to T tokens over every unfinished sample of the batches in flight.
+    partial_rollout_tokens: int = 0
+    # Dynamic sampling (RLConfig.dynamic_sampling): the fraction of groups whose samples all
+    # score the same (no signal; 0: dynamic sampling off) and RLConfig.max_sampling_rounds.
+    no_signal_fraction: float = 0.0
+    max_sampling_rounds: int = 4
 
     @property
     def slots(self) -> int:
@@ -109,6 +122,12 @@ class Workload:
     def rows(self) -> int:
         """Samples per iteration (rollout batch)."""
         return self.prompts * self.samples_per_prompt
+
+    @property
+    def lengths(self) -> tuple[tuple[int, int], ...]:
+        """One batch's response lengths as (tokens, rows) pairs: ``response_lengths``, or every
+        row at gen_len."""
+        return self.response_lengths or ((self.gen_len, self.rows),)
 
     @property
     def seq_len(self) -> int:
@@ -165,6 +184,8 @@ class Workload:
                 _microbatches(cfg, "critic", "microbatch_tokens") if critic is not None else 0
             ),
             max_staleness=getattr(cfg.rl, "max_staleness", 0) or 0,
+            partial_rollout_tokens=getattr(cfg.rl, "partial_rollout_tokens", 0) or 0,
+            max_sampling_rounds=getattr(cfg.rl, "max_sampling_rounds", 4),
             generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
             offload=tuple(getattr(cfg.rl, "offload", ())),
         )
@@ -176,6 +197,19 @@ def _microbatches(cfg, role: str, field: str = "microbatches") -> int:
     rc = roles.get(role)
     unset = 1 if field == "microbatches" else 0
     return int(getattr(rc, field, unset) or unset) if rc is not None else unset
+
+
+def law_lengths(
+    lengths: Sequence[int], probs: Sequence[float], rows: int
+) -> tuple[tuple[int, int], ...]:
+    """``rows`` response lengths that follow a discrete law (``lengths[j]`` with probability
+    ``probs[j]``, e.g. jrlhf.tasks.longtail's), as (tokens, rows) pairs: row i takes the law's
+    quantile at (i + 0.5) / rows, so a batch is the law's expected batch, with no random draw."""
+    cdf = np.cumsum(np.asarray(probs, np.float64))
+    cdf /= cdf[-1]
+    index = np.minimum(np.searchsorted(cdf, (np.arange(rows) + 0.5) / rows), len(cdf) - 1)
+    counts = np.bincount(index, minlength=len(lengths))
+    return tuple((int(k), int(n)) for k, n in zip(lengths, counts) if n)
 
 
 # ------------------------------------------------------------------------------ counting helpers
