@@ -667,6 +667,13 @@ class RLConfig:
             "RLConfig.partial_rollout_tokens",
             "continues samples across updates and needs RLConfig.max_staleness >= 1",
         )
+        _check(
+            not (self.partial_rollout_tokens and self.migrate_rows),
+            "RLConfig.migrate_rows",
+            "moves a decoding tail off the devices that score finished samples, but partial "
+            "rollouts end every pass at partial_rollout_tokens and score a round only once all "
+            "its samples have ended, between passes: nothing waits on a tail; set 0",
+        )
         if self.fusion:
             parked = sorted(set(self.offload) & {"reference", "reward"})
             _check(

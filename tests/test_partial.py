@@ -105,6 +105,15 @@ def test_a_sample_ends_at_its_stop_id_and_is_not_continued():
             ["RLConfig.partial_rollout_tokens=4", "RLConfig.max_staleness=2"],
             "times RLConfig.max_staleness 2, reach it",
         ),
+        (
+            [
+                "RLConfig.partial_rollout_tokens=8",
+                "RLConfig.max_staleness=2",
+                "RLConfig.fusion=True",
+                "RLConfig.migrate_rows=4",
+            ],
+            "^RLConfig.migrate_rows: .*nothing waits on a tail",
+        ),
     ],
 )
 def test_bad_partial_settings_are_refused_in_one_line(bindings, message):

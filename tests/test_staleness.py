@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from run_helpers import SMALL, assert_rows_close, metric_rows, ppo_bindings
@@ -345,3 +346,48 @@ def test_fused_async_run_equals_the_unfused_one(async_run, base_run, tmp_path):
     rows = metric_rows(fused)
     assert all(r["fusion/chunks"] >= 1 for r in rows if "reward" in r)
     assert_rows_close(rows, metric_rows(async_run[0]), rtol=1e-4, atol=1e-5)
+
+
+class _Device:
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+
+
+class _Mesh:
+    def __init__(self, *processes: int):
+        self.devices = np.array([_Device(p) for p in processes])
+
+
+class _Role:
+    def __init__(self, **meshes):
+        self.meshes = meshes
+
+
+def test_role_groups_and_their_refusals(monkeypatch):
+    """Generation on processes of its own forms the generating group; refused in one line:
+    a generating group without process 0, a dropped generation copy and tail migration (both
+    would free nothing on devices no other call uses)."""
+    from jrlhf.ppo.groups import role_groups
+
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    roles = {
+        "actor": _Role(generate=_Mesh(0, 1), train=_Mesh(2, 3)),
+        "reference": _Role(infer=_Mesh(2, 3)),
+    }
+    rl = RLConfig(max_staleness=2)
+    groups = role_groups(rl, roles)
+    assert (groups.generate, groups.train) == ({0, 1}, {2, 3})
+    assert role_groups(RLConfig(max_staleness=0), roles) is None  # synchronous: lockstep
+    shared = {**roles, "reference": _Role(infer=_Mesh(1, 2))}
+    assert role_groups(rl, shared) is None  # generation shares process 1: lockstep, warned
+    for bad, roles_, why in (
+        (
+            rl,
+            {"actor": _Role(generate=_Mesh(2, 3), train=_Mesh(0, 1)), "critic": _Role(i=_Mesh(1))},
+            "include process 0",
+        ),
+        (RLConfig(max_staleness=2, generation_copy="dropped"), roles, "frees nothing; keep it"),
+        (RLConfig(max_staleness=2, fusion=True, migrate_rows=4), roles, "frees nothing; set 0"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            role_groups(bad, roles_)

@@ -80,6 +80,11 @@ def role_groups(rl, roles: Mapping[str, RoleSetup]) -> RoleGroups | None:
             "RLConfig.generation_copy='dropped' with generation on processes of its own: the "
             "copy lives on devices no other call uses, so dropping it frees nothing; keep it"
         )
+    if rl.migrate_rows:
+        raise ValueError(
+            "RLConfig.migrate_rows with generation on processes of its own: no scoring call runs "
+            "on the generation devices, so moving the long tail off them frees nothing; set 0"
+        )
     groups = RoleGroups(frozenset(gen), frozenset(range(jax.process_count())) - frozenset(gen))
     log.info("asynchronous groups: %s", groups.describe())
     return groups
