@@ -29,6 +29,7 @@ from jrlhf.meshes.processes import barrier, is_primary, job_mesh
 from jrlhf.models.hf import load_hf
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.runtime import distributed
+from jrlhf.runtime.storage import settle_abandoned_tasks
 
 
 class InputError(ValueError):
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for input errors)."""
     args = _parser().parse_args(argv)
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before the one line
     try:
         distributed.setup_devices(args.distributed)
         return distributed.end_process(run(args))

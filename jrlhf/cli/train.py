@@ -41,6 +41,7 @@ from jrlhf.runtime.guard import TrainingStopped
 from jrlhf.runtime.storage import (
     describe_os_error,
     quiet_storage_noise,
+    settle_abandoned_tasks,
     settle_writers,
     storage_fault,
 )
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.end_process(2)
     setup_logging()
     quiet_storage_noise()
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before its warning
     # Imported here, not at the top: XLA reads the virtual-device flag set above when JAX's
     # backends start, and the pipeline starts them.
     from jrlhf.pipeline.run import run  # noqa: PLC0415
