@@ -26,6 +26,7 @@ import pytest
 from run_helpers import (
     SMALL,
     assert_rows_close,
+    file_size_limit,
     hold_lock,
     metric_rows,
     ppo_bindings,
@@ -584,6 +585,39 @@ def test_a_storage_fault_in_a_save_is_the_only_line_on_stderr(base_run, tmp_path
     assert lines[0].startswith(f"error: cannot write {run_dir / 'sft_checkpoints'}/"), lines
     assert "File too large (EFBIG)" in lines[0], lines
     assert checkpoint.latest_step_dir(run_dir / "sft_checkpoints") is None
+
+
+def test_evaluate_output_that_cannot_be_written_is_one_line_and_never_half_written(
+    tmp_path, monkeypatch, capsys
+):
+    """evaluate --output on a storage that refuses the write part-way (a real EFBIG) or in a
+    directory that does not exist: one line naming the path and the errno, exit status 1, and
+    the previous report, or none, where it was: never a truncated one."""
+    run_dir = tmp_path / "sft"
+    bindings = ["RunConfig.stages=('sft',)", "SFTConfig.steps=2"]
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings, *SMALL]) == 0
+    out = tmp_path / "eval.json"
+    out.write_text("the previous report\n")
+    # test_trainer's evaluation mesh and samples: its programs, from the compilation cache
+    args = ["--checkpoint", str(run_dir), "--mesh", "data=2,tensor=2@4:8", "--samples", "2"]
+    capsys.readouterr()
+    write_atomic = evaluate.write_atomic
+
+    def write_past_64_bytes(*a, **k):
+        with file_size_limit(64):
+            return write_atomic(*a, **k)
+
+    monkeypatch.setattr(evaluate, "write_atomic", write_past_64_bytes)
+    assert evaluate.main([*args, "--output", str(out)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("note:")]
+    assert err == [f"error: cannot write --output {out}: File too large (EFBIG)"], err
+    assert out.read_text() == "the previous report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "sft"]
+    monkeypatch.undo()
+    nowhere = tmp_path / "missing" / "eval.json"
+    assert evaluate.main([*args, "--output", str(nowhere)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("note:")]
+    assert err == [f"error: cannot write --output {nowhere}: No such file or directory (ENOENT)"]
 
 
 def test_reads_a_failed_restore_abandoned_end_before_its_event_loop_closes():

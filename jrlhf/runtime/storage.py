@@ -193,12 +193,26 @@ def settle_abandoned_tasks() -> None:
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a write cut short (a full disk) leaves
     the previous file, or none, never a truncated one that a resume would read."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file next to ``path`` for the body to write, renamed to ``path`` when the
+    body ends and removed when it fails: ``path`` is written whole or not at all. An OSError
+    names ``path`` (not the temporary file), for the one line that reports it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with naming(path):
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            try:
+                yield tmp
+                os.replace(tmp, path)
+            except OSError as e:
+                if e.filename == os.fspath(tmp):
+                    e.filename = os.fspath(path)
+                raise
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
