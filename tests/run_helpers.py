@@ -1,11 +1,15 @@
-"""What the end-to-end tests share: small run bindings, metric rows, and a training subprocess.
+"""What the end-to-end tests share: small run bindings, metric rows, a training subprocess, a
+run directory's lock held by another process, and a storage that refuses writes.
 
 The runs themselves (``base_run``, ``colocated_run``) are session fixtures in conftest.py, so
 every test module reuses one SFT + reward-model run and one PPO run.
 """
 
+import contextlib
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +102,18 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
     )
     assert holder.stdout.readline().strip() == "locked"
     return holder
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """No file of this process can grow past ``nbytes`` in the body: a write past it fails
+    part-way with a real EFBIG from the kernel, as a full disk refuses one (SIGXFSZ ignored, so
+    the write fails instead of the process)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, xfsz)

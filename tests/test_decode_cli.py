@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from benchmarks import decode as bench
 from jrlhf.cli import generate
 from tests.hf_fixtures import VOCAB, hf_checkpoint
+from tests.run_helpers import file_size_limit
 
 
 def _with_tokenizer(tmp_path):
@@ -119,6 +121,39 @@ def test_generate_cli_missing_file(tmp_path, capsys):
         ]
     )
     assert rc == 2 and "prompts file not found" in capsys.readouterr().err
+
+
+def test_generate_output_that_cannot_be_written_is_one_line_and_never_half_written(
+    tmp_path, monkeypatch, capsys
+):
+    """--output on a storage that refuses the write part-way (a real EFBIG) or under a file:
+    one line naming the path and the errno, exit status 1, and the previous output, or none,
+    where it was: never a truncated one."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [7, 8, 9]}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text("the previous output\n")
+    args = ["--hf", str(hf_checkpoint("llama3")), "--prompts", str(prompts)]
+    args += ["--max-new-tokens", "4", "--num-samples", "2", "--num-slots", "2"]
+    capsys.readouterr()  # the checkpoint's writer's progress, when this test built it
+    real = generate.atomic_file
+
+    @contextlib.contextmanager
+    def atomic_file_past_64_bytes(path):
+        with file_size_limit(64), real(path) as tmp:
+            yield tmp
+
+    monkeypatch.setattr(generate, "atomic_file", atomic_file_past_64_bytes)
+    assert generate.main([*args, "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: cannot write --output {out}: File too large (EFBIG)", err
+    assert out.read_text() == "the previous output\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+    monkeypatch.undo()
+    under_a_file = prompts / "out.jsonl"
+    assert generate.main([*args, "--output", str(under_a_file)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: cannot write --output {prompts}: File exists (EEXIST)", err
 
 
 # The throughput model of the bench tests: tiny, one layer

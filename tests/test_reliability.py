@@ -2,6 +2,7 @@
 its configuration from the run directory, fallback from a damaged checkpoint, supervised stages
 that resume mid-stage, and bad input reported in one line before any work."""
 
+import asyncio
 import collections
 import errno
 import io
@@ -15,6 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -23,6 +26,7 @@ import pytest
 from run_helpers import (
     SMALL,
     assert_rows_close,
+    file_size_limit,
     hold_lock,
     metric_rows,
     ppo_bindings,
@@ -40,7 +44,12 @@ from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
 from jrlhf.ppo.trainer import RLTrainer
 from jrlhf.runtime.guard import TrainingStopped
-from jrlhf.runtime.storage import quiet_storage_noise, storage_fault, write_atomic
+from jrlhf.runtime.storage import (
+    quiet_storage_noise,
+    settle_abandoned_tasks,
+    storage_fault,
+    write_atomic,
+)
 from jrlhf.tasks import SyntheticTask
 
 
@@ -576,3 +585,80 @@ def test_a_storage_fault_in_a_save_is_the_only_line_on_stderr(base_run, tmp_path
     assert lines[0].startswith(f"error: cannot write {run_dir / 'sft_checkpoints'}/"), lines
     assert "File too large (EFBIG)" in lines[0], lines
     assert checkpoint.latest_step_dir(run_dir / "sft_checkpoints") is None
+
+
+def test_evaluate_output_that_cannot_be_written_is_one_line_and_never_half_written(
+    tmp_path, monkeypatch, capsys
+):
+    """evaluate --output on a storage that refuses the write part-way (a real EFBIG) or in a
+    directory that does not exist: one line naming the path and the errno, exit status 1, and
+    the previous report, or none, where it was: never a truncated one."""
+    run_dir = tmp_path / "sft"
+    bindings = ["RunConfig.stages=('sft',)", "SFTConfig.steps=2"]
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings, *SMALL]) == 0
+    out = tmp_path / "eval.json"
+    out.write_text("the previous report\n")
+    # test_trainer's evaluation mesh and samples: its programs, from the compilation cache
+    args = ["--checkpoint", str(run_dir), "--mesh", "data=2,tensor=2@4:8", "--samples", "2"]
+    capsys.readouterr()
+    write_atomic = evaluate.write_atomic
+
+    def write_past_64_bytes(*a, **k):
+        with file_size_limit(64):
+            return write_atomic(*a, **k)
+
+    monkeypatch.setattr(evaluate, "write_atomic", write_past_64_bytes)
+    assert evaluate.main([*args, "--output", str(out)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("note:")]
+    assert err == [f"error: cannot write --output {out}: File too large (EFBIG)"], err
+    assert out.read_text() == "the previous report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "sft"]
+    monkeypatch.undo()
+    nowhere = tmp_path / "missing" / "eval.json"
+    assert evaluate.main([*args, "--output", str(nowhere)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("note:")]
+    assert err == [f"error: cannot write --output {nowhere}: No such file or directory (ENOENT)"]
+
+
+def test_reads_a_failed_restore_abandoned_end_before_its_event_loop_closes():
+    """Orbax runs a restore's reads as tasks of a loop of its own and closes it as soon as one
+    fails; a read still in TensorStore's hands then completes into the closed loop ("Event
+    loop is closed", printed from TensorStore's thread next to the one-line error). As the
+    entry points set them up, loops let such reads end first."""
+    policy = asyncio.get_event_loop_policy()
+    settle_abandoned_tasks()
+    late, reads, threads = [], [], []
+
+    async def damaged():
+        raise ValueError("damaged chunk")
+
+    async def read_in_flight():
+        # a read another thread completes a little later, as TensorStore's do
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def complete():
+            time.sleep(0.2)
+            try:
+                loop.call_soon_threadsafe(done.set_result, b"chunk")
+            except RuntimeError as e:
+                late.append(e)
+
+        threads.append(threading.Thread(target=complete))
+        threads[0].start()
+        reads.append(await done)
+
+    async def restore():
+        await asyncio.gather(read_in_flight(), damaged())
+
+    try:
+        loop = asyncio.new_event_loop()  # as orbax's asyncio_utils.run_sync does
+        with pytest.raises(ValueError, match="damaged chunk"):
+            try:
+                loop.run_until_complete(restore())
+            finally:
+                loop.close()
+    finally:
+        asyncio.set_event_loop_policy(policy)
+    threads[0].join()
+    assert not late and reads == [b"chunk"]

@@ -4,14 +4,20 @@ XLA cannot sensibly fake, a user reward function that fails on a sample; a mesh 
 a checkpoint's model is a setting error, not a damaged checkpoint; and ``--check`` refuses what
 the run would refuse before its first step, with the same line."""
 
+import fcntl
 import logging
+import os
+import socket
+import time
 
 import pytest
-from run_helpers import SMALL
+from run_helpers import SMALL, hold_lock
 
 from jrlhf.cli import convert, evaluate, generate, launch, train
 from jrlhf.config import ConfigError, load_config
 from jrlhf.meshes import MeshSpec
+from jrlhf.pipeline import run_lock
+from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
 from jrlhf.runtime.devices import MAX_HOST_DEVICES
 from jrlhf.tasks import SyntheticTask
 
@@ -333,3 +339,56 @@ def test_check_refuses_scoring_chunks_that_do_not_split_over_a_scoring_mesh(caps
         "RunConfig.placement='flatten' (set reference/RoleConfig.infer_mesh to choose another)"
     )
     assert train.main(["--check", "RLConfig.infer_batch_size=8"]) == 0
+
+
+def test_check_refuses_a_run_directory_another_run_holds_without_taking_it(tmp_path, capsys):
+    """--check of a new run or a resume in a directory another process holds says so in the
+    start's own line, naming the holder; it takes no lock and writes nothing (the holder's
+    record stays), and a free directory checks ok."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["--run-dir", str(run_dir), "RunConfig.stages=('sft',)", *SMALL]
+    holder = hold_lock(run_dir)
+    try:
+        record = (run_dir / LOCK_FILE).read_text()
+        assert train.main(["--check", *args]) == 2
+        err = _one_line(capsys)
+        assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()};" in err
+        # The start refuses with the same line.
+        assert train.main(args) == 2
+        assert _one_line(capsys) == err
+        assert (run_dir / LOCK_FILE).read_text() == record
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert train.main(["--check", *args]) == 0
+    assert capsys.readouterr().out.startswith(f"config ok: new run in {run_dir} ")
+    assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE]
+    assert (run_dir / LOCK_FILE).read_text() == record  # not taken: the last holder's record
+    # Where no run ever started there is no lock file, and --check makes none.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert train.main(["--check", "--run-dir", str(fresh), *args[2:]]) == 0
+    assert not any(fresh.iterdir())
+    capsys.readouterr()
+
+
+def test_a_start_is_not_refused_for_the_instant_a_check_looks_at_its_lock(tmp_path, monkeypatch):
+    """--check looks at a run directory's lock by taking it shared for an instant; a start at
+    that instant waits it out instead of being refused."""
+    (tmp_path / LOCK_FILE).write_text("pid 1 on host h\n")
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as the check holds it
+    sleep, waits = time.sleep, []
+
+    def check_ends(seconds):  # the check lets go while the start waits
+        if not waits:
+            os.close(fd)
+        waits.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(run_lock.time, "sleep", check_ends)
+    with lock_run_dir(tmp_path):
+        assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
+    assert waits  # it met the check's lock

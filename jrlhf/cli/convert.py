@@ -20,7 +20,7 @@ from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary, job_mesh
 from jrlhf.models import ModelDef, hf
 from jrlhf.runtime import distributed
-from jrlhf.runtime.storage import reporting_storage_faults
+from jrlhf.runtime.storage import reporting_storage_faults, settle_abandoned_tasks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before the one line
     if args.from_hf and not args.to:
         print("error: --from-hf needs --to CKPT_DIR", file=sys.stderr)
         return 2

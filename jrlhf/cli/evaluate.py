@@ -19,6 +19,7 @@ from jrlhf.config import ConfigError
 from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary
 from jrlhf.runtime import distributed
+from jrlhf.runtime.storage import describe_os_error, settle_abandoned_tasks, write_atomic
 from jrlhf.tasks.rewards import RewardError
 
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before the one line
     # Every error about the mesh (a typo, too few devices, a model it does not divide) names
     # --mesh; a typo is found before JAX starts.
     setting = f"--mesh {args.mesh}"
@@ -88,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps(report, indent=2)
         print(text)
         if args.output:
-            Path(args.output).write_text(text)
+            try:
+                write_atomic(args.output, text)  # whole or not at all
+            except OSError as e:  # a full disk, a read-only or missing directory
+                print(f"error: cannot write --output {describe_os_error(e)}", file=sys.stderr)
+                return 1
     return 0
 
 

@@ -29,6 +29,7 @@ from jrlhf.meshes.processes import barrier, is_primary, job_mesh
 from jrlhf.models.hf import load_hf
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.runtime import distributed
+from jrlhf.runtime.storage import atomic_file, describe_os_error, settle_abandoned_tasks
 
 
 class InputError(ValueError):
@@ -143,20 +144,26 @@ def run(args: argparse.Namespace) -> int:
     if not is_primary():  # every process holds the same completions; process 0 writes them
         barrier("generate:written")
         return 0
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("w") as f:
-        for i, ids in enumerate(result.completion_ids):
-            p = int(result.prompt_index[i])
-            line = {
-                "prompt_index": p,
-                "sample_index": i % args.num_samples,
-                "completion_ids": ids,
-                "logprobs": [float(x) for x in result.raw_logprobs[i]],
-                "sampling_logprobs": [float(x) for x in result.sampling_logprobs[i]],
-            }
-            if tokenizer is not None:
-                line["text"] = tokenizer.decode(ids)
-            f.write(json.dumps(line) + "\n")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        # Whole or not at all: a full disk leaves no truncated output behind.
+        with atomic_file(out_path) as tmp, tmp.open("w") as f:
+            for i, ids in enumerate(result.completion_ids):
+                p = int(result.prompt_index[i])
+                line = {
+                    "prompt_index": p,
+                    "sample_index": i % args.num_samples,
+                    "completion_ids": ids,
+                    "logprobs": [float(x) for x in result.raw_logprobs[i]],
+                    "sampling_logprobs": [float(x) for x in result.sampling_logprobs[i]],
+                }
+                if tokenizer is not None:
+                    line["text"] = tokenizer.decode(ids)
+                f.write(json.dumps(line) + "\n")
+    except OSError as e:  # a full disk, a read-only directory, an --output that is a directory
+        barrier("generate:written")
+        print(f"error: cannot write --output {describe_os_error(e)}", file=sys.stderr)
+        return 1
     s = result.stats
     print(
         f"wrote {len(result.completion_ids)} completions to {out_path} "
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for input errors)."""
     args = _parser().parse_args(argv)
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before the one line
     try:
         distributed.setup_devices(args.distributed)
         return distributed.end_process(run(args))

@@ -29,6 +29,7 @@ from jrlhf.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.pipeline.run_dir import (
     RunDirRefused,
+    check_run_dir_free,
     discard_failed_start,
     holds_run,
     lock_for_run,
@@ -40,6 +41,7 @@ from jrlhf.runtime.guard import TrainingStopped
 from jrlhf.runtime.storage import (
     describe_os_error,
     quiet_storage_noise,
+    settle_abandoned_tasks,
     settle_writers,
     storage_fault,
 )
@@ -130,13 +132,16 @@ def storage_message(fault: str, removed: bool) -> str:
 
 def check(cfg: Config, run_dir: Path | None, resume: bool) -> int:
     """``--check``: build and check everything the run would before its first step
-    (jrlhf.pipeline.start_check), writing nothing; the run's one-line error, or "config ok"."""
+    (jrlhf.pipeline.start_check), writing nothing; the run's one-line error, or "config ok".
+    A run directory another run holds is refused as the start would, without taking its lock."""
     # Imported here, not at the top: after the device set-up, as for the run.
     from jrlhf.pipeline.start_check import check_run  # noqa: PLC0415
 
     try:
+        if run_dir is not None:
+            check_run_dir_free(run_dir)
         plan = check_run(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, RewardError) as e:
+    except (RunDirRefused, ConfigError, ValueError, FileNotFoundError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1 if isinstance(e, RewardError) else 2
     where = run_dir or "runs/run-<timestamp>"
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.end_process(2)
     setup_logging()
     quiet_storage_noise()
+    settle_abandoned_tasks()  # a damaged checkpoint's abandoned reads end before its warning
     # Imported here, not at the top: XLA reads the virtual-device flag set above when JAX's
     # backends start, and the pipeline starts them.
     from jrlhf.pipeline.run import run  # noqa: PLC0415

@@ -20,7 +20,13 @@ import jax
 
 from jrlhf.config import Config, ConfigError, load_config, operative_config
 from jrlhf.meshes.processes import barrier, fetch, is_primary, post
-from jrlhf.pipeline.run_lock import LOCK_FILE, RunDirInUse, RunLock, lock_run_dir
+from jrlhf.pipeline.run_lock import (
+    LOCK_FILE,
+    RunDirInUse,
+    RunLock,
+    lock_run_dir,
+    run_dir_holder,
+)
 from jrlhf.runtime.storage import describe_os_error, write_atomic
 
 OPERATIVE_CONFIG = "operative_config.gin"  # the gin bindings the run was started with
@@ -104,6 +110,16 @@ class RunDirRefused(Exception):
     """This run cannot use its run directory (another run's, or not writable); one line."""
 
 
+def _primary_refusal(key: str, refusal: str) -> str:
+    """Process 0's ``refusal`` ("" for none), on every process of the job."""
+    if jax.process_count() > 1:  # the others learn process 0's outcome
+        if is_primary():
+            post(key, refusal.encode())
+        else:
+            refusal = fetch(key).decode()
+    return refusal
+
+
 def lock_for_run(run_dir: Path, resume: bool) -> RunLock | None:
     """Process 0's exclusive lock on the existing ``run_dir`` for the life of the run
     (jrlhf.pipeline.run_lock), taken before the run writes anything; None on other processes.
@@ -123,16 +139,25 @@ def lock_for_run(run_dir: Path, resume: bool) -> RunLock | None:
             refusal = str(e)
         except OSError as e:
             refusal = f"cannot write {describe_os_error(e)}"
-    if jax.process_count() > 1:  # the others learn process 0's outcome
-        if is_primary():
-            post("run_dir_lock", refusal.encode())
-        else:
-            refusal = fetch("run_dir_lock").decode()
+    refusal = _primary_refusal("run_dir_lock", refusal)
     if refusal:
         if lock is not None:
             lock.release()
         raise RunDirRefused(refusal)
     return lock
+
+
+def check_run_dir_free(run_dir: Path) -> None:
+    """``--check``: the RunDirRefused a start or resume in ``run_dir`` would raise because
+    another run holds it (lock_for_run), found without taking its lock or writing anything.
+    Every process calls it; process 0 looks."""
+    refusal = ""
+    if is_primary():
+        holder = run_dir_holder(run_dir)
+        refusal = str(RunDirInUse(run_dir, holder)) if holder is not None else ""
+    refusal = _primary_refusal("run_dir_check", refusal)
+    if refusal:
+        raise RunDirRefused(refusal)
 
 
 def has_progress(path: Path) -> bool:

@@ -6,10 +6,18 @@ asynchronous save's failure reaches the main thread wrapped, with the original a
 context. :func:`storage_fault` finds the fault in any of these and says it in one line naming the
 path and the errno. Orbax logs each failed background write with a traceback of its own before the
 main thread hears of it; :func:`quiet_storage_noise` drops those records (the one line says it).
+
+A failed read (a damaged checkpoint) leaves work behind too: Orbax runs a restore's reads as the
+tasks of an event loop of its own and closes the loop as soon as one read fails, while the
+others are still in TensorStore's hands. Each of those then finds the loop closed when it
+completes ("Event loop is closed", printed from TensorStore's thread) and, once collected, its
+coroutine turns the close into an error of its own ("Exception ignored in: <coroutine ...>").
+:func:`settle_abandoned_tasks` makes a loop let its pending tasks finish before it closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures.thread
 import contextlib
 import errno
@@ -147,15 +155,64 @@ def quiet_storage_noise() -> None:
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
+# How long a closing event loop waits for the tasks it still has (reads of a local file end in
+# milliseconds; a hung network file system must not hang the process's exit for longer).
+SETTLE_TIMEOUT_S = 60.0
+
+
+class _SettlingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, closed with tasks still pending, first runs until they end (at most
+    :data:`SETTLE_TIMEOUT_S`) and retrieves their errors: what ``asyncio.run`` does for its
+    loop, and Orbax's loops do not."""
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            if pending:
+                self.run_until_complete(asyncio.wait(pending, timeout=SETTLE_TIMEOUT_S))
+                for task in pending:
+                    if task.done() and not task.cancelled():
+                        task.exception()  # reported by the caller that awaited their sibling
+        super().close()
+
+
+class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _SettlingLoop()
+
+
+def settle_abandoned_tasks() -> None:
+    """Every event loop made from now on (``asyncio.new_event_loop``, as Orbax makes one per
+    restore) lets the tasks still pending when it is closed end first: the reads a failed
+    restore abandoned then complete on an open loop, and no traceback of theirs follows the
+    one line that reports the damage. Idempotent."""
+    if not isinstance(asyncio.get_event_loop_policy(), _SettlingPolicy):
+        asyncio.set_event_loop_policy(_SettlingPolicy())
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a write cut short (a full disk) leaves
     the previous file, or none, never a truncated one that a resume would read."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file next to ``path`` for the body to write, renamed to ``path`` when the
+    body ends and removed when it fails: ``path`` is written whole or not at all. An OSError
+    names ``path`` (not the temporary file), for the one line that reports it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with naming(path):
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            try:
+                yield tmp
+                os.replace(tmp, path)
+            except OSError as e:
+                if e.filename == os.fspath(tmp):
+                    e.filename = os.fspath(path)
+                raise
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
