@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             layouts[layout] = _layout_report(results, [*bindings, *LAYOUTS[layout][2]])
     report = {
         "benchmark": "async",
-        "setting": {**vars(args)},
+        "setting": {k: v for k, v in vars(args).items() if k != "out"},
         "layouts": layouts,
         "cpu_count": os.cpu_count(),
     }

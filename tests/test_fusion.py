@@ -253,3 +253,25 @@ def test_migration_replicas_checked_against_the_plan_at_start_up():
     with pytest.raises(ValueError, match="migrate_replicas 4 must be fewer than the 4") as err:
         effective_plan(load_config([], [*fused, "RLConfig.migrate_replicas=4"]), 8)
     assert "\n" not in str(err.value)
+
+
+def test_scoring_takes_any_number_of_rows_on_any_mesh():
+    """Rows that do not split over the scoring mesh's batch axes (6 on fsdp=4) are padded and
+    the padding dropped: each row scores as it does among rows that split, chunked or not."""
+    task = LongTailTask()
+    cfg = tiny_config(**task.model_overrides())
+    mesh, rules = make_mesh("fsdp=4,tensor=2"), get_rules("fsdp_tp")
+    model = ModelDef(cfg, "value")
+    params = model.init_sharded(mesh, rules, 3)
+
+    def values(m, b):
+        return rl_batch.response_values(m, b, P)
+
+    responses = [list(range(1, i + 2)) for i in range(8)]
+    arrays = rl_batch.pack(task.prompts(8), responses, P, R, task.pad_id)
+    full = np.asarray(make_infer(model, mesh, rules, values)(params, arrays))
+    six = {k: v[:6] for k, v in arrays.items()}
+    for batch_size in (0, 4):
+        part = np.asarray(make_infer(model, mesh, rules, values, batch_size)(params, six))
+        assert part.shape == full[:6].shape
+        np.testing.assert_allclose(part, full[:6], rtol=1e-5, atol=1e-6)

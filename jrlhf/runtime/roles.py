@@ -14,10 +14,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.config import ROLE_PHASES, Config, RoleConfig
-from jrlhf.meshes.batch import check_batch_divides, shard_batch, to_host
+from jrlhf.meshes.batch import batch_sharding, check_batch_divides, shard_batch, to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.mesh import blame_setting, make_mesh
-from jrlhf.meshes.rules import Rules, get_rules
+from jrlhf.meshes.rules import Rules, axis_size, get_rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
@@ -140,9 +140,13 @@ def make_infer(
 
     With ``batch_size > 0`` the rows are scored ``batch_size`` at a time (the last chunk padded
     to full size, so one compiled program serves every call), bounding activation memory.
+    Rows that do not split over the mesh's batch axes are padded (repeated) up to a multiple of
+    them and the padding dropped from the result, so any number of rows scores on any mesh.
     """
     if batch_size:
         check_batch_divides({"infer_batch_size": np.zeros((batch_size, 1))}, mesh, rules)
+    spec = batch_sharding(mesh, rules, 2).spec
+    shards = axis_size(mesh, spec[0] if spec else None)
 
     def run(params, batch):
         with activation_sharding(mesh, rules):
@@ -152,12 +156,13 @@ def make_infer(
 
     def call(params, batch):
         rows = len(next(iter(batch.values())))
-        if not batch_size or rows <= batch_size:
+        if (not batch_size or rows <= batch_size) and rows % shards == 0:
             return jitted(params, shard_batch(batch, mesh, rules))
+        size = batch_size if batch_size and rows > batch_size else -(-rows // shards) * shards
         out = ChunkedOutput()
         out.rows = rows
-        for start in range(0, rows, batch_size):
-            idx = np.arange(start, start + batch_size) % rows  # wrap to pad the last chunk
+        for start in range(0, rows, size):
+            idx = np.arange(start, start + size) % rows  # wrap to pad the last chunk
             chunk = {k: np.asarray(v)[idx] for k, v in batch.items()}
             out.append(jitted(params, shard_batch(chunk, mesh, rules)))
         return out
