@@ -61,6 +61,26 @@ def why(out: subprocess.CompletedProcess) -> str:
     return "\n".join(lines[:40]) + "\n...\n" + out.stderr[-1500:]
 
 
+def kill_then_resume(
+    processes: int, devices: int, args: list[str], run_dir: Path, process: int
+) -> subprocess.CompletedProcess:
+    """Train as ``processes`` x ``devices`` with ``process`` dying during iteration 2 (the
+    launcher must name it in its last line; the iteration-1 checkpoint stays), then
+    ``--resume``, which must succeed; returns the resumed launch."""
+    killed = launch(
+        processes, devices, "train", *args, "RLConfig.async_checkpoint=False",
+        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": str(process)},
+        timeout=600,
+    )  # fmt: skip
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    last = killed.stderr.strip().splitlines()[-1]
+    assert f"process {process}" in last, killed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "1").is_dir()
+    resumed = launch(processes, devices, "train", *args, "--resume", timeout=600)
+    assert resumed.returncode == 0, why(resumed)
+    return resumed
+
+
 def rows(run_dir: Path, stage: str) -> list[dict]:
     out = []
     for line in (run_dir / "logs" / stage / "metrics.jsonl").read_text().splitlines():
@@ -100,16 +120,7 @@ def test_two_processes_equal_one_through_a_lost_process_and_resume(single, tmp_p
     args = ["--run-dir", str(run_dir), "--quiet", *PIPELINE]
     # Saved synchronously, the iteration-1 checkpoint is on disk before iteration 2 starts (an
     # asynchronous save may still be committing when the process dies).
-    killed = launch(
-        2, 4, "train", *args, "RLConfig.async_checkpoint=False",
-        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "1"},
-    )  # fmt: skip
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    last = killed.stderr.strip().splitlines()[-1]
-    assert "process 1" in last, killed.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "1").is_dir()
-    resumed = launch(2, 4, "train", *args, "--resume")
-    assert resumed.returncode == 0, why(resumed)
+    kill_then_resume(2, 4, args, run_dir, process=1)
     assert_same_metrics(single, run_dir)
     one = json.loads((single / "summary.json").read_text())
     two = json.loads((run_dir / "summary.json").read_text())
@@ -230,15 +241,7 @@ def test_separated_processes_equal_one_process_through_a_lost_process_and_resume
     every metric (rewards, losses, KL, bytes moved) equals the one-process run's."""
     run_dir = tmp_path / "run"
     args = ["--run-dir", str(run_dir), "--quiet", *SEPARATE]
-    killed = launch(
-        2, 4, "train", *args, "RLConfig.async_checkpoint=False",
-        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "1"},
-    )  # fmt: skip
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    assert "process 1" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "1").is_dir()
-    resumed = launch(2, 4, "train", *args, "--resume")
-    assert resumed.returncode == 0, why(resumed)
+    kill_then_resume(2, 4, args, run_dir, process=1)
     assert_same_metrics(separate_single, run_dir)
     ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
     assert [r["step"] for r in ppo] == [1, 2, 3]
@@ -317,16 +320,7 @@ def test_async_generation_and_training_processes_equal_one_process_through_a_res
     assert train.main(["--run-dir", str(one), "--quiet", *ASYNC]) == 0
     run_dir = tmp_path / "two"
     args = ["--run-dir", str(run_dir), "--quiet", *ASYNC]
-    killed = launch(
-        2, 4, "train", *args, "RLConfig.async_checkpoint=False",
-        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "1"},
-        timeout=600,
-    )  # fmt: skip
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    assert "process 1" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "1").is_dir()
-    resumed = launch(2, 4, "train", *args, "--resume", timeout=600)
-    assert resumed.returncode == 0, why(resumed)
+    kill_then_resume(2, 4, args, run_dir, process=1)
     assert_same_metrics(one, run_dir, stages=("ppo",))
     ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
     assert [r["step"] for r in ppo] == [1, 2, 3]
@@ -375,15 +369,7 @@ def test_generation_and_training_groups_of_two_processes_equal_one_process(tmp_p
     assert train.main(["--run-dir", str(one), "--quiet", *GROUPS]) == 0
     run_dir = tmp_path / "four"
     args = ["--run-dir", str(run_dir), "--quiet", *GROUPS]
-    killed = launch(
-        4, 2, "train", *args, "RLConfig.async_checkpoint=False",
-        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "2"},
-        timeout=600,
-    )  # fmt: skip
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    assert "process 2" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
-    resumed = launch(4, 2, "train", *args, "--resume", timeout=600)
-    assert resumed.returncode == 0, why(resumed)
+    resumed = kill_then_resume(4, 2, args, run_dir, process=2)
     assert "generation on processes [0, 1], the rest on [2, 3]" in resumed.stderr
     assert_same_metrics(one, run_dir, stages=("grpo",))
     grpo = [r for r in rows(run_dir, "grpo") if "reward" in r]
@@ -420,16 +406,7 @@ def test_generation_scoring_and_training_on_one_one_and_two_processes_equal_one_
     assert train.main(["--run-dir", str(one), "--quiet", *THREE_WAY]) == 0
     run_dir = tmp_path / "four"
     args = ["--run-dir", str(run_dir), "--quiet", *THREE_WAY]
-    killed = launch(
-        4, 2, "train", *args, "RLConfig.async_checkpoint=False",
-        env_extra={"JRLHF_DEBUG_EXIT_AT_ITERATION": "2", "JRLHF_DEBUG_EXIT_PROCESS": "0"},
-        timeout=600,
-    )  # fmt: skip
-    assert killed.returncode != 0, killed.stdout[-2000:]
-    assert "process 0" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "1").is_dir()
-    out = launch(4, 2, "train", *args, "--resume", timeout=600)
-    assert out.returncode == 0, why(out)
+    out = kill_then_resume(4, 2, args, run_dir, process=0)
     assert "generation on processes [0], the rest on [1, 2, 3]" in out.stderr
     assert_same_metrics(one, run_dir, stages=("ppo",))
     ppo = [r for r in rows(run_dir, "ppo") if "reward" in r]
