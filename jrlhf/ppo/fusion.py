@@ -69,14 +69,10 @@ def tail_migration(
     scoring meshes'), so scoring there need not wait for the tail. One line of error when the
     generation mesh has no more replicas than that."""
     mesh = engine.mesh
-    processes = {d.process_index for d in mesh.devices.flat}
-    if len(processes) > 1:
-        # Every process drives the decode loop; a tail on some processes' devices would leave
-        # the others without their share of the program.
-        raise ValueError(
-            f"RLConfig.migrate_rows: the generation mesh spans {len(processes)} processes; "
-            "migration works within one process's devices"
-        )
+    # With the generation mesh over several processes every process still drives the tail's
+    # loop (a call on a mesh without its devices does nothing there, and host reads reach every
+    # process: to_host); the hand-over moves rows onto the tail's devices within the mesh (the
+    # resharder's stack path).
     data = logical_to_spec(("slots",), mesh, engine.rules)[0]
     data = () if data is None else (data,) if isinstance(data, str) else tuple(data)
     total = axis_size(mesh, data or None)
