@@ -15,6 +15,7 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
+from jrlhf.envs import EnvSetup, load_environment
 from jrlhf.meshes.mesh import blame_setting
 from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
 from jrlhf.tasks.rewards import check_reward_fn
@@ -45,6 +46,7 @@ class TaskData:
     heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     decode: Callable[[Sequence[int]], str] | None = None  # ids -> text, for reward functions
     heldout_preference_records: list[Any] = dataclasses.field(default_factory=list)
+    tokenizer: data_lib.Tokenizer | None = None  # text <-> ids (environments' observations)
 
     def __post_init__(self):
         # Every prompt gets a meta entry, so prompts and meta always index alike.
@@ -143,9 +145,11 @@ def build_task_data(cfg: Config) -> TaskData:
             heldout_meta=meta_of(heldout_prompts),
             decode=task.tokenizer().decode,
             heldout_preference_records=heldout_pairs,
+            tokenizer=task.tokenizer(),
         )
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
         _check_reward_fn(cfg, builtin)
+        environment_setup(cfg, builtin)
         return builtin
     with blame_setting("TaskConfig.tokenizer", (FileNotFoundError, ValueError)):
         tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
@@ -198,9 +202,46 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout_meta=[r.meta for r in heldout],
         decode=tokenizer.decode if tokenizer else None,
         heldout_preference_records=list(heldout_prefs),
+        tokenizer=tokenizer,
     )
     _check_reward_fn(cfg, files)
+    environment_setup(cfg, files)
     return files
+
+
+def environment_setup(cfg: Config, data: TaskData) -> EnvSetup | None:
+    """The run's environment (``EnvConfig``) resolved against its tokenizer, None without one;
+    a name that does not resolve, or a turn stop string that is not one token, is one line
+    naming the setting (build_task_data calls this before any model is built)."""
+    e = cfg.env
+    if not e.name:
+        return None
+    try:
+        factory = load_environment(e.name)
+    except ValueError as err:  # its message names EnvConfig.name
+        raise ConfigError(str(err)) from None
+    stop_ids = list(e.turn_stop_ids)
+    vocab = data.tokenizer.vocab_size if data.tokenizer is not None else None
+    for text in e.turn_stop:
+        token = data.tokenizer.token_to_id(text) if data.tokenizer is not None else None
+        if token is None:
+            where = "the tokenizer" if data.tokenizer is not None else "a run without a tokenizer"
+            raise ConfigError(
+                f"EnvConfig.turn_stop: {text!r} is not one token of {where} (a turn ends at "
+                "single tokens; use turn_stop_ids for ids)"
+            )
+        stop_ids.append(token)
+    for token in stop_ids:
+        if vocab is not None and token >= vocab:
+            raise ConfigError(
+                f"EnvConfig.turn_stop_ids: {token} is outside the vocabulary of {vocab}"
+            )
+    tok = data.tokenizer
+    return EnvSetup(
+        e.name, factory, tuple(stop_ids), e.max_turn_tokens, e.max_turns, e.timeout_s,
+        e.failure_limit, tok.encode if tok is not None else None, data.decode,
+        e.max_observation_tokens,
+    )  # fmt: skip
 
 
 def _check_reward_fn(cfg: Config, data: TaskData) -> None:

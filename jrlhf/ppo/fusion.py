@@ -103,9 +103,11 @@ class FusedScoring:
         score_rows: int,
         prompts: Sequence[Sequence[int]],
         meta: Sequence[Mapping[str, Any]] | None = None,
+        episode_meta: Callable[[int], Mapping[str, Any]] | None = None,
     ):
         self.scorer, self.score_rows = scorer, score_rows
         self.prompts, self.meta = prompts, meta
+        self.episode_meta = episode_meta  # multi-turn: what a row's episode adds to its meta
         self.pending: list[FinishedRow] = []
         self.chunks: list[tuple[np.ndarray, PendingScores]] = []
         self.calls = 0  # on_finished calls so far
@@ -122,12 +124,19 @@ class FusedScoring:
     def _dispatch(self, rows: list[FinishedRow]) -> None:
         prompts = [self.prompts[r.prompt_index] for r in rows]
         meta = None if self.meta is None else [self.meta[r.prompt_index] for r in rows]
+        if self.episode_meta is not None:
+            meta = [
+                {**(m or {}), **self.episode_meta(r.index)}
+                for m, r in zip(meta or [{}] * len(rows), rows)
+            ]
+        policy = [r.policy_mask for r in rows] if rows[0].policy_mask is not None else None
         pending = self.scorer.dispatch(
             prompts,
             [r.completion_ids for r in rows],
             [r.raw_logprobs for r in rows],
             meta=meta,
             pad_to=self.score_rows,
+            policy_masks=policy,
         )
         self.chunks.append((np.array([r.index for r in rows]), pending))
         self.dispatched_at.append(self.calls)

@@ -117,9 +117,19 @@ def required_meta(fn: Callable[..., float]) -> tuple[str, ...]:
     return tuple(getattr(fn, "required_meta", ()))
 
 
+def env_reward(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], meta: Mapping[str, Any] | None = None
+) -> float:
+    """The environment's reward of a multi-turn episode (the sum of its steps' rewards, which
+    jrlhf.envs hands over as ``meta["env_reward"]``); 0.0 when it gave none."""
+    del prompt_ids, response_ids
+    return float((meta or {}).get("env_reward", 0.0))
+
+
 REWARD_FNS: dict[str, RewardFn] = {
     "synthetic_ground_truth": synthetic_ground_truth,
     "answer_match": answer_match,
+    "env_reward": env_reward,
 }
 
 
