@@ -318,3 +318,224 @@ def test_template_that_rewrites_history_is_refused(tmp_path):
     with pytest.raises(ChatTemplateError, match="does not render message 1's prefix"):
         tok.encode_chat_with_mask(messages)
     tok.encode_chat_with_mask(messages[:2])  # one assistant turn, last: fine
+
+
+# ------------------------------------------------------------------------------- data files
+GSM8K = [
+    {
+        "messages": [
+            {"role": "system", "content": "Think step by step."},
+            {"role": "user", "content": "Natalia sold clips to 48 of her friends in April."},
+        ],
+        "answer": "She sold 48 / 2 = 24 clips in May. #### 72",
+        "id": 0,
+    },
+    {
+        "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+        "answer": 5,  # a number: its text is tokenized, the meta keeps the number
+        "id": 1,
+    },
+]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_conversations_jsonl_and_parquet(tmp_path, checkpoints):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok, hf = data.Tokenizer.from_file(checkpoints["qwen"]), _hf(checkpoints["qwen"])
+    jsonl = data.load_prompts(_write_jsonl(tmp_path / "p.jsonl", GSM8K), tok)
+    # HF datasets' layout: messages a list of {role, content} structs (answers one type).
+    table = pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in GSM8K])
+    pq.write_table(table, tmp_path / "p.parquet")
+    parquet = data.load_prompts(tmp_path / "p.parquet", tok)
+    for ds in (jsonl, parquet):
+        for rec, row in zip(ds, GSM8K):
+            expected = hf.apply_chat_template(row["messages"], add_generation_prompt=True)
+            assert rec.prompt_ids == list(expected["input_ids"])
+            assert rec.meta["id"] == row["id"] and "messages" not in rec.meta
+            assert str(rec.meta["answer"]) == str(row["answer"])
+            assert rec.meta[data.ANSWER_IDS][-1] == tok.eos_id
+    assert jsonl[1].meta["answer"] == 5
+    # verl's layout: the prompt field itself is the message list.
+    verl = [{"prompt": r["messages"], "reward_model": {"ground_truth": "72"}} for r in GSM8K]
+    ds = data.load_prompts(_write_jsonl(tmp_path / "verl.jsonl", verl), tok)
+    assert [r.prompt_ids for r in ds] == [r.prompt_ids for r in jsonl]
+    assert ds[0].meta == {"reward_model": {"ground_truth": "72"}}
+    # Truncation keeps the end of a rendered prompt (the generation prompt).
+    short = data.load_prompts(tmp_path / "p.jsonl", tok, max_prompt_len=5)
+    assert short[0].prompt_ids == jsonl[0].prompt_ids[-5:] and short.num_truncated == 2
+
+
+BAD_CONVERSATIONS = [
+    ({"messages": [{"content": "hi"}]}, r"'messages': messages\[0\] has no 'role'"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\] \(user\) has no 'content'"),
+    (
+        {"messages": [{"role": "user", "content": ["a", "b"]}]},
+        r"messages\[0\] \(user\) content must be a string, got list",
+    ),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "has role 'robot'"),
+    ({"messages": []}, "messages is empty"),
+    ({"messages": "hello"}, "must be a list of messages, got str"),
+    (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        "ends with an assistant turn",
+    ),
+]
+
+
+@pytest.mark.parametrize(("row", "error"), BAD_CONVERSATIONS)
+def test_malformed_conversations_name_file_and_line(tmp_path, checkpoints, row, error):
+    tok = data.Tokenizer.from_file(checkpoints["qwen"])
+    path = _write_jsonl(tmp_path / "bad.jsonl", [GSM8K[0], row])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{error}") as info:
+        data.load_prompts(path, tok)
+    assert "\n" not in str(info.value)
+
+
+def test_conversations_need_a_chat_template(tmp_path, checkpoints):
+    path = _write_jsonl(tmp_path / "p.jsonl", GSM8K)
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: 'messages' is a conversation, which needs"):
+        data.load_prompts(path, None, vocab_size=500)
+    gemma = data.Tokenizer.from_file(checkpoints["gemma"])
+    bad = [{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"}]}]
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: 'messages': chat template: .*alternate"):
+        data.load_prompts(_write_jsonl(path, bad), gemma)
+
+
+SFT_CONVERSATION = [
+    {"role": "system", "content": "Think step by step."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "The answer is 5."},
+    {"role": "user", "content": "And 48 / 2?"},
+    {"role": "assistant", "content": "\\boxed{24}"},
+]
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama3", "gemma"])
+def test_sft_conversations_train_on_assistant_turns(tmp_path, checkpoints, style):
+    tok = data.Tokenizer.from_file(checkpoints[style])
+    rows = [
+        {"messages": SFT_CONVERSATION},
+        {"prompt": SFT_CONVERSATION[:2], "completion": SFT_CONVERSATION[2:3]},  # TRL's form
+    ]
+    ds = data.load_sft(_write_jsonl(tmp_path / "s.jsonl", rows), tok)
+    full = tok.apply_chat_template(SFT_CONVERSATION)
+    rec = ds[0]
+    assert full[: len(rec.prompt_ids) + len(rec.response_ids)] == rec.prompt_ids + rec.response_ids
+    assert rec.prompt_ids == tok.apply_chat_template(SFT_CONVERSATION[:2], True)
+    assert len(rec.loss_mask) == len(rec.response_ids)
+    trained = [t for t, m in zip(rec.response_ids, rec.loss_mask) if m]
+    text = tok.decode(trained, skip_special_tokens=False)
+    end = {"qwen": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}[style]
+    assert text == f"The answer is 5.{end}\\boxed{{24}}{end}"
+    assert 0 in rec.loss_mask  # the user turn between them is not trained on
+    assert ds[1].prompt_ids == rec.prompt_ids
+    assert tok.decode(ds[1].response_ids, skip_special_tokens=False) == f"The answer is 5.{end}"
+    assert all(ds[1].loss_mask)
+    # Malformed: a conversation that does not end with the assistant, in one line.
+    bad = _write_jsonl(tmp_path / "b.jsonl", [{"messages": SFT_CONVERSATION[:2]}])
+    with pytest.raises(ValueError, match=r"b\.jsonl:1: 'messages': .*ends with a user turn"):
+        data.load_sft(bad, tok)
+
+
+def test_sft_loss_mask_reaches_the_batch():
+    from jrlhf.pipeline.supervised import sft_batch
+
+    rows = [data.SFTRecord([1, 2], [3, 4, 5, 6], [1, 0, 0, 1]), data.SFTRecord([1], [3, 4])]
+    batch = sft_batch(rows, 4, 6, 0)
+    assert batch["mask"].tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+
+
+def test_preference_conversations(tmp_path, checkpoints):
+    tok = data.Tokenizer.from_file(checkpoints["qwen"])
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    good, bad = {"role": "assistant", "content": "5"}, {"role": "assistant", "content": "6"}
+    rows = [
+        {"prompt": prompt, "chosen": [good], "rejected": [bad]},  # shared prompt
+        {"chosen": [*prompt, good], "rejected": [*prompt, bad]},  # implicit prompt
+    ]
+    ds = data.load_preferences(_write_jsonl(tmp_path / "pr.jsonl", rows), tok)
+    assert ds[0] == ds[1]
+    rec = ds[0]
+    assert rec.prompt_ids == tok.apply_chat_template(prompt, True)
+    assert tok.decode(rec.chosen_ids, skip_special_tokens=False) == "5<|im_end|>"
+    assert tok.decode(rec.rejected_ids, skip_special_tokens=False) == "6<|im_end|>"
+    assert rec.prompt_ids + rec.chosen_ids == tok.apply_chat_template([*prompt, good])[:-1]
+    other = [{"role": "user", "content": "What is 2 + 4?"}, bad]
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"chosen": [*prompt, good], "rejected": other}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: 'chosen' and 'rejected' must share"):
+        data.load_preferences(path, tok)
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"chosen": [*prompt, good], "rejected": "6"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: 'rejected' must be a message list"):
+        data.load_preferences(path, tok)
+
+
+# ------------------------------------------------------------------------------- end ids
+def test_end_ids_from_generation_config(tmp_path):
+    from jrlhf.models.hf import read_hf_config
+    from jrlhf.pipeline.task_data import tokenizer_model_overrides
+
+    path = make_checkpoint(
+        tmp_path / "qwen", "qwen", generation={"eos_token_id": [5, 3], "bos_token_id": 3}
+    )
+    tok = data.Tokenizer.from_file(path)
+    im_end, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    assert (im_end, endoftext) == (5, 3)
+    assert tok.eos_id == im_end and tok.end_ids == (im_end, endoftext)
+    assert tokenizer_model_overrides(tok)["eos_token_id"] == (5, 3)
+    # A model directory: generation_config.json's list merged with config.json's id.
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "vocab_size": 500,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "eos_token_id": 7,
+            }
+        )
+    )
+    cfg, _ = read_hf_config(path)
+    assert cfg.eos_ids == (5, 3, 7)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be"):
+        data.Tokenizer.from_file(path)
+
+
+def test_generation_stops_at_the_second_end_id():
+    from jrlhf.config import load_config
+    from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
+    from jrlhf.meshes import make_mesh
+    from jrlhf.models.config import tiny_config
+    from jrlhf.models.model_def import ModelDef
+    from jrlhf.ppo.rollout import Rollout
+
+    mesh = make_mesh("data=1")
+    model = ModelDef(tiny_config(vocab_size=64), "lm")
+    params = model.init_sharded(mesh, "dp_tp", 0)
+    engine = DecodeEngine(
+        model,
+        mesh,
+        "dp_tp",
+        EngineConfig(num_slots=2, page_size=8, max_prompt_len=4, max_new_tokens=8, chunk_steps=4),
+    )
+    prompt = [[5, 6, 7]]
+    free = engine.generate(
+        params, prompt, SamplingParams(greedy=True, stop_ids=(), max_new_tokens=8)
+    ).completion_ids[0]
+    free = [int(t) for t in free]
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    unused = next(t for t in range(64) if t not in free)
+    cfg = load_config([], ["TaskConfig.max_response_len=8"])
+    rollout = Rollout(engine, None, cfg, eos_id=(unused, free[k]))  # a checkpoint's two end ids
+    sampling = rollout.sampling(0, num_samples=1, greedy=True)
+    assert sampling.stop_ids == (unused, free[k])
+    _, result = rollout.generate(params, prompt, sampling)
+    assert [int(t) for t in result.completion_ids[0]] == free[: k + 1]

@@ -135,7 +135,7 @@ def evaluate_checkpoint(
         reward_name=cfg.task.reward_fn or None,
         reward_required=False,
     )
-    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.eos_id)
+    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.stop_ids)
     prompts = data.heldout_prompts[: num_prompts or None]
     meta = data.heldout_meta[: num_prompts or None] if data.heldout_meta else None
     report = rollout.evaluate(params, prompts, samples, greedy, meta=meta)

@@ -45,8 +45,13 @@ class TaskData:
     heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     decode: Callable[[Sequence[int]], str] | None = None  # ids -> text, for reward functions
     heldout_preference_records: list[Any] = dataclasses.field(default_factory=list)
+    # Every id generation stops at (a checkpoint's end ids: generation_config.json's list, e.g.
+    # <|im_end|> and <|endoftext|>); () means (eos_id,).
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if not self.stop_ids and self.eos_id is not None:
+            self.stop_ids = (int(self.eos_id),)
         # Every prompt gets a meta entry, so prompts and meta always index alike.
         for split in ("train", "heldout"):
             prompts, meta = getattr(self, f"{split}_prompts"), getattr(self, f"{split}_meta")
@@ -61,12 +66,14 @@ class TaskData:
 
 
 def tokenizer_model_overrides(tokenizer: data_lib.Tokenizer | None) -> dict[str, Any]:
-    """Model fields a tokenizer imposes on ``tiny`` models: its vocabulary and EOS id."""
+    """Model fields a tokenizer imposes on ``tiny`` models: its vocabulary and end ids (one id,
+    or all of a checkpoint's, :attr:`~jrlhf.data.Tokenizer.end_ids`)."""
     if tokenizer is None:
         return {}
     overrides: dict[str, Any] = {"vocab_size": tokenizer.vocab_size}
-    if tokenizer.eos_id is not None:
-        overrides["eos_token_id"] = tokenizer.eos_id
+    ends = tokenizer.end_ids
+    if ends:
+        overrides["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return overrides
 
 
@@ -181,7 +188,7 @@ def build_task_data(cfg: Config) -> TaskData:
 
         def save(directory, src=Path(t.tokenizer)):
             src_dir = src if src.is_dir() else src.parent
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            for name in data_lib.tokenizer.TOKENIZER_FILES:
                 if (src_dir / name).exists():
                     shutil.copy2(src_dir / name, Path(directory) / name)
 
@@ -198,6 +205,7 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout_meta=[r.meta for r in heldout],
         decode=tokenizer.decode if tokenizer else None,
         heldout_preference_records=list(heldout_prefs),
+        stop_ids=tokenizer.end_ids if tokenizer else (),
     )
     _check_reward_fn(cfg, files)
     return files
