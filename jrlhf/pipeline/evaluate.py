@@ -108,7 +108,7 @@ def evaluate_checkpoint(
         reference, why = _run_had(cfg, "reference", ref_init, data.model_overrides, run_dir)
         if reference is None:
             not_reported["kl_to_ref"] = f"the run ({stages}) had no reference: {why}"
-    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    reward_fn = get_reward_fn(cfg.task.reward_fn, cfg.task) if cfg.task.reward_fn else None
     reward: ModelSource | None = None
     if reward_fn is None and rl:
         reward = resolve_model(cfg, "reward", data.model_overrides, run_dir)

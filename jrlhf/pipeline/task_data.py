@@ -16,8 +16,8 @@ from typing import Any
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
 from jrlhf.meshes.mesh import blame_setting
-from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
-from jrlhf.tasks.rewards import check_reward_fn
+from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn
+from jrlhf.tasks.rewards import check_reward_fn, missing_meta
 
 
 @dataclasses.dataclass
@@ -222,6 +222,7 @@ def _check_reward_fn(cfg: Config, data: TaskData) -> None:
             data.decode,
             data.eos_id,
             cfg.task.max_response_len,
+            cfg.task,
         )
 
 
@@ -229,12 +230,12 @@ def _check_reward_meta(cfg: Config, meta_by_source: dict[str, list[dict[str, Any
     """Fail now, naming the record, if a prompt lacks meta the reward function reads."""
     if not cfg.task.reward_fn:
         return
-    needs = required_meta(get_reward_fn(cfg.task.reward_fn))
+    fn = get_reward_fn(cfg.task.reward_fn, cfg.task)
     for source, metas in meta_by_source.items():
         for i, meta in enumerate(metas):
-            missing = [k for k in needs if k not in meta]
+            missing = missing_meta(fn, meta)
             if missing:
                 raise ConfigError(
-                    f"TaskConfig.reward_fn: {cfg.task.reward_fn!r} reads {missing} from each "
-                    f"prompt's meta, which record {i + 1} of {source} lacks"
+                    f"TaskConfig.reward_fn: {cfg.task.reward_fn!r} reads {', '.join(missing)} "
+                    f"from each prompt's meta, which record {i + 1} of {source} lacks"
                 )
