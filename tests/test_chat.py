@@ -437,9 +437,12 @@ def test_sft_conversations_train_on_assistant_turns(tmp_path, checkpoints, style
     assert ds[1].prompt_ids == rec.prompt_ids
     assert tok.decode(ds[1].response_ids, skip_special_tokens=False) == f"The answer is 5.{end}"
     assert all(ds[1].loss_mask)
-    # Malformed: a conversation that does not end with the assistant, in one line.
+    # Malformed: a conversation that does not end with the assistant, or starts with it.
     bad = _write_jsonl(tmp_path / "b.jsonl", [{"messages": SFT_CONVERSATION[:2]}])
     with pytest.raises(ValueError, match=r"b\.jsonl:1: 'messages': .*ends with a user turn"):
+        data.load_sft(bad, tok)
+    bad = _write_jsonl(tmp_path / "b.jsonl", [rows[0], {"messages": SFT_CONVERSATION[2:3]}])
+    with pytest.raises(ValueError, match=r"b\.jsonl:2: 'messages': .*starts with an assistant"):
         data.load_sft(bad, tok)
 
 

@@ -218,6 +218,8 @@ class ChatTemplate:
         """(text, spans): the whole conversation rendered and the character span of each
         assistant turn (what SFT trains on), from the template's generation markers or, without
         them, from rendering prefixes (see the module docstring)."""
+        if messages and messages[0]["role"] == "assistant":
+            raise ChatTemplateError("the conversation starts with an assistant turn")
         if self.has_generation_markers:
             spans: list[tuple[int, int]] = []
             text = self.render(messages, spans=spans)
@@ -227,7 +229,7 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[: i + 1])
             if not through.startswith(before) or not text.startswith(through):
                 raise ChatTemplateError(
