@@ -42,7 +42,9 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
-ROLES = ("system", "user", "assistant", "tool")
+# The roles chat templates know (Llama 3.1 calls tool results "ipython", OpenAI's newer
+# system role is "developer"); anything else is most likely a typo, refused at load.
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 
 
 class ChatTemplateError(ValueError):
