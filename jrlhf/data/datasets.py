@@ -28,7 +28,7 @@ Text prompts are encoded with the tokenizer's special tokens (its post-processor
 
 Conversations (the layout of HF chat datasets) are rendered with the tokenizer's chat template
 (jrlhf.data.chat) and tokenized as transformers' ``apply_chat_template`` does; a message is
-``{"role": "system"|"user"|"assistant"|"tool", "content": str}``:
+``{"role": "system"|"user"|"assistant"|"tool"|..., "content": str}``:
 
 =============  ==========================================================================
 kind           conversation fields (ids, then conversations, then text win)
