@@ -107,7 +107,9 @@ GEMMA = """{{ bos_token }}
 
 # What the HF environment adds beyond plain jinja2: tojson without HTML escaping, namespace,
 # loop controls.
-MISC = """{%- set ns = namespace(n=0) -%}
+MISC = """{%- if tools is not none %}tools: {{ tools | tojson }}{% endif -%}
+{%- if documents is not none %}documents{% endif -%}
+{%- set ns = namespace(n=0) -%}
 {%- for m in messages -%}
 {%- if m.role == 'system' %}{% continue %}{% endif -%}
 {%- set ns.n = ns.n + 1 -%}
@@ -234,6 +236,7 @@ def test_template_environment_matches_transformers(tmp_path):
     ours, hf = data.Tokenizer.from_file(path), _hf(path)
     messages = [*CONVERSATIONS[2], {"role": "user", "content": 'é "quoted" ü'}]
     assert ours.render_chat(messages) == hf.apply_chat_template(messages, tokenize=False)
+    assert "tools" not in ours.render_chat(messages)  # tools and documents are None
     assert 'May? <b>&</b>"' in ours.render_chat(messages)  # tojson does not escape HTML
 
 
@@ -435,6 +438,12 @@ def test_sft_conversations_train_on_assistant_turns(tmp_path, checkpoints, style
     assert text == f"The answer is 5.{end}\\boxed{{24}}{end}"
     assert 0 in rec.loss_mask  # the user turn between them is not trained on
     assert ds[1].prompt_ids == rec.prompt_ids
+    if style == "qwen":  # the same from Parquet (HF datasets' list-of-struct column)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "s.parquet")
+        assert data.load_sft(tmp_path / "s.parquet", tok)[0] == rec
     assert tok.decode(ds[1].response_ids, skip_special_tokens=False) == f"The answer is 5.{end}"
     assert all(ds[1].loss_mask)
     # Malformed: a conversation that does not end with the assistant, or starts with it.

@@ -199,7 +199,8 @@ class ChatTemplate:
     ) -> str:
         """The conversation as text; ``spans`` (if given) receives the character spans of the
         template's ``{% generation %}`` blocks."""
-        variables = {**self.special_tokens, **kwargs}
+        # HF passes tools and documents as None when not given: templates test "is not none".
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         messages = [_alias_reasoning(dict(m)) for m in messages]
         try:
             if spans is None:
