@@ -15,7 +15,7 @@ prompt record's meta, the first present of:
 Bounded time: SymPy can take very long on an adversarial answer (``9^{9^{9^9}}``), in C code
 that no signal interrupts, and a SIGALRM timeout that lands in one of JAX's garbage-collection
 callbacks is swallowed. So the checks run in a worker process of their own
-(:mod:`jrlhf.tasks.math_verifier`, started on first use, about a second), under math-verify's
+(:mod:`jrlhf.tasks.math_verifier`, started on first use in under half a second), under math-verify's
 timeouts there (1 s to parse, 1 s a comparison), and each check has an outer deadline
 (:data:`CHECK_DEADLINE_S`) past which the worker is killed and restarted. A response that times
 out or does not parse scores 0, and the batch logs one warning counting them: the policy's
@@ -222,7 +222,8 @@ def parse_combination(spec: str) -> list[tuple[float, str]]:
         if not m or (m["w1"] and m["w2"]):
             raise ValueError(
                 f"TaskConfig.reward_fn {spec!r}: cannot read the term {part.strip()!r} (write "
-                "a weighted sum like 'math_verify + 0.1*boxed_format')"
+                "a weighted sum like 'math_verify + 0.1*boxed_format', a negative weight as "
+                "'+ -0.5*name')"
             )
         weight = float(m["w1"] or m["w2"] or 1.0)
         terms.append((weight, m["name"].strip()))
