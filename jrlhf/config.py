@@ -216,9 +216,13 @@ class TaskConfig:
     tokenizer: str = ""
     max_prompt_len: int = 16
     max_response_len: int = 16
-    # A verifiable reward: a registered name or module:function (jrlhf.tasks.rewards); "" means
-    # the learned reward model.
+    # A verifiable reward: a registered name (answer_match, math_verify, format, boxed_format,
+    # ...), module:function, or a weighted sum of them ("math_verify + 0.1*format";
+    # jrlhf.tasks.rewards); "" means the learned reward model.
     reward_fn: str = ""
+    # The regex a response must match whole for the "format" reward ("" = DeepSeek-R1's
+    # <think>...</think><answer>...</answer>; jrlhf.tasks.math_rewards).
+    format_pattern: str = ""
     num_heldout: int = 64
     num_sft_examples: int = 2048
     num_preference_pairs: int = 2048
@@ -231,6 +235,11 @@ class TaskConfig:
             "TaskConfig.name",
             "use synthetic, longtail, arithmetic, calculator or files",
         )
+        if self.format_pattern:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ConfigError(f"TaskConfig.format_pattern: not a regex ({e})") from None
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
         _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")

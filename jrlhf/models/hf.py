@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
+from jrlhf.data.tokenizer import checkpoint_end_ids
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules, path_str
@@ -36,6 +37,7 @@ _TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",
 )
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -282,6 +284,12 @@ def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: malformed JSON ({e})") from None
+    try:  # generation stops at any end id: generation_config.json's list and config.json's
+        ends = checkpoint_end_ids(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if ends:
+        hf = {**hf, "eos_token_id": ends[0] if len(ends) == 1 else list(ends)}
     return config_from_hf(hf, str(config_path))
 
 

@@ -108,7 +108,7 @@ def evaluate_checkpoint(
         reference, why = _run_had(cfg, "reference", ref_init, data.model_overrides, run_dir)
         if reference is None:
             not_reported["kl_to_ref"] = f"the run ({stages}) had no reference: {why}"
-    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    reward_fn = get_reward_fn(cfg.task.reward_fn, cfg.task) if cfg.task.reward_fn else None
     reward: ModelSource | None = None
     if reward_fn is None and rl:
         reward = resolve_model(cfg, "reward", data.model_overrides, run_dir)
@@ -136,7 +136,7 @@ def evaluate_checkpoint(
         reward_required=False,
     )
     env = environment_setup(cfg, data)  # multi-turn: the held-out episodes run it too
-    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.eos_id, env=env)
+    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.stop_ids, env=env)
     prompts = data.heldout_prompts[: num_prompts or None]
     meta = data.heldout_meta[: num_prompts or None] if data.heldout_meta else None
     report = rollout.evaluate(params, prompts, samples, greedy, meta=meta)

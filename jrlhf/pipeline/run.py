@@ -129,7 +129,7 @@ def run_rl(
     # Roles whose output reaches the loss: no reference without a KL term, no critic in GRPO.
     needed = ["actor"] + (["reference"] if algos.uses_reference(cfg.rl) else [])
     needed += ["critic"] if stage == "ppo" else []
-    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    reward_fn = get_reward_fn(cfg.task.reward_fn, cfg.task) if cfg.task.reward_fn else None
     if reward_fn is None:
         needed.append("reward")
     roles = {role: setup(role) for role in needed}

@@ -81,12 +81,16 @@ class Rollout:
         engine: DecodeEngine,
         scorer: Scorer | None = None,
         cfg: Config | None = None,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         fusion_rows: int = 0,
         migration: Migration | None = None,
         env: EnvSetup | None = None,
     ):
-        self.engine, self.scorer, self.cfg, self.eos_id = engine, scorer, cfg, eos_id
+        # One end id or several (a checkpoint's generation_config.json list): any stops a sample.
+        self.engine, self.scorer, self.cfg = engine, scorer, cfg
+        self.eos_ids = (
+            () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+        )
         self.fusion_rows = fusion_rows
         self.migration = migration  # of fused rollouts' long tails (jrlhf.ppo.fusion)
         self.fusion_stats: dict[str, int] = {}  # of the last fused rollout
@@ -101,7 +105,7 @@ class Rollout:
         rules: Rules | str,
         scorer: Scorer | None,
         cfg: Config,
-        eos_id: int | None,
+        eos_id: int | Sequence[int] | None,
         fusion_rows: int = 0,
         env: EnvSetup | None = None,
     ) -> Rollout:
@@ -125,7 +129,7 @@ class Rollout:
             top_p=rl.top_p,
             num_samples=num_samples or rl.samples_per_prompt,
             seed=int(np.random.default_rng([seed, iteration, salt]).integers(2**31)),
-            stop_ids=(self.eos_id,) if self.eos_id is not None else None,
+            stop_ids=self.eos_ids or None,
             max_new_tokens=self.cfg.task.max_response_len,
         )
 

@@ -85,7 +85,7 @@ class RLTrainer:
             )
         self.rollout = Rollout.build(
             actor.model, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
-            data.eos_id, fusion_rows, env=env,
+            data.stop_ids, fusion_rows, env=env,
         )  # fmt: skip
         self.weights = WeightChannel(plan, roles, self.trained)
         if self.rl.migrate_rows:  # RLHFuse's migration: the tail leaves the scoring devices
