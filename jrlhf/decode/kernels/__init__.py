@@ -4,6 +4,7 @@ GPU kernel.
 
 ``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU, the native
 kernel on a CPU where it builds, and the blocked kernel otherwise (TPU; a CPU without a compiler).
+Soft-capped attention scores (Gemma 2) only the pure-JAX kernels compute (``SOFTCAP_KERNELS``).
 """
 
 from __future__ import annotations
@@ -19,18 +20,38 @@ from jrlhf.decode.kernels.native_cpu import paged_attention_native
 from jrlhf.decode.kernels.reference import paged_attention_reference
 
 KERNELS = ("auto", "reference", "blocked", "native_cpu", "pallas", "pallas_interpret")
+# The kernels that soft-cap attention scores (their ``softcap`` argument); the C++ and Pallas
+# kernels have no such step.
+SOFTCAP_KERNELS = ("reference", "blocked")
 
 
 def select_kernel(
-    name: str = "auto", page_size: int | None = None, head_dim: int | None = None
+    name: str = "auto",
+    page_size: int | None = None,
+    head_dim: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[str, Callable]:
-    """(resolved name, fn) with fn(q_bhd, k_pool, v_pool, layer, page_table, lengths, window).
+    """(resolved name, fn) with fn(q_bhd, k_pool, v_pool, layer, page_table, lengths, window),
+    the model's attention ``softcap`` (0: none) bound into fn.
 
     Given the engine's ``page_size`` and the model's ``head_dim``, ``"auto"`` takes the blocked
     kernel on a GPU too where the Pallas one cannot tile them (not powers of two), and
-    ``"pallas"`` refuses them here, before any compilation."""
+    ``"pallas"`` refuses them here, before any compilation. With a ``softcap`` ``"auto"`` takes
+    the blocked kernel wherever it would take another (only ``SOFTCAP_KERNELS`` compute it), and
+    naming another is refused in one line."""
     if name not in KERNELS:
         raise ValueError(f"unknown paged-attention kernel {name!r} (use one of {KERNELS})")
+    if softcap and name not in ("auto", *SOFTCAP_KERNELS):
+        raise ValueError(
+            f"paged-attention kernel {name!r} cannot soft-cap attention scores (the model's "
+            f"attn_logit_softcap {softcap}): use 'auto' or one of {SOFTCAP_KERNELS}"
+        )
+    if softcap:
+        # Neither the C++ kernel nor the Pallas one has a soft-capping step: the blocked kernel,
+        # the next fastest (it reads only the pages in use), computes the model's attention.
+        name = "blocked" if name == "auto" else name
+        fn = paged_attention_blocked if name == "blocked" else paged_attention_reference
+        return name, functools.partial(fn, softcap=softcap)
     backend = jax.default_backend()
     if name == "auto":
         name = {"gpu": "pallas", "cpu": "native_cpu"}.get(backend, "blocked")
@@ -68,6 +89,7 @@ def tileable(n: int) -> bool:
 
 __all__ = [
     "KERNELS",
+    "SOFTCAP_KERNELS",
     "paged_attention_blocked",
     "paged_attention_native",
     "paged_attention_reference",
