@@ -78,6 +78,26 @@ def test_new_families_configs_and_what_their_fixtures_exercise(one_mesh):
         assert np.abs(np.asarray(jax.jit(other.apply)(params, tokens) - want)).max() > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3"])
+def test_new_families_value_heads_export_to_sequence_classifiers(kind, one_mesh, tmp_path):
+    """A value-head model of each family exports as transformers' sequence classifier
+    (Gemma3TextForSequenceClassification for Gemma 3) with the same last-token score."""
+    import torch
+    import transformers as tf
+
+    lm, _ = hf.load_hf(hf_checkpoint(kind), one_mesh, "fsdp_tp")
+    model = ModelDef(lm.config, "value")
+    params = model.init_sharded(one_mesh, "fsdp_tp", seed=1)
+    out_dir = hf.save_hf(model, params, tmp_path / "value")
+    tokens = np.random.default_rng(6).integers(4, VOCAB, (2, 16))
+    ref_model = tf.AutoModelForSequenceClassification.from_pretrained(out_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor(tokens)).logits.numpy()[:, 0]
+    values = np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
+    assert np.abs(values[:, -1] - ref).max() < 1e-5
+    assert hf.load_hf(out_dir, one_mesh, "fsdp_tp")[0] == model
+
+
 def test_left_padded_batch_matches_transformers(one_mesh):
     import torch
     import transformers as tf
