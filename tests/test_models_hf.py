@@ -98,6 +98,36 @@ def test_new_families_value_heads_export_to_sequence_classifiers(kind, one_mesh,
     assert hf.load_hf(out_dir, one_mesh, "fsdp_tp")[0] == model
 
 
+def test_family_fields_refuse_what_they_cannot_be_in_one_line(tmp_path):
+    from jrlhf.models.config import ModelConfig, tiny_config
+    from jrlhf.models.presets import get_preset
+
+    cases = [
+        (dict(layer_types=("full_attention",)), "layer_types has 1 entries for 2 layers"),
+        (dict(layer_types=("full_attention", "local")), "layer_types 'local' unknown"),
+        (dict(layer_types=("sliding_attention",) * 2), "sliding_window is 0"),
+        (dict(hidden_act="relu"), "hidden_act 'relu' unknown"),
+        (dict(attn_logit_softcap=-1.0), "attn_logit_softcap must be a finite number >= 0"),
+        (dict(query_pre_attn_scalar=1.5), "query_pre_attn_scalar must be an integer >= 0"),
+        (dict(attention="cudnn", dtype="bfloat16", attn_logit_softcap=50.0), "cannot soft-cap"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            tiny_config(**change)
+        assert "\n" not in str(err.value)
+    cfg = get_preset("gemma3_4b")
+    assert ModelConfig.from_json(cfg.to_json()) == cfg  # tuples and RopeScaling come back
+    # a gemma3 config.json without its text model, a bidirectional Gemma, an exact-GELU one
+    text = json.loads((hf_checkpoint("gemma3") / "config.json").read_text())
+    for bad, message in (
+        ({"model_type": "gemma3"}, "a gemma3 config without a text_config"),
+        ({**text, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**text, "hidden_activation": "gelu"}, "hidden_activation 'gelu' unsupported"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            hf.config_from_hf(bad)
+
+
 def test_left_padded_batch_matches_transformers(one_mesh):
     import torch
     import transformers as tf
