@@ -390,7 +390,7 @@ class DecodeEngine:
         self.mesh = mesh
         self.rules = rules
         # A model with soft-capped attention scores (Gemma 2) gets a kernel that computes them
-        # (select_kernel: "auto" takes the blocked one where it would take the C++ or Pallas one).
+        # (select_kernel: "auto" takes the blocked one where it would take the Pallas one).
         self.kernel_name, self._kernel = select_kernel(
             self.config.kernel,
             self.config.page_size,

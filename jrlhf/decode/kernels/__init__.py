@@ -4,7 +4,7 @@ GPU kernel.
 
 ``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU, the native
 kernel on a CPU where it builds, and the blocked kernel otherwise (TPU; a CPU without a compiler).
-Soft-capped attention scores (Gemma 2) only the pure-JAX kernels compute (``SOFTCAP_KERNELS``).
+Soft-capped attention scores (Gemma 2) all but the Pallas kernel compute (``SOFTCAP_KERNELS``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from jrlhf.decode.kernels.native_cpu import paged_attention_native
 from jrlhf.decode.kernels.reference import paged_attention_reference
 
 KERNELS = ("auto", "reference", "blocked", "native_cpu", "pallas", "pallas_interpret")
-# The kernels that soft-cap attention scores (their ``softcap`` argument); the C++ and Pallas
-# kernels have no such step.
-SOFTCAP_KERNELS = ("reference", "blocked")
+# The kernels that soft-cap attention scores (their ``softcap`` argument); the Pallas kernel has
+# no such step.
+SOFTCAP_KERNELS = ("reference", "blocked", "native_cpu")
 
 
 def select_kernel(
@@ -37,8 +37,8 @@ def select_kernel(
     Given the engine's ``page_size`` and the model's ``head_dim``, ``"auto"`` takes the blocked
     kernel on a GPU too where the Pallas one cannot tile them (not powers of two), and
     ``"pallas"`` refuses them here, before any compilation. With a ``softcap`` ``"auto"`` takes
-    the blocked kernel wherever it would take another (only ``SOFTCAP_KERNELS`` compute it), and
-    naming another is refused in one line."""
+    the blocked kernel where it would take the Pallas one (only ``SOFTCAP_KERNELS`` compute it),
+    and naming the Pallas one is refused in one line."""
     if name not in KERNELS:
         raise ValueError(f"unknown paged-attention kernel {name!r} (use one of {KERNELS})")
     if softcap and name not in ("auto", *SOFTCAP_KERNELS):
@@ -46,23 +46,25 @@ def select_kernel(
             f"paged-attention kernel {name!r} cannot soft-cap attention scores (the model's "
             f"attn_logit_softcap {softcap}): use 'auto' or one of {SOFTCAP_KERNELS}"
         )
-    if softcap:
-        # Neither the C++ kernel nor the Pallas one has a soft-capping step: the blocked kernel,
-        # the next fastest (it reads only the pages in use), computes the model's attention.
-        name = "blocked" if name == "auto" else name
-        fn = paged_attention_blocked if name == "blocked" else paged_attention_reference
-        return name, functools.partial(fn, softcap=softcap)
     backend = jax.default_backend()
     if name == "auto":
         name = {"gpu": "pallas", "cpu": "native_cpu"}.get(backend, "blocked")
+        if name == "pallas" and softcap:
+            # The Pallas kernel has no soft-capping step (Gemma 2): the blocked kernel, the next
+            # fastest on a GPU (it reads only the pages in use), computes the model's attention.
+            name = "blocked"
         if name == "pallas" and not all(tileable(n) for n in (page_size, head_dim) if n):
             name = "blocked"
         if name == "native_cpu" and not native_cpu.available():
             name = "blocked"
+
+    def bind(fn: Callable) -> Callable:
+        return functools.partial(fn, softcap=softcap) if softcap else fn
+
     if name == "reference":
-        return name, paged_attention_reference
+        return name, bind(paged_attention_reference)
     if name == "blocked":
-        return name, paged_attention_blocked
+        return name, bind(paged_attention_blocked)
     if name == "native_cpu":
         if backend != "cpu":
             raise ValueError(f"paged-attention kernel 'native_cpu' runs on CPU, not {backend}")
@@ -70,7 +72,7 @@ def select_kernel(
             raise ValueError(
                 f"paged-attention kernel 'native_cpu': {native_cpu.unavailable_reason()}"
             )
-        return name, paged_attention_native
+        return name, bind(paged_attention_native)
     # Pallas and its Triton lowering load only when a Pallas kernel is chosen.
     from jrlhf.decode.kernels.pallas_gpu import (  # noqa: PLC0415
         check_shapes,
