@@ -80,6 +80,10 @@ def test_greedy_matches_transformers_with_refills_and_stops(kind):
     assert any(len(c) < ENGINE.max_new_tokens for c in want)  # a stop really happened
     assert got.stats["prefill_calls"] >= 2  # freed slots were refilled from the queue
     np.testing.assert_array_equal(got.lengths, [len(c) for c in want])
+    if kind not in ("llama3", "qwen2"):  # theirs: test_raw_logprobs_equal_trainer_forward
+        lps = _trainer_logprobs(engine.model_def, params, prompts, got.completion_ids)
+        for got_lp, want_lp in zip(got.raw_logprobs, lps):
+            np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
 
 
 def _trainer_logprobs(model_def, params, prompts_rep, completions):
