@@ -117,6 +117,13 @@ def test_family_fields_refuse_what_they_cannot_be_in_one_line(tmp_path):
         assert "\n" not in str(err.value)
     cfg = get_preset("gemma3_4b")
     assert ModelConfig.from_json(cfg.to_json()) == cfg  # tuples and RopeScaling come back
+    # Qwen's sliding window applies from max_window_layers on, as transformers reads it
+    qwen = json.loads((hf_checkpoint("qwen3") / "config.json").read_text())
+    del qwen["layer_types"]
+    qwen.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    cfg = hf.config_from_hf(qwen)[0]
+    assert cfg.layer_windows == (0, 8)
+    assert hf.config_from_hf(hf.config_to_hf(cfg))[0] == cfg
     # a gemma3 config.json without its text model, a bidirectional Gemma, an exact-GELU one
     text = json.loads((hf_checkpoint("gemma3") / "config.json").read_text())
     for bad, message in (

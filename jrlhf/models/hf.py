@@ -167,6 +167,13 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
         sliding = 0
     layer_types = hf.get("layer_types")
     num_layers = hf.get("num_hidden_layers")
+    if layer_types is None and sliding and model_type in ("qwen2", "qwen3"):
+        # transformers' default: the window on the layers from max_window_layers on
+        first = hf.get("max_window_layers", 28)
+        if isinstance(num_layers, int) and isinstance(first, int):
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
     if layer_types is None and model_type in _GEMMA and isinstance(num_layers, int):
         # transformers' defaults: Gemma 2 alternates sliding and full layers; Gemma 3 has one
         # full layer in every sliding_window_pattern.
@@ -277,9 +284,12 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
     if cfg.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
         out["sliding_window"] = cfg.sliding_window or None
+        # transformers reads layer_types (below); older readers the first sliding layer
+        sliding = [i for i, w in enumerate(cfg.layer_windows) if w]
+        out["max_window_layers"] = sliding[0] if sliding else cfg.num_layers
         if cfg.architecture == "qwen3":
-            out.update(attention_bias=False, max_window_layers=0)
-    if cfg.layer_types or cfg.architecture in ("qwen3", *_GEMMA):
+            out["attention_bias"] = False
+    if cfg.layer_types or cfg.architecture in ("qwen2", "qwen3", *_GEMMA):
         out["layer_types"] = [
             "sliding_attention" if w else "full_attention" for w in cfg.layer_windows
         ]
