@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -48,9 +49,10 @@ from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import (
     aligned_causal_attention,
-    attention_mask,
     full_attention,
     fused_attention_fits,
+    layer_choice,
+    layer_masks,
 )
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
@@ -389,8 +391,13 @@ class DecodeEngine:
         self.config = config
         self.mesh = mesh
         self.rules = rules
+        # A model with soft-capped attention scores (Gemma 2) gets a kernel that computes them
+        # (select_kernel: "auto" takes the blocked one where it would take the Pallas one).
         self.kernel_name, self._kernel = select_kernel(
-            self.config.kernel, self.config.page_size, self.cfg.head_dim
+            self.config.kernel,
+            self.config.page_size,
+            self.cfg.head_dim,
+            self.cfg.attn_logit_softcap,
         )
         ec = self.config
 
@@ -555,7 +562,7 @@ class DecodeEngine:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
         valid = positions < lens_n[:, None]
         segments = valid.astype(jnp.int32)
-        mask = attention_mask(positions, positions, segments, segments, self.cfg.sliding_window)
+        mask = layer_masks(positions, segments, self.cfg.layer_windows)
         page_idx = jnp.take_along_axis(page_rows_np, positions // ps, axis=1)
         page_idx = jnp.where(valid, page_idx, total_pages)  # padding writes are dropped
         offsets = positions % ps
@@ -577,7 +584,10 @@ class DecodeEngine:
             vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
             if aligned:  # prompts start at column 0: no bias needed
                 return aligned_causal_attention(q, k, v), (kp, vp)
-            return full_attention(q, k, v, mask, self.cfg.fused_attention), (kp, vp)
+            out = full_attention(
+                q, k, v, mask(layer), self.cfg.fused_attention, self.cfg.attn_logit_softcap
+            )
+            return out, (kp, vp)
 
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
@@ -621,7 +631,7 @@ class DecodeEngine:
     def _paged_attend(self, state: DecodeState):
         """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
         mesh, rules = self.mesh, self.rules
-        ps, window, kernel = self.config.page_size, self.cfg.sliding_window, self._kernel
+        ps, windows, kernel = self.config.page_size, self.cfg.layer_windows, self._kernel
         select, q_axis = self._kv_select, self._q_axes
         spec = lambda *axes: logical_to_spec(axes, mesh, rules)  # noqa: E731
         q_spec = spec("slots", None, "act_heads", "head_dim")
@@ -629,8 +639,9 @@ class DecodeEngine:
         pool_spec = self._specs.k_pages
         slot_spec = spec("slots")
         table_spec = spec("slots", None)
+        options, _ = layer_choice(windows, 0)
 
-        def local(q, k, v, layer, kp, vp, table, lengths, active):
+        def local(static_which, q, k, v, layer, kp, vp, table, lengths, active, which=None):
             local_pages = kp.shape[1]
             page = jnp.take_along_axis(table, (lengths // ps)[:, None], axis=1)[:, 0]
             page = jnp.where(active, page, local_pages)  # idle slots write nowhere
@@ -644,32 +655,46 @@ class DecodeEngine:
                 kp_q, vp_q = _own_kv_heads(q, kp, vp, self.cfg, q_axis)
             else:
                 kp_q, vp_q = kp, vp
-            out = kernel(q[:, 0], kp_q, vp_q, layer, table, kv_len, window)
+            # The kernels take the sliding window as a constant: the layer's own where it is
+            # known here (the layers unrolled, or all alike), else a switch over the model's
+            # distinct windows (two for Gemma's sliding and full layers under the scanned loop).
+            args = (q[:, 0], kp_q, vp_q, layer, table, kv_len)
+            cases = [lambda *a, w=w: kernel(*a, w) for w in options]
+            if static_which is not None:
+                out = cases[static_which](*args)
+            else:
+                out = jax.lax.switch(which, cases, *args)
             return out[:, None], kp, vp
 
-        mapped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(
-                q_spec,
-                kv_spec,
-                kv_spec,
-                PartitionSpec(),
-                pool_spec,
-                pool_spec,
-                table_spec,
-                slot_spec,
-                slot_spec,
-            ),
-            out_specs=(q_spec, pool_spec, pool_spec),
-            check_vma=False,
+        in_specs = (
+            q_spec,
+            kv_spec,
+            kv_spec,
+            PartitionSpec(),
+            pool_spec,
+            pool_spec,
+            table_spec,
+            slot_spec,
+            slot_spec,
         )
+
+        def mapped(static_which):
+            traced = static_which is None
+            return jax.shard_map(
+                functools.partial(local, static_which),
+                mesh=mesh,
+                in_specs=in_specs + ((PartitionSpec(),) if traced else ()),
+                out_specs=(q_spec, pool_spec, pool_spec),
+                check_vma=False,
+            )
 
         def attend(q, k, v, layer, cache):
             kp, vp = cache
-            out, kp, vp = mapped(
-                q, k, v, layer, kp, vp, state.page_table, state.lengths, state.active
-            )
+            _, which = layer_choice(windows, layer)
+            static = isinstance(which, int)
+            args = (q, k, v, jnp.asarray(layer, jnp.int32), kp, vp)
+            args += (state.page_table, state.lengths, state.active)
+            out, kp, vp = mapped(which if static else None)(*args, *(() if static else (which,)))
             return out, (kp, vp)
 
         return attend
