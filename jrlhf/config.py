@@ -359,16 +359,28 @@ def _check_supervised(section: Any, name: str) -> None:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Supervised fine-tuning of the actor on demonstrations."""
+    """Supervised fine-tuning of the actor on demonstrations.
+
+    ``init``: the model SFT starts from (``tiny``, ``hf:DIR`` or ``ckpt:DIR``); empty: the
+    actor's init, or ``tiny`` when that names a stage's output (``stage:sft``, what the RL stage
+    after it starts from). E.g. ``SFTConfig.init = 'hf:/ckpt/base'`` with ``actor/RoleConfig.init
+    = 'stage:sft'``: SFT from the HF checkpoint, then RL from SFT's output.
+    """
 
     steps: int = 300
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     checkpoint_every: int = 100  # steps; 0 saves only the stage's output at the end
+    init: str = ""
 
     def validate(self) -> None:
         _check_supervised(self, "SFTConfig")
+        _check(
+            self.init in ("", "tiny") or self.init.split(":", 1)[0] in ("hf", "ckpt"),
+            "SFTConfig.init",
+            f"{self.init!r} (use tiny, hf:DIR or ckpt:DIR; empty: the actor's init)",
+        )
 
 
 @gin.configurable

@@ -107,9 +107,8 @@ class ModelConfig:
     # RoPE base of the sliding layers, with no frequency scaling (Gemma 3's rope_local_base_freq);
     # 0: the same RoPE as the full layers.
     rope_local_theta: float = 0.0
-    qk_norm: bool = (
-        False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
-    )
+    # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
     # RMSNorms scale by (1 + weight), in float32 before the cast (Gemma); the weight is stored as
     # the checkpoint stores it.
     norm_unit_offset: bool = False
@@ -117,9 +116,8 @@ class ModelConfig:
     # (Gemma 2 and 3).
     post_norms: bool = False
     hidden_act: str = "silu"  # ACTIVATIONS
-    scale_embeddings: bool = (
-        False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
-    )
+    # Embeddings times sqrt(hidden_size), in the compute dtype (Gemma).
+    scale_embeddings: bool = False
     # The attention scale is query_pre_attn_scalar ** -0.5 (Gemma); 0: head_dim ** -0.5.
     query_pre_attn_scalar: int = 0
     # cap * tanh(x / cap) of the attention scores (Gemma 2) and of the final logits; 0 is off.

@@ -53,8 +53,11 @@ def stage_start(cfg: Config, stage: str) -> str:
     role (SFT for DPO), or ``tiny``.
 
     E.g. with stages ``('sft', 'dpo', 'ppo')`` and ``actor/RoleConfig.init = 'stage:dpo'``,
-    SFT starts from ``tiny``, DPO from ``stage:sft`` and PPO from ``stage:dpo``.
+    SFT starts from ``tiny``, DPO from ``stage:sft`` and PPO from ``stage:dpo``. SFT starts
+    from ``SFTConfig.init`` when that is set.
     """
+    if stage == "sft" and cfg.sft.init:
+        return cfg.sft.init
     role = STAGE_ROLES[stage]
     init = cfg.roles[role].init
     stages = list(cfg.run.stages)
