@@ -11,6 +11,10 @@ compiles are excluded:
 * ``throughput``: tokens/s of paged decode for a ~40M-parameter Llama (hidden 512, 8 layers,
   vocab 8192, batch 16, 64-token prompts, 128 new tokens, float32).
 
+* ``turns``: multi-turn episodes against single-turn generation of the same total tokens on
+  the throughput model: ``--turns`` turns of the policy, each but the last answered with
+  ``--observation-tokens`` tokens (a constant handler), greedy, alternating repeat by repeat;
+  tokens/s of all tokens and of the policy's, and the handler's host time.
 * ``groups``: shared prompt prefixes for GRPO groups of 4 and 16 (``--groups``) on the throughput
   model: ``--batch`` samples (batch / group prompts), sampled at temperature 1, generated with
   ``EngineConfig.share_prefixes`` off and on. Reports KV pages taken and at peak, prefill rows and
@@ -278,6 +282,72 @@ def _groups(md, params, mesh, args) -> dict:
     return out
 
 
+def _turns(md, params, mesh, args) -> dict:
+    """Multi-turn episodes against single-turn generation of the same total tokens (see module
+    docstring): ``--turns`` turns of the policy, each but the last answered with
+    ``--observation-tokens`` tokens, which the engine feeds through the slot's decode steps."""
+    import numpy as np
+
+    from jrlhf.decode.engine import DecodeEngine, EngineConfig
+    from jrlhf.decode.sampling import SamplingParams
+    from jrlhf.decode.turns import Turns
+
+    n, k = args.turns, args.observation_tokens
+    per_turn = (args.new_tokens - (n - 1) * k) // n
+    if per_turn < 1:
+        raise SystemExit(f"--new-tokens {args.new_tokens} leaves no sampled tokens per turn")
+    total = n * per_turn + (n - 1) * k
+    engine = DecodeEngine(
+        md, mesh, "dp_tp",
+        EngineConfig(
+            num_slots=args.batch, page_size=args.page_size, max_prompt_len=args.prompt_len,
+            max_new_tokens=total, chunk_steps=args.chunk_steps, max_prefill_rows=args.batch,
+            kernel=args.kernel, weight_layout=args.weight_layout, max_observation_tokens=k,
+        ),
+    )  # fmt: skip
+    prompts = _prompts(args.batch, args.prompt_len, args.vocab, mixed=False)
+    observation = [int(t) for t in np.arange(k) % (args.vocab - 3) + 3]
+    handler_s = []
+
+    def handler(ends):
+        t0 = time.perf_counter()
+        out = [observation for _ in ends]
+        handler_s[-1] += time.perf_counter() - t0
+        return out
+
+    turns = Turns(handler, max_tokens=per_turn)
+    sp = SamplingParams(greedy=True, stop_ids=())
+    runs = {"multi_turn": (turns, sp), "single_turn": (None, sp)}
+    best: dict = {}
+    for _ in range(args.repeats + 1):  # the first round compiles; alternating after it
+        for name, (t, sampling) in runs.items():
+            handler_s.append(0.0)
+            got = engine.generate(params, prompts, sampling, turns=t)
+            got.stats["handler_s"] = handler_s[-1]
+            if name not in best or got.stats["seconds"] < best[name].stats["seconds"]:
+                best[name] = got
+    multi, single = best["multi_turn"], best["single_turn"]
+    assert all(len(c) == total for c in multi.completion_ids + single.completion_ids)
+    policy = int(sum(int(np.sum(m)) for m in multi.policy_masks))
+    row = {
+        "batch": args.batch, "prompt_len": args.prompt_len, "tokens_per_episode": total,
+        "turns": n, "sampled_tokens_per_turn": per_turn, "observation_tokens": k,
+    }  # fmt: skip
+    for name, got in best.items():
+        tokens = int(got.stats["generated_tokens"])
+        row[name] = {
+            "seconds": round(float(got.stats["seconds"]), 4),
+            "tokens_per_s": round(tokens / got.stats["seconds"], 1),
+            "decode_chunks": int(got.stats["decode_chunks"]),
+            "handler_s": round(got.stats["handler_s"], 5),
+        }
+    row["multi_turn"]["policy_tokens_per_s"] = round(policy / multi.stats["seconds"], 1)
+    row["multi_turn_over_single_turn_seconds"] = round(
+        multi.stats["seconds"] / single.stats["seconds"], 3
+    )
+    return row
+
+
 def _stream_gbps(mib: int = 256, repeats: int = 5) -> float:
     """Streaming read bandwidth of the default device: a jitted sum over ``mib`` MiB, best of
     ``repeats`` (the array is far larger than any cache)."""
@@ -499,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--only", choices=("comparison", "throughput", "groups"), default=None)
+    p.add_argument("--only", choices=("comparison", "throughput", "groups", "turns"), default=None)
+    p.add_argument("--turns", type=int, default=4, help="turns: the policy's turns per episode")
+    p.add_argument(
+        "--observation-tokens", type=int, default=16, help="turns: tokens of each observation"
+    )
     p.add_argument(
         "--groups",
         type=lambda text: [int(g) for g in text.split(",")],
@@ -769,6 +843,13 @@ def main(argv: list[str] | None = None) -> int:
             "mlp": args.mlp,
             **_groups(md, params, mesh, args),
         }
+    if args.only in (None, "turns"):
+        md = _model(
+            args.hidden, args.layers, args.vocab, args.heads, args.kv_heads, args.mlp,
+            args.prompt_len + args.new_tokens, args.dtype,
+        )  # fmt: skip
+        params = md.init_sharded(mesh, "dp_tp", seed=0)
+        out["turns"] = _turns(md, params, mesh, args)
     emit(out, args.out)
     return 0
 
