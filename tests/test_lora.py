@@ -1,0 +1,260 @@
+"""LoRA (jrlhf.models.lora): fresh adapters compute the base model exactly; a step trains only
+the adapters (and a value head); optimizer state shrinks by the factor the shapes say; adapters
+checkpoint on their own, resume, and merge on export to HF; the planner counts their memory;
+a LoRA GRPO run on the arithmetic task raises held-out exact match."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hf_fixtures import VOCAB, hf_checkpoint, torch_logits
+
+from jrlhf import checkpoint
+from jrlhf.config import ConfigError, load_config
+from jrlhf.meshes import make_mesh
+from jrlhf.models import ModelDef, tiny_config
+from jrlhf.models import lora as lora_lib
+from jrlhf.models.hf import load_hf, save_hf
+from jrlhf.models.lora import LoraConfig
+from jrlhf.ppo.core_algos import sft_loss
+from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+
+ADAM = make_optimizer(OptimizerConfig(learning_rate=1e-2, grad_clip=0.0))
+
+
+def lm_loss(module, batch):
+    logits = module(batch["tokens"], batch["positions"], batch["segment_ids"])
+    loss, metrics = sft_loss(logits, batch["targets"], batch["loss_mask"])
+    return loss, dict(metrics, weight=batch["loss_mask"].sum())
+
+
+def value_loss(module, batch):
+    values = module(batch["tokens"], batch["positions"], batch["segment_ids"])
+    loss = jnp.mean((values - 1.0) ** 2 * batch["loss_mask"])
+    return loss, {"weight": batch["loss_mask"].sum()}
+
+
+def make_batch(seed=0, b=8, t=12, vocab=256):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    return {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "segment_ids": np.ones((b, t), np.int32),
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": np.ones((b, t), np.float32),
+    }
+
+
+def flat(tree):
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+        for path, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.mark.parametrize("mesh_spec", ["fsdp=1", "fsdp=2,tensor=2"])
+def test_fresh_adapters_give_the_base_models_logits_exactly(mesh_spec):
+    cfg = tiny_config()
+    base, lora = ModelDef(cfg), ModelDef(cfg, lora=LORA)
+    mesh = make_mesh(mesh_spec)
+    params = base.init_sharded(mesh, "fsdp_tp", seed=3)
+    full = checkpoint.load_source_weights(lora, None, mesh, "fsdp_tp", 3)
+    # the same base (one seed) with adapters added; A random, B zero
+    full = lora.with_trainable(params, lora.trainable(full))
+    a = full["layers"]["attn"]["q_lora_a"]
+    assert float(jnp.abs(a).max()) > 0 and not np.any(
+        np.asarray(full["layers"]["mlp"]["up_lora_b"])
+    )
+    assert a.shape == (cfg.num_layers, cfg.hidden_size, LORA.rank)
+    tokens = make_batch()["tokens"]
+    want = jax.jit(base.apply)(params, tokens)
+    got = jax.jit(lora.apply)(full, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the adapters' logical axes: A (kernel input..., lora_rank), B (lora_rank, kernel output...)
+    axes = lora.logical_axes["layers"]
+    assert axes["attn"]["q_lora_a"] == ("layers", "embed", "lora_rank")
+    assert axes["attn"]["q_lora_b"] == ("layers", "lora_rank", "heads", "head_dim")
+    assert axes["attn"]["o_lora_a"] == ("layers", "heads", "head_dim", "lora_rank")
+    assert axes["mlp"]["down_lora_b"] == ("layers", "lora_rank", "embed")
+    spec = lora.shardings(mesh, "fsdp_tp")["layers"]["attn"]["q_lora_b"].spec
+    assert tuple(spec)[:3] == (None, None, "tensor" if "tensor" in mesh_spec else None)
+
+
+def _trained(model, loss, seed=0, steps=2):
+    mesh = make_mesh("fsdp=2,tensor=2")
+    state = init_train_state(model, ADAM, mesh, "fsdp_tp", seed=seed)
+    before = flat(state.params)
+    step = make_train_step(model, ADAM, loss, mesh, "fsdp_tp")
+    for i in range(steps):
+        state, metrics = step(state, make_batch(i))
+    assert float(metrics["skipped"]) == 0.0
+    return before, flat(state.params), state
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_a_step_changes_only_the_adapters_and_value_head(head):
+    model = ModelDef(tiny_config(), head=head, lora=LORA)
+    before, after, _ = _trained(model, lm_loss if head == "lm" else value_loss)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    trainable = {k for k in before if lora_lib.is_trainable(tuple(k.split("/")))}
+    # A changes once B is nonzero (after the first step); every B and the value head change
+    assert {k for k in trainable if k.endswith("_lora_b") or k == "value_head"} <= changed
+    assert changed <= trainable
+    for k in set(before) - trainable:  # the frozen base: bit for bit
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    assert ("value_head" in trainable) == (head == "value")
+
+
+def test_optimizer_state_shrinks_by_the_factor_of_the_shapes():
+    cfg = tiny_config()
+    full, lora = ModelDef(cfg), ModelDef(cfg, lora=LORA)
+
+    def moment_bytes(model):
+        state = jax.eval_shape(optax.adamw(1e-3).init, model.trainable(model.abstract_params))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim >= 1)
+
+    # the arithmetic: each adapted (in, out) kernel of each layer has r * (in + out) adapter
+    # entries; AdamW keeps two moments per trained entry
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, k = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = [(e, h), (e, k), (e, k), (h, e), (e, f), (e, f), (f, e)]
+    adapter = cfg.num_layers * LORA.rank * sum(i + o for i, o in shapes)
+    assert adapter == lora_lib.num_adapter_params(cfg, LORA)
+    factor = full.num_params() / adapter
+    assert moment_bytes(full) == 2 * 4 * full.num_params()
+    assert moment_bytes(lora) * factor == pytest.approx(moment_bytes(full), rel=1e-12)
+    # and the real train state agrees with the abstract one
+    state = init_train_state(lora, ADAM, make_mesh("fsdp=2"), "fsdp_tp")
+    real = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert real == moment_bytes(lora)
+
+
+def test_adapters_checkpoint_alone_and_restore(tmp_path):
+    model = ModelDef(tiny_config(), lora=LORA)
+    _, after, state = _trained(model, lm_loss, seed=5)
+    mesh, rules = make_mesh("fsdp=2,tensor=2"), "fsdp_tp"
+    manager = checkpoint.trainer_checkpoint_manager(tmp_path, max_to_keep=1, async_save=False)
+    bases = {"actor": {"weights": None, "seed": 5}}
+    checkpoint.save_trainer_state(
+        manager, 2, {"iteration": 2}, {"actor": state}, {"actor": model}, bases
+    )
+    manager.wait_until_finished()
+    # The params item holds the adapters only: about their bytes, far from the model's.
+    item = next(tmp_path.glob("checkpoints/2/actor_params"))
+    stored = sum(p.stat().st_size for p in item.rglob("*") if p.is_file())
+    adapter_bytes = lora_lib.count(model.trainable(model.abstract_params))[1]
+    assert stored < 0.5 * model.num_params() * 4 and stored > 0.5 * adapter_bytes
+    # Restore into a fresh state built from the same source (its base), as a resume does.
+    fresh = init_train_state(model, ADAM, mesh, rules, seed=5)
+    from jrlhf.runtime.steps import state_shardings
+
+    target = checkpoint.restore_target(fresh, state_shardings(model, ADAM, mesh, rules))
+    target = target.replace(params=model.trainable(target.params))
+    meta, states = checkpoint.restore_trainer_state(manager, {"actor": target})
+    assert meta["models"]["actor"]["lora"]["rank"] == LORA.rank
+    restored = model.with_trainable(fresh.params, states["actor"].params)
+    for k, v in flat(restored).items():
+        np.testing.assert_array_equal(v, after[k], err_msg=k)
+    assert int(states["actor"].step) == 2
+    # load_model (evaluate, generate, convert) gives the plain model with the adapters merged
+    loaded_model, merged = checkpoint.load_model(tmp_path, make_mesh("fsdp=1"), rules)
+    assert loaded_model == model.base
+    tokens = make_batch()["tokens"]
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(model.base.apply)(merged, tokens)),
+        np.asarray(jax.jit(model.apply)(restored, tokens)),
+        atol=1e-5,
+    )
+
+
+def test_export_to_hf_merges_and_transformers_agrees(tmp_path):
+    src = hf_checkpoint("llama3")
+    mesh = make_mesh("fsdp=2")
+    base_model, _ = load_hf(src, mesh, "fsdp_tp")
+    model = ModelDef(base_model.config, lora=LORA)
+    params = checkpoint.load_source_weights(model, f"hf:{src}", mesh, "fsdp_tp", 0)
+    # adapters as training leaves them: B nonzero
+    noisy = jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype),
+        lora_lib.adapters_only(params),
+    )
+    params = lora_lib.combine(params, noisy)
+    out = save_hf(model, params, tmp_path / "hf")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    ours = np.asarray(jax.jit(model.apply)(params, tokens))
+    base = np.asarray(jax.jit(base_model.apply)(lora_lib.frozen(params), tokens))
+    assert np.abs(ours - base).max() > 1e-3  # the adapters do change the logits
+    np.testing.assert_allclose(torch_logits(out, tokens), ours, atol=1e-4)
+    assert json.loads((out / "config.json").read_text())["architectures"]
+
+
+def test_lora_settings_are_validated_in_one_line():
+    base = ["RunConfig.stages=('ppo',)"]
+    cfg = load_config(
+        [], [*base, "actor/RoleConfig.lora_rank=8", "actor/RoleConfig.lora_targets=('q', 'v')"]
+    )
+    lora = cfg.roles["actor"].lora()
+    assert lora == LoraConfig(8, 16.0, ("q", "v"), 0.0) and cfg.roles["critic"].lora() is None
+    bad = {
+        "actor/RoleConfig.lora_rank=-1": "actor/RoleConfig.lora_rank: must be >= 0",
+        "actor/RoleConfig.lora_alpha=0.0": "actor/RoleConfig.lora_alpha:",
+        "actor/RoleConfig.lora_targets=('q', 'qq')": "actor/RoleConfig.lora_targets:",
+        "actor/RoleConfig.lora_dropout=1.0": "actor/RoleConfig.lora_dropout:",
+        "reference/RoleConfig.lora_rank=4": "only the trained roles",
+    }
+    for binding, message in bad.items():
+        extra = [] if "lora_rank" in binding else ["actor/RoleConfig.lora_rank=4"]
+        with pytest.raises(ConfigError, match=message) as e:
+            load_config([], [*base, *extra, binding])
+        assert "\n" not in str(e.value)
+
+
+def test_dropout_only_in_train_steps_and_repeatable():
+    cfg = tiny_config()
+    model = ModelDef(cfg, lora=LoraConfig(rank=4, dropout=0.5))
+    mesh = make_mesh("fsdp=1")
+    p = init_train_state(model, ADAM, mesh, "fsdp_tp", seed=1).params
+    # B nonzero, so dropout on the adapters' input shows in the output
+    p = lora_lib.combine(p, jax.tree.map(lambda x: x + 0.1, lora_lib.adapters_only(p)))
+    tokens = make_batch()["tokens"]
+    plain = np.asarray(jax.jit(model.apply)(p, tokens))
+
+    @jax.jit
+    def dropped(params, key):
+        with lora_lib.dropout_key(key):
+            return model.apply(params, tokens)
+
+    a, b = dropped(p, jax.random.key(0)), dropped(p, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.abs(np.asarray(a) - plain).max() > 1e-4
+    assert np.abs(np.asarray(dropped(p, jax.random.key(1))) - np.asarray(a)).max() > 1e-4
+
+
+def test_planner_counts_lora_memory():
+    from jrlhf.meshes.mesh import MeshSpec
+    from jrlhf.placement import estimator as est
+    from jrlhf.placement.plan import CallPlacement
+
+    cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256)
+    p = CallPlacement(MeshSpec.parse("fsdp=2,tensor=2"), "fsdp_tp")
+    full = est.trained_bytes(cfg, "lm", p, None)
+    lora = est.trained_bytes(cfg, "lm", p, LORA)
+    adapters = est.lora_shard_bytes(cfg, "lm", p, LORA, "adapters")
+    assert lora == adapters  # an LM head model trains its adapters only
+    total = lora_lib.num_adapter_params(cfg, LORA) * 4
+    # spread over the devices, not above one copy of the adapters nor below a quarter
+    assert total / 4 <= adapters <= total
+    assert est._moment_bytes(cfg, "lm", p, LORA) == 2 * adapters
+    assert est._moment_bytes(cfg, "lm", p) == 2 * full
+    assert full / lora > 5
+    assert math.isclose(
+        est.held_bytes(cfg, "lm", p, LORA) - est.shard_bytes(cfg, "lm", p), adapters
+    )
