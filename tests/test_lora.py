@@ -305,3 +305,64 @@ def test_lora_grpo_raises_heldout_exact_match_on_arithmetic(tmp_path):
     meta = checkpoint.read_trainer_meta(rl)
     assert meta["models"]["actor"]["lora"]["rank"] == 8
     assert meta["models"]["actor"]["base"]["weights"] == f"ckpt:{sft}/sft"
+
+
+# -- PPO: actor and critic LoRA; placements, the generation copy's offload, kill and resume -----
+LORA_PPO = [
+    "actor/RoleConfig.lora_rank=4", "actor/RoleConfig.learning_rate=1e-3",
+    "critic/RoleConfig.lora_rank=4", "critic/RoleConfig.lora_targets=('q', 'v', 'down')",
+    "critic/RoleConfig.learning_rate=1e-3",
+]  # fmt: skip
+
+
+def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path):
+    """PPO with LoRA actor and critic (the critic's value head trains too), co-located (flatten)
+    against separated generation with the generation copy dropped between iterations and the
+    run killed in iteration 3 and resumed from its adapters-only checkpoint: the same metrics.
+    The weight channel sends merged weights: as many bytes as a full fine-tune's."""
+    from run_helpers import assert_rows_close, metric_rows, ppo_bindings
+
+    from jrlhf.cli import train
+
+    flat_dir = tmp_path / "flatten"
+    bindings = ppo_bindings(base_run, *LORA_PPO)
+    assert train.main(["--run-dir", str(flat_dir), "--quiet", *bindings]) == 0
+    rows = metric_rows(flat_dir)
+    assert len([r for r in rows if "reward" in r]) == 4
+    meta = checkpoint.read_trainer_meta(flat_dir)
+    assert meta["models"]["critic"]["lora"]["targets"] == ["q", "v", "down"]
+    # the critic's trained part (adapters and value head) changed from the reward model's
+    mesh = make_mesh("fsdp=1")
+    critic_model, critic = checkpoint.load_model(flat_dir, mesh, "fsdp_tp", role="critic")
+    _, rm = checkpoint.load_model(base_run / "rm", mesh, "fsdp_tp")
+    assert critic_model.lora is None  # loaded merged
+    assert not np.allclose(np.asarray(critic["value_head"]), np.asarray(rm["value_head"]))
+    assert not np.allclose(
+        np.asarray(critic["layers"]["mlp"]["down_kernel"]),
+        np.asarray(rm["layers"]["mlp"]["down_kernel"]),
+    )
+    np.testing.assert_array_equal(  # not adapted: the reward model's
+        np.asarray(critic["layers"]["mlp"]["up_kernel"]),
+        np.asarray(rm["layers"]["mlp"]["up_kernel"]),
+    )
+
+    sep_dir = tmp_path / "separate"
+    args = [
+        "--run-dir", str(sep_dir), "--quiet", *bindings, "RunConfig.placement='separate'",
+        "RLConfig.generation_copy='dropped'",
+    ]  # fmt: skip
+    killed = train_subprocess(
+        [*args, "RLConfig.async_checkpoint=False"], {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"}
+    )
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    assert checkpoint.latest_step_dir(sep_dir).name == "2"
+    assert train.main([*args, "--resume"]) == 0
+    assert_rows_close(metric_rows(sep_dir), rows)
+    # merged weights cross to the generation mesh: the plain model's bytes, every iteration
+    synced = [
+        json.loads(line)["reshard/bytes"]
+        for line in (sep_dir / "logs" / "ppo" / "metrics.jsonl").read_text().splitlines()
+        if "reshard/bytes" in line
+    ]
+    actor = ModelDef(critic_model.config)  # the same tiny shape as the actor, with an LM head
+    assert synced and all(s > 0.5 * actor.num_params() * 4 for s in synced)

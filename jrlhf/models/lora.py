@@ -161,7 +161,7 @@ def adapters_only(params: dict) -> dict:
 def merge(params: dict, lora: LoraConfig) -> dict:
     """The base model's parameter tree with each adapted kernel replaced by ``W + scale * A @ B``
     (computed in float32, stored in the kernel's dtype) and the adapters dropped."""
-    out = frozen(params)
+    out = select(params, lambda keys: "_lora_" not in keys[-1])
     layers = params["layers"]
     merged_layers = {group: dict(out["layers"][group]) for group in out["layers"]}
     for name in lora.targets:
