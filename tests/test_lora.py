@@ -69,8 +69,9 @@ def test_fresh_adapters_give_the_base_models_logits_exactly(mesh_spec):
     mesh = make_mesh(mesh_spec)
     params = base.init_sharded(mesh, "fsdp_tp", seed=3)
     full = checkpoint.load_source_weights(lora, None, mesh, "fsdp_tp", 3)
-    # the same base (one seed) with adapters added; A random, B zero
-    full = lora.with_trainable(params, lora.trainable(full))
+    # a random LoRA model's base is the plain model of its seed; A random, B zero
+    for k, v in flat(lora_lib.frozen(full)).items():
+        np.testing.assert_array_equal(v, flat(params)[k], err_msg=k)
     a = full["layers"]["attn"]["q_lora_a"]
     assert float(jnp.abs(a).max()) > 0 and not np.any(
         np.asarray(full["layers"]["mlp"]["up_lora_b"])
@@ -366,3 +367,27 @@ def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path):
     ]
     actor = ModelDef(critic_model.config)  # the same tiny shape as the actor, with an LM head
     assert synced and all(s > 0.5 * actor.num_params() * 4 for s in synced)
+
+
+def test_lora_with_generation_on_processes_of_its_own_is_refused(monkeypatch):
+    """The weight channel merges on the training mesh before sending; between process groups
+    that merge would have to run in the training group alone, which is not wired: one line."""
+    import types
+
+    from jrlhf.config import RLConfig
+    from jrlhf.ppo.groups import role_groups
+
+    def mesh(*processes):
+        return types.SimpleNamespace(
+            devices=np.array([types.SimpleNamespace(process_index=p) for p in processes])
+        )
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    model = ModelDef(tiny_config(), lora=LORA)
+    roles = {
+        "actor": types.SimpleNamespace(model=model, meshes={"generate": mesh(0), "train": mesh(1)})
+    }
+    with pytest.raises(ValueError, match="actor/RoleConfig.lora_rank with generation on processes"):
+        role_groups(RLConfig(max_staleness=1), roles)
+    roles["actor"].model = model.base
+    assert role_groups(RLConfig(max_staleness=1), roles).generate == {0}

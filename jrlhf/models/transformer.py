@@ -329,13 +329,13 @@ class Transformer(nnx.Module):
         self.head = head
         self.embedding = _param(rngs, cfg, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
         self.layers = _stacked_layers(cfg, rngs)
-        if lora is not None:
-            lora_lib.attach(self.layers, lora, rngs.params())
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if head == "lm" and not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
         if head == "value":
             self.value_head = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None))
+        if lora is not None:  # last: the base draws the same numbers as without adapters
+            lora_lib.attach(self.layers, lora, rngs.params())
 
     # -- pieces, used by the decode engine -------------------------------------------------------
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
