@@ -94,6 +94,15 @@ def model_entry(model: ModelDef, base: Mapping[str, Any] | None = None) -> dict[
     return entry
 
 
+def base_entry(weights: str | None, seed: int) -> dict[str, Any]:
+    """A LoRA model entry's ``base``: its weights' source (``hf:DIR`` or ``ckpt:DIR``, the
+    directory made absolute: the checkpoint is read from elsewhere) and the seed of a random one."""
+    if weights is not None:
+        kind, _, where = weights.partition(":")
+        weights = f"{kind}:{Path(where).absolute()}"
+    return {"weights": weights, "seed": int(seed)}
+
+
 def model_from_entry(entry: Mapping[str, Any]) -> ModelDef:
     """The ModelDef a :func:`model_entry` describes."""
     lora = LoraConfig(**entry["lora"]) if entry.get("lora") else None

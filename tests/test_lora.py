@@ -374,8 +374,12 @@ def test_lora_with_generation_on_processes_of_its_own_is_refused(monkeypatch):
     that merge would have to run in the training group alone, which is not wired: one line."""
     import types
 
+    import gin
+
     from jrlhf.config import RLConfig
     from jrlhf.ppo.groups import role_groups
+
+    gin.clear_config()  # RLConfig reads gin: no binding left by an earlier test's run applies
 
     def mesh(*processes):
         return types.SimpleNamespace(
@@ -391,3 +395,42 @@ def test_lora_with_generation_on_processes_of_its_own_is_refused(monkeypatch):
         role_groups(RLConfig(max_staleness=1), roles)
     roles["actor"].model = model.base
     assert role_groups(RLConfig(max_staleness=1), roles).generate == {0}
+
+
+def test_the_plan_prices_lora_adapters_moments_and_the_merged_generation_copy():
+    """A workload read from a config with LoRA roles: the residents of every device count the
+    adapters beside the base, AdamW moments of the adapters (and the critic's value head) only,
+    and a generation copy even where the layouts agree (the merged weights are a copy)."""
+    from jrlhf.placement import estimator as est
+    from jrlhf.placement.plan import flatten
+    from jrlhf.placement.profile import DeviceProfile
+    from jrlhf.placement.workload import Workload
+
+    model = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256)
+    models = {r: model for r in ("actor", "critic", "reference", "reward")}
+    plain = Workload.from_config(load_config([], ["RunConfig.stages=('ppo',)"]), models)
+    cfg = load_config([], ["RunConfig.stages=('ppo',)", *LORA_PPO])
+    lora = Workload.from_config(cfg, models)
+    assert lora.actor_lora == cfg.roles["actor"].lora() and lora.critic_lora.targets == (
+        "q",
+        "v",
+        "down",
+    )
+    plan, profile = flatten(1), DeviceProfile.load("cpu")
+    full_parts = est._resident(plain, plan, profile, "train")[0]
+    lora_parts = est._resident(lora, plan, profile, "train")[0]
+    adapters = lora_lib.num_adapter_params(model, lora.actor_lora) * 4
+    assert lora_parts["actor params"] == full_parts["actor params"] + adapters
+    assert lora_parts["actor adam"] == 2 * adapters
+    critic_trained = lora_lib.num_adapter_params(model, lora.critic_lora) + model.hidden_size
+    assert lora_parts["critic adam"] == 2 * 4 * critic_trained
+    assert full_parts["actor adam"] == 2 * full_parts["actor params"]
+    # one device: training and generation share a layout, the full actor's copy aliases
+    assert full_parts["actor generation copy"] == 0
+    assert lora_parts["actor generation copy"] == est.shard_bytes(
+        model, "lm", plan["actor_generate"]
+    )
+    # and the train step's working memory holds the adapters' gradients, not the model's
+    w_full = est._working_bytes(plain, "actor_train", plan["actor_train"], profile)
+    w_lora = est._working_bytes(lora, "actor_train", plan["actor_train"], profile)
+    assert w_full - w_lora == pytest.approx(full_parts["actor params"] - adapters)

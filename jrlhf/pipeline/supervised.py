@@ -227,7 +227,7 @@ def _supervised_stage(
                 check_finite(state, f"{name} {role} at step {step}")
                 meta = {"step": step, "stage": name, "seed": seed}
                 models = {role: setup.model}
-                bases = {role: {"weights": setup.source.weights, "seed": seed}}
+                bases = {role: checkpoint.base_entry(setup.source.weights, seed)}
                 checkpoint.save_trainer_state(manager, step, meta, {role: state}, models, bases)
     manager.wait_until_finished()
     check_finite(state.params, f"{name} {role} at step {steps}")

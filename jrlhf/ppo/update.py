@@ -97,7 +97,7 @@ class Update:
             setup = roles[role]
             mesh, rules = setup.meshes["train"], setup.rules["train"]
             self.opts[role] = make_optimizer(optimizer_config(setup))
-            self.bases[role] = {"weights": setup.source.weights, "seed": seed + i}
+            self.bases[role] = checkpoint.base_entry(setup.source.weights, seed + i)
             params = load_weights(setup.source, mesh, rules, seed + i)
             self.states[role] = init_train_state(
                 setup.model, self.opts[role], mesh, rules, params=params
