@@ -3,6 +3,7 @@ the adapters (and a value head); optimizer state shrinks by the factor the shape
 checkpoint on their own, resume, and merge on export to HF; the planner counts their memory;
 a LoRA GRPO run on the arithmetic task raises held-out exact match."""
 
+import dataclasses
 import json
 import math
 import os
@@ -102,9 +103,14 @@ def _trained(model, loss, seed=0, steps=2):
     return before, flat(state.params), state
 
 
-@pytest.mark.parametrize("head", ["lm", "value"])
-def test_a_step_changes_only_the_adapters_and_value_head(head):
-    model = ModelDef(tiny_config(), head=head, lora=LORA)
+@pytest.mark.parametrize("head,loop", [("lm", "auto"), ("value", "auto"), ("lm", "scan")])
+def test_a_step_changes_only_the_adapters_and_value_head(head, loop):
+    # "scan": the layers under lax.scan with full remat, adapter dropout drawing per layer
+    if loop == "scan":
+        cfg = tiny_config(layer_loop="scan", remat_policy="full")
+        model = ModelDef(cfg, head=head, lora=dataclasses.replace(LORA, dropout=0.1))
+    else:
+        model = ModelDef(tiny_config(), head=head, lora=LORA)
     before, after, _ = _trained(model, lm_loss if head == "lm" else value_loss)
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     trainable = {k for k in before if lora_lib.is_trainable(tuple(k.split("/")))}
@@ -434,3 +440,41 @@ def test_the_plan_prices_lora_adapters_moments_and_the_merged_generation_copy():
     w_full = est._working_bytes(plain, "actor_train", plan["actor_train"], profile)
     w_lora = est._working_bytes(lora, "actor_train", plan["actor_train"], profile)
     assert w_full - w_lora == pytest.approx(full_parts["actor params"] - adapters)
+
+
+def test_lora_sft_killed_mid_stage_resumes_and_writes_a_merged_model(base_run, tmp_path):
+    """An SFT stage with LoRA from base_run's SFT output: killed after step 15 (checkpointed
+    at 10, adapters only), resumed, it writes the uninterrupted stage's numbers and a plain
+    model checkpoint (the adapters merged), which differs from its start in the adapted kernels
+    only."""
+    from run_helpers import SMALL, assert_rows_close, metric_rows
+
+    from jrlhf.cli import train
+
+    start = base_run / "sft"
+    common = [
+        "--quiet", "RunConfig.stages=('sft',)", "SFTConfig.steps=20",
+        "SFTConfig.checkpoint_every=10", f"actor/RoleConfig.init='ckpt:{start}'",
+        "actor/RoleConfig.lora_rank=4", "actor/RoleConfig.lora_targets=('q', 'o', 'up')", *SMALL,
+    ]  # fmt: skip
+    whole = tmp_path / "whole"
+    assert train.main(["--run-dir", str(whole), *common]) == 0
+    run_dir = tmp_path / "killed"
+    args = ["--run-dir", str(run_dir), *common]
+    killed = train_subprocess(args, {"JRLHF_DEBUG_EXIT_AT_STEP": "sft:15"})
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    assert train.main([*args, "--resume"]) == 0
+    drop = {"sft/steps_per_s"}
+    assert_rows_close(
+        [{k: v for k, v in r.items() if k not in drop} for r in metric_rows(run_dir, "sft")],
+        [{k: v for k, v in r.items() if k not in drop} for r in metric_rows(whole, "sft")],
+    )
+    mesh = make_mesh("fsdp=1")
+    model, out = checkpoint.load_model(run_dir / "sft", mesh, "fsdp_tp")
+    assert model.lora is None
+    _, before = checkpoint.load_model(start, mesh, "fsdp_tp")
+    _, whole_out = checkpoint.load_model(whole / "sft", mesh, "fsdp_tp")
+    changed = {k for k, v in flat(out).items() if not np.array_equal(v, flat(before)[k])}
+    assert changed == {"layers/attn/q_kernel", "layers/attn/o_kernel", "layers/mlp/up_kernel"}
+    for k, v in flat(out).items():
+        np.testing.assert_allclose(v, flat(whole_out)[k], rtol=1e-5, atol=1e-6, err_msg=k)
