@@ -478,3 +478,41 @@ def test_lora_sft_killed_mid_stage_resumes_and_writes_a_merged_model(base_run, t
     assert changed == {"layers/attn/q_kernel", "layers/attn/o_kernel", "layers/mlp/up_kernel"}
     for k, v in flat(out).items():
         np.testing.assert_allclose(v, flat(whole_out)[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_the_train_step_forms_neither_base_gradients_nor_merged_kernels():
+    """The LoRA gradient's program multiplies no matrix whose result has a frozen kernel's shape:
+    the low-rank path runs as (x @ A) @ B beside x @ W (no W + A @ B), and no frozen weight gets
+    a gradient (the LM head's (embed, vocab) included)."""
+    cfg = tiny_config()
+    model = ModelDef(cfg, lora=LORA)
+    params = model.init(jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
+
+    def loss(trainable):
+        return lm_loss(model.bind(model.with_trainable(params, trainable)), batch)[0]
+
+    def dot_shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield tuple(eqn.outvars[0].aval.shape)
+            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+                yield from dot_shapes(sub)
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    yield from dot_shapes(inner)
+
+    shapes = set(dot_shapes(jax.make_jaxpr(jax.grad(loss))(model.trainable(params)).jaxpr))
+    assert shapes  # the walk found the products
+    frozen_shapes = set()
+    for path, leaf in flat(lora_lib.frozen(params)).items():
+        if leaf.ndim >= 2:
+            name = path.split("/")[-1]
+            n_in = {"o_kernel": 2}.get(name, 1)
+            per_layer = leaf.shape[1:] if path.startswith("layers/") else leaf.shape
+            frozen_shapes.add((math.prod(per_layer[:n_in]), math.prod(per_layer[n_in:])))
+    frozen_shapes |= {(o, i) for i, o in frozen_shapes}  # either orientation
+    assert not shapes & frozen_shapes, shapes & frozen_shapes
+    # the adapters' own gradients are there: (in, rank) and (rank, out) products
+    assert (cfg.hidden_size, LORA.rank) in shapes or (LORA.rank, cfg.hidden_size) in shapes
