@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {runs[name]}", file=sys.stderr)
 
     # The train step's memory: the run's model, then larger presets (compile only).
+    import numpy as np
+
     from jrlhf import checkpoint
     from jrlhf.config import load_config
     from jrlhf.models import lora as lora_lib
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             "opt_state_ratio_full_over_lora": round(
                 full["opt_state_bytes"] / low["opt_state_bytes"], 2
             ),
-            "adapter_bytes": lora_lib.num_adapter_params(model_cfg, lora) * 4,
+            "adapter_bytes": lora_lib.num_adapter_params(model_cfg, lora)
+            * np.dtype(model_cfg.param_dtype).itemsize,
         }
         print(f"memory {label}: {memory[label]}", file=sys.stderr)
     adapter_bytes = memory["arithmetic run model"]["adapter_bytes"]
