@@ -201,7 +201,8 @@ class RunConfig:
 class TaskConfig:
     """Where prompts, demonstrations and preferences come from.
 
-    ``name="synthetic"``, ``"longtail"`` (long-tailed response lengths) or ``"arithmetic"`` uses a
+    ``name="synthetic"``, ``"longtail"`` (long-tailed response lengths), ``"arithmetic"`` or
+    ``"calculator"`` (arithmetic with a calculator tool, jrlhf.tasks.calculator) uses a
     built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet files tokenized with
     ``tokenizer`` (a directory or tokenizer.json path).
     """
@@ -218,9 +219,13 @@ class TaskConfig:
     tokenizer: str = ""
     max_prompt_len: int = 16
     max_response_len: int = 16
-    # A verifiable reward: a registered name or module:function (jrlhf.tasks.rewards); "" means
-    # the learned reward model.
+    # A verifiable reward: a registered name (answer_match, math_verify, format, boxed_format,
+    # ...), module:function, or a weighted sum of them ("math_verify + 0.1*format";
+    # jrlhf.tasks.rewards); "" means the learned reward model.
     reward_fn: str = ""
+    # The regex a response must match whole for the "format" reward ("" = DeepSeek-R1's
+    # <think>...</think><answer>...</answer>; jrlhf.tasks.math_rewards).
+    format_pattern: str = ""
     num_heldout: int = 64
     num_sft_examples: int = 2048
     num_preference_pairs: int = 2048
@@ -229,10 +234,15 @@ class TaskConfig:
     def validate(self) -> None:
         check_types(self, "TaskConfig")
         _check(
-            self.name in ("synthetic", "longtail", "arithmetic", "files"),
+            self.name in ("synthetic", "longtail", "arithmetic", "calculator", "files"),
             "TaskConfig.name",
-            "use synthetic, longtail, arithmetic or files",
+            "use synthetic, longtail, arithmetic, calculator or files",
         )
+        if self.format_pattern:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ConfigError(f"TaskConfig.format_pattern: not a regex ({e})") from None
         if self.name == "files":
             _check(bool(self.prompts), "TaskConfig.prompts", "required when name='files'")
         _check(self.max_prompt_len > 0, "TaskConfig.max_prompt_len", "must be > 0")
@@ -768,6 +778,49 @@ class DecodeConfig:
         )
 
 
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn rollouts with an environment (jrlhf.envs); ``name`` empty: single-turn.
+
+    ``name``: a registered environment (``calculator``, ``guess_number``) or ``module:attr`` (a
+    class with ``reset(meta)``/``step(conversation)``, or a function of the conversation). A
+    turn of the policy ends at one of ``turn_stop`` (strings that are each one token of the
+    tokenizer, e.g. a closing tool tag) or ``turn_stop_ids``, or after ``max_turn_tokens``
+    sampled tokens (0: no limit); the environment's observation (at most
+    ``max_observation_tokens``) is appended and the policy goes on, up to ``max_turns`` turns
+    (0: until the environment says done, an end-of-sequence id or TaskConfig.max_response_len,
+    which bounds the whole episode). Environment code gets ``timeout_s`` per step (0: inline,
+    no deadline); a failing step ends its episode, recorded; more than ``failure_limit`` of a
+    rollout's episodes failing stops the run in one line.
+    """
+
+    name: str = ""
+    turn_stop: tuple[str, ...] = ()
+    turn_stop_ids: tuple[int, ...] = ()
+    max_turn_tokens: int = 0
+    max_turns: int = 0
+    max_observation_tokens: int = 32
+    timeout_s: float = 30.0
+    failure_limit: float = 0.25
+
+    def validate(self) -> None:
+        check_types(self, "EnvConfig")
+        if not self.name:
+            return
+        _check(
+            bool(self.turn_stop or self.turn_stop_ids or self.max_turn_tokens),
+            "EnvConfig.turn_stop",
+            "set turn_stop, turn_stop_ids or max_turn_tokens: otherwise no turn ever ends",
+        )
+        _check(self.max_turn_tokens >= 0, "EnvConfig.max_turn_tokens", "must be >= 0")
+        _check(self.max_turns >= 0, "EnvConfig.max_turns", "must be >= 0 (0: no cap)")
+        _check(self.max_observation_tokens >= 1, "EnvConfig.max_observation_tokens", "must be >= 1")
+        _check(self.timeout_s >= 0, "EnvConfig.timeout_s", "must be >= 0 (0: inline)")
+        _check(0 <= self.failure_limit <= 1, "EnvConfig.failure_limit", "must be in [0, 1]")
+        _check(all(t >= 0 for t in self.turn_stop_ids), "EnvConfig.turn_stop_ids", "must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     run: RunConfig
@@ -778,6 +831,7 @@ class Config:
     dpo: DPOConfig
     rl: RLConfig
     decode: DecodeConfig
+    env: EnvConfig = EnvConfig()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -830,7 +884,7 @@ def _field_hint(setting: str) -> Any:
     """The declared type of a setting ``[scope/]Section.field``, or None if it names none."""
     sections = (
         RunConfig, TaskConfig, RoleConfig, SFTConfig, RewardModelConfig, DPOConfig, RLConfig,
-        DecodeConfig,
+        DecodeConfig, EnvConfig,
     )  # fmt: skip
     section, _, field = setting.rpartition("/")[2].partition(".")
     for cls in sections:
@@ -898,6 +952,7 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         dpo=build(DPOConfig),
         rl=build(RLConfig),
         decode=build(DecodeConfig),
+        env=build(EnvConfig),
     )
     cfg.run.validate()
     cfg.task.validate()
@@ -907,6 +962,7 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     cfg.rm.validate()
     cfg.dpo.validate()
     cfg.decode.validate()
+    cfg.env.validate()
     # A pair stage's batch holds two rows per pair; microbatches of whole pairs keep each pair's
     # rows together (a split of the rows alone could tear a pair apart, silently).
     for stage, section, name, role in (
@@ -942,6 +998,19 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         cfg.rl.overlong_buffer <= cfg.task.max_response_len,
         "RLConfig.overlong_buffer",
         f"{cfg.rl.overlong_buffer} exceeds TaskConfig.max_response_len {cfg.task.max_response_len}",
+    )
+    rl_env = cfg.env.name and rl_stages
+    _check(
+        not (rl_env and cfg.rl.max_staleness),
+        "EnvConfig.name",
+        "multi-turn episodes with RLConfig.max_staleness >= 1 are not built yet (batches in "
+        "flight would have to carry their episodes' masks and environment rewards)",
+    )
+    _check(
+        not (rl_env and cfg.rl.partial_rollout_tokens),
+        "EnvConfig.name",
+        "multi-turn episodes with RLConfig.partial_rollout_tokens are not built yet (a pass "
+        "would have to stop and resume environments mid-episode)",
     )
     return cfg
 

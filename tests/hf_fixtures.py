@@ -13,7 +13,9 @@ def _build(kind: str, directory: Path) -> Path:
     import torch
     import transformers as tf
 
-    torch.manual_seed({"llama3": 0, "qwen2": 1, "llama_mha": 2, "llama3_rm": 3, "mistral": 4}[kind])
+    seeds = {"llama3": 0, "qwen2": 1, "llama_mha": 2, "llama3_rm": 3, "mistral": 4}
+    seeds.update(qwen3=5, gemma2=6, gemma3=7, gemma3_mm=8)
+    torch.manual_seed(seeds[kind])
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -58,6 +60,68 @@ def _build(kind: str, directory: Path) -> Path:
             sliding_window=16,
             eos_token_id=2,
         )
+    elif kind == "qwen3":
+        # head_dim independent of hidden / heads (as Qwen3's: 128 at every size)
+        cfg = tf.Qwen3Config(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    elif kind == "gemma2":
+        # Soft-caps small enough to bite at these scales, a window shorter than the sequences,
+        # query_pre_attn_scalar other than head_dim; layer 0 sliding, layer 1 full.
+        cfg = tf.Gemma2Config(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=4.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    elif kind in ("gemma3", "gemma3_mm"):
+        # Local and global layers both (and a local one under each loop form), different RoPE
+        # for each (the global one linearly scaled), a short window.
+        text = dict(
+            **{**common, "num_hidden_layers": 3},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        if kind == "gemma3":
+            cfg = tf.Gemma3TextConfig(**text)
+        else:
+            vision = dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            )
+            cfg = tf.Gemma3Config(
+                text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=3
+            )
     elif kind == "llama_mha":
         cfg = tf.LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, eos_token_id=2)
     else:
@@ -65,6 +129,8 @@ def _build(kind: str, directory: Path) -> Path:
     if kind == "llama3_rm":
         cfg.num_labels = 1
         model = tf.LlamaForSequenceClassification(cfg)
+    elif kind == "gemma3_mm":
+        model = tf.Gemma3ForConditionalGeneration(cfg)
     else:
         model = tf.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -83,8 +149,9 @@ def _build(kind: str, directory: Path) -> Path:
 
 @functools.cache
 def hf_checkpoint(kind: str) -> Path:
-    """Path of a cached random checkpoint: 'llama3', 'qwen2', 'llama_mha', 'mistral' or
-    'llama3_rm'."""
+    """Path of a cached random checkpoint: 'llama3', 'qwen2', 'llama_mha', 'mistral',
+    'llama3_rm', 'qwen3', 'gemma2', 'gemma3' (text) or 'gemma3_mm' (Gemma3ForConditionalGeneration
+    around the same text model's shapes, a tiny vision tower)."""
     root = Path(tempfile.mkdtemp(prefix=f"jrlhf-{kind}-"))
     return _build(kind, root / kind)
 

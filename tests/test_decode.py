@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,7 +66,7 @@ def _hf_greedy(kind, prompts, max_new, eos):
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_greedy_matches_transformers_with_refills_and_stops(kind):
     engine, params = _engine(kind)
     prompts = _prompts()
@@ -79,6 +80,10 @@ def test_greedy_matches_transformers_with_refills_and_stops(kind):
     assert any(len(c) < ENGINE.max_new_tokens for c in want)  # a stop really happened
     assert got.stats["prefill_calls"] >= 2  # freed slots were refilled from the queue
     np.testing.assert_array_equal(got.lengths, [len(c) for c in want])
+    if kind not in ("llama3", "qwen2"):  # theirs: test_raw_logprobs_equal_trainer_forward
+        lps = _trainer_logprobs(engine.model_def, params, prompts, got.completion_ids)
+        for got_lp, want_lp in zip(got.raw_logprobs, lps):
+            np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
 
 
 def _trainer_logprobs(model_def, params, prompts_rep, completions):
@@ -98,6 +103,25 @@ def _trainer_logprobs(model_def, params, prompts_rep, completions):
         lp[i, len(p) - 1 : len(p) - 1 + len(c)]
         for i, (p, c) in enumerate(zip(prompts_rep, completions))
     ]
+
+
+def test_gemma_layers_scanned_per_layer_windows_and_soft_caps():
+    """Under the scanned layer loop each layer's window is a switch on the traced layer index;
+    soft-capped scores (Gemma 2) take a kernel that computes them (on a GPU the blocked one).
+    Greedy tokens equal transformers', raw log-probs the trainer's forward pass."""
+    prompts = _prompts()
+    for kind in ("gemma2", "gemma3"):
+        model_def, params, mesh = _hf(kind)
+        config = dataclasses.replace(ENGINE, unroll_layers=False)
+        engine = DecodeEngine(model_def, mesh, "dp_tp", config)
+        if jax.default_backend() == "cpu":  # the C++ kernel soft-caps too
+            assert engine.kernel_name == "native_cpu"
+        want = _hf_greedy(kind, prompts, ENGINE.max_new_tokens, eos=(2,))
+        got = engine.generate(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
+        assert got.completion_ids == want, kind
+        lps = _trainer_logprobs(model_def, params, prompts, got.completion_ids)
+        for got_lp, want_lp in zip(got.raw_logprobs, lps):
+            np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
 
 
 def test_raw_logprobs_equal_trainer_forward():

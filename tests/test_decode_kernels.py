@@ -36,7 +36,7 @@ def _case(seed=0):
     return q, k_pool, v_pool, table, lengths
 
 
-def _dense(q, k_pool, v_pool, layer, table, lengths, window):
+def _dense(q, k_pool, v_pool, layer, table, lengths, window, softcap=0.0):
     """The model's masked_attention over each sequence's pages laid out contiguously."""
     outs = []
     for b in range(q.shape[0]):
@@ -46,7 +46,7 @@ def _dense(q, k_pool, v_pool, layer, table, lengths, window):
         v = jnp.concatenate([v_pool[layer, p] for p in pages])[:n][None]
         pos = jnp.arange(n)[None]
         mask = attention_mask(pos[:, -1:], pos, jnp.ones((1, 1)), jnp.ones((1, n)), window)
-        outs.append(masked_attention(q[b][None, None], k, v, mask)[0, 0])
+        outs.append(masked_attention(q[b][None, None], k, v, mask, softcap)[0, 0])
     return jnp.stack(outs)
 
 
@@ -58,6 +58,32 @@ def test_paged_kernels_match_dense_attention(kernel, window):
     got = fn(q, k_pool, v_pool, jnp.int32(1), table, lengths, window)
     want = _dense(q, k_pool, v_pool, 1, table, lengths, window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_capped_scores_take_a_kernel_that_computes_them(window):
+    """Gemma 2's soft-capped attention scores: the reference, blocked and C++ kernels compute
+    them, matching the model's attention; "auto" takes the blocked kernel where it would take the
+    Pallas one (which has no soft-capping), and naming the Pallas one is refused in one line."""
+    q, k_pool, v_pool, table, lengths = _case(3)
+    q = q * 4.0  # scores large enough for the cap to bite
+    want = _dense(q, k_pool, v_pool, 1, table, lengths, window, softcap=2.0)
+    plain = _dense(q, k_pool, v_pool, 1, table, lengths, window)
+    assert np.abs(np.asarray(want - plain)).max() > 1e-2
+    names = ["auto", "reference", "blocked"]
+    if jax.default_backend() == "cpu" and native_cpu.available():
+        names.append("native_cpu")
+    for name in names:
+        resolved, fn = select_kernel(name, 16, D, softcap=2.0)
+        if name == "auto":
+            assert resolved == {"gpu": "blocked", "cpu": "native_cpu"}.get(
+                jax.default_backend(), "blocked"
+            )
+        got = fn(q, k_pool, v_pool, jnp.int32(1), table, lengths, window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    for name in ("pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match=f"'{name}' cannot soft-cap attention scores"):
+            select_kernel(name, 16, D, softcap=2.0)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "blocked", _NATIVE, "pallas_interpret"])

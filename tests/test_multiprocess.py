@@ -155,25 +155,33 @@ def test_four_processes_ppo_and_resume_on_another_process_count(single, tmp_path
 
 def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     """GRPO, evaluation onto another mesh, HF export and the generate CLI, each as 2 processes,
-    give what one process gives."""
+    give what one process gives. The GRPO run is multi-turn (the calculator task's tool, which
+    process 0 steps and broadcasts), fuses scoring into generation and migrates each rollout's
+    last 24 rows onto one replica of the generation mesh (2 devices of one process): the other
+    process keeps driving the tail's loop."""
     grpo = [
+        "--config", "configs/calculator_grpo.gin",
         "RunConfig.stages=('grpo',)",
-        f"actor/RoleConfig.init='ckpt:{single}/sft'",
-        f"reference/RoleConfig.init='ckpt:{single}/sft'",
-        "TaskConfig.reward_fn='synthetic_ground_truth'",
+        "actor/RoleConfig.init='tiny'",
         "RLConfig.samples_per_prompt=4",
         "RLConfig.prompts_per_iteration=8",
         "RLConfig.minibatch_size=16",
-        "RLConfig.epochs=1",
         "RLConfig.iterations=2",
         "TaskConfig.num_heldout=16",
         "RunConfig.tensorboard=False",
-    ]
+        "RLConfig.fusion=True",
+        "RLConfig.migrate_rows=24",
+        "DecodeConfig.chunk_steps=2",  # rows finish over several chunks: a tail to migrate
+    ]  # fmt: skip
     two, one = tmp_path / "grpo2", tmp_path / "grpo1"
     out = launch(2, 4, "train", "--run-dir", str(two), "--quiet", *grpo)
     assert out.returncode == 0, why(out)
     assert train.main(["--run-dir", str(one), "--quiet", *grpo]) == 0
     assert_same_metrics(one, two, stages=("grpo",))
+    rows = [json.loads(x) for x in (two / "logs/grpo/metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "fusion/migrated_rows" in r]
+    assert len(rows) == 2 and min(r["fusion/migrated_rows"] for r in rows) > 0, rows
+    assert min(r["env/tool_calls"] for r in rows) > 0, rows
 
     # evaluate the PPO run's policy on a mesh it was not trained on: 4 devices, 2 per process
     mesh = "data=2,tensor=2@2:6"

@@ -94,12 +94,34 @@ def test_presets_have_the_published_parameter_counts():
         "llama3_70b": 70_553_706_496,
         "llama3_405b": 405_853_388_800,  # Llama 3.1 405B (tied: no; 128k vocab)
         "qwen2_7b": 7_615_616_512,
+        # the published totals: Qwen3's model cards (0.6B of which 0.44B non-embedding, ...),
+        # Gemma's safetensors (tied embeddings; Gemma 3 4B-27B their text towers)
+        "qwen3_0_6b": 596_049_920,
+        "qwen3_1_7b": 1_720_574_976,
+        "qwen3_4b": 4_022_468_096,
+        "qwen3_8b": 8_190_735_360,
+        "qwen3_14b": 14_768_307_200,
+        "qwen3_32b": 32_762_123_264,
+        "gemma2_2b": 2_614_341_888,
+        "gemma2_9b": 9_241_705_984,
+        "gemma2_27b": 27_227_128_320,
+        "gemma3_1b": 999_885_952,
+        "gemma3_4b": 3_880_263_168,
+        "gemma3_12b": 11_766_034_176,
+        "gemma3_27b": 27_009_346_304,
     }
     assert set(PRESETS) == set(expected)
     for name, count in expected.items():
         assert get_preset(name).num_params() == count, name
     assert get_preset("Llama2-7B").hidden_size == 4096
     assert get_preset("llama2_7b", param_dtype="float32").param_dtype == "float32"
+    # Every preset is a config transformers' classes read back unchanged (export and import).
+    from jrlhf.models.hf import config_from_hf, config_to_hf
+
+    for name in PRESETS:
+        cfg = get_preset(name)
+        back = config_from_hf(config_to_hf(cfg))[0]  # the dtypes are the loader's choice
+        assert back.replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype) == cfg, name
 
 
 def test_unknown_preset_is_one_line_listing_names():

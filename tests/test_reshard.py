@@ -219,6 +219,28 @@ def test_disjoint_devices_of_different_counts_round_trip(train, gen, out_path, b
             assert t.bytes_moved == src * (len(t.dst[0].device_set) // len(t.src[0].device_set))
 
 
+def test_onto_some_of_the_source_devices_takes_the_stack_path():
+    """A migration's tail: from a mesh onto a replica submesh of it (devices 2, 3, 6, 7 of 8).
+    The target layout is laid out twice over the source devices, its first copy on the
+    target's, and those shards become the target array: no transfer JAX refuses between
+    processes; values exact, compiled once, the bytes those the target lacks."""
+    src = make_mesh(MeshSpec.parse("fsdp=4,tensor=2"))
+    devices = np.array(jax.devices(), dtype=object)[[2, 3, 6, 7]].reshape(2, 2)
+    dst = jax.sharding.Mesh(devices, ("data", "tensor"))
+    params = _params(src, seed=5)
+    reference = jax.device_get(params)
+    target = MODEL.shardings(dst, "dp_tp")
+    resharder = Resharder()
+    for _ in range(2):
+        out = resharder(params, target)
+        for leaf, want in zip(jax.tree.leaves(out), jax.tree.leaves(target), strict=True):
+            assert leaf.sharding == want
+        _assert_same(reference, out)
+    (t,) = resharder.transitions
+    assert t.path == "stack" and t.compiles == 1 and t.runs == 2
+    assert 0 < t.bytes_moved <= sum(bytes_per_device(t.dst, t.avals).values())
+
+
 def test_disjoint_devices_whose_counts_do_not_divide_take_jax_device_put_in_one_process():
     train, gen = make_mesh(MeshSpec.parse("fsdp=2@0:2")), make_mesh(MeshSpec.parse("tensor=3@2:5"))
     x = jax.device_put(np.zeros((6, 6), np.float32), NamedSharding(train, P("fsdp")))

@@ -127,7 +127,7 @@ def test_missing_answer_fails_before_any_model(files, tmp_path):
     del rows[2]["answer"]
     path = data.write_jsonl(tmp_path / "p.jsonl", rows)
     cfg = _cfg(files, "TaskConfig.reward_fn='answer_match'", f"TaskConfig.prompts='{path}'")
-    with pytest.raises(ConfigError, match=r"'answer_match' reads \['answer_ids'\].*record 3 of"):
+    with pytest.raises(ConfigError, match=r"'answer_match' reads 'answer_ids' .*record 3 of"):
         build_task_data(cfg)
     synthetic = load_config([], ["TaskConfig.reward_fn='answer_match'"])
     with pytest.raises(ConfigError, match="synthetic task's prompts"):

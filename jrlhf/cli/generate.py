@@ -4,12 +4,14 @@
         --max-new-tokens N [--greedy | --temperature T --top-p P --top-k K]
         [--num-samples S] [--seed SEED] [--mesh "data=2,tensor=4"] --output OUT.jsonl
 
-Input lines are ``{"prompt": "text"}`` (needs the checkpoint's tokenizer.json) or
-``{"prompt_ids": [1, 2, 3]}``, read and validated by :func:`jrlhf.data.load_prompts` like the
-trainer's prompt files (blank lines are skipped). Each output line carries ``prompt_index``,
-``sample_index``, ``completion_ids``, ``logprobs`` (raw policy log-probs), ``sampling_logprobs``
-and ``text`` when a tokenizer exists, in input order (samples of a prompt together). Input
-problems are reported as one line, with the line number, before any model is loaded.
+Input lines are ``{"prompt": "text"}`` (needs the checkpoint's tokenizer.json),
+``{"messages": [{"role": "user", "content": "..."}]}`` (rendered with the checkpoint's chat
+template, generation prompt added) or ``{"prompt_ids": [1, 2, 3]}``, read and validated by
+:func:`jrlhf.data.load_prompts` like the trainer's prompt files (blank lines are skipped).
+Each output line carries ``prompt_index``, ``sample_index``, ``completion_ids``, ``logprobs``
+(raw policy log-probs), ``sampling_logprobs`` and ``text`` when a tokenizer exists, in input
+order (samples of a prompt together). Input problems are reported as one line, with the line
+number, before any model is loaded.
 """
 
 from __future__ import annotations

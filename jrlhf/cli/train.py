@@ -112,7 +112,8 @@ def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool
         if stage in ("ppo", "grpo"):
             check_algorithm_config(cfg.rl, stage)
     if cfg.task.reward_fn:
-        get_reward_fn(cfg.task.reward_fn)  # a registered name or an importable module:function
+        # A registered name, an importable module:function, or a weighted sum of them.
+        get_reward_fn(cfg.task.reward_fn, cfg.task)
     return cfg, path, resume
 
 

@@ -25,6 +25,27 @@ counted on the dataset and reported in one warning at the end of loading.
 Text prompts are encoded with the tokenizer's special tokens (its post-processor usually adds
 ``<bos>``); text responses and answers are encoded without them and get ``eos_id`` appended
 (``append_eos``); id lists are taken as they are.
+
+Conversations (the layout of HF chat datasets) are rendered with the tokenizer's chat template
+(jrlhf.data.chat) and tokenized as transformers' ``apply_chat_template`` does; a message is
+``{"role": "system"|"user"|"assistant"|"tool"|..., "content": str}``:
+
+=============  ==========================================================================
+kind           conversation fields (ids, then conversations, then text win)
+=============  ==========================================================================
+prompts        ``messages`` (or ``prompt`` as a message list), rendered with the generation
+               prompt; it must not end with an assistant turn
+preferences    ``chosen`` and ``rejected`` message lists, either whole conversations that
+               differ only in their final assistant turn, or completions of a shared
+               ``prompt`` message list
+SFT            ``messages`` (or ``prompt`` + ``completion`` message lists); the loss is on
+               the assistant turns only (:attr:`SFTRecord.loss_mask`)
+=============  ==========================================================================
+
+A conversation's record ends where its template ends the last assistant turn (its end token,
+e.g. ``<|im_end|>``): no ``eos_id`` is appended. A malformed conversation (a message without a
+role, content that is not a string, a prompt ending with the assistant's turn, a template that
+raises) is a one-line error naming the file and line like any other.
 """
 
 from __future__ import annotations
@@ -38,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.data.chat import check_messages
 from jrlhf.data.records import (
     ANSWER_IDS,
     Dataset,
@@ -74,8 +96,16 @@ CHOSEN = _Field("chosen response", ("chosen",), ("chosen_ids",))
 REJECTED = _Field("rejected response", ("rejected",), ("rejected_ids",))
 RESPONSE = _Field("response", ("response", "completion"), ("response_ids", "completion_ids"))
 ANSWER = _Field("answer", ("answer",), (ANSWER_IDS,))
+MESSAGES = "messages"
 # Fields that become a record's sequences; everything else of a prompt row is meta.
-_SEQUENCE_NAMES = frozenset(n for f in (PROMPT, CHOSEN, REJECTED, RESPONSE) for n in f.names)
+_SEQUENCE_NAMES = frozenset(
+    [MESSAGES, *(n for f in (PROMPT, CHOSEN, REJECTED, RESPONSE) for n in f.names)]
+)
+
+
+def _is_conversation(value: Any) -> bool:
+    """A list of message objects (as opposed to a text or an id list)."""
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], dict)
 
 
 class _Row:
@@ -120,6 +150,74 @@ class _RecordBuilder:
         wanted = " or ".join(repr(n) for n in field.names)
         has = ", ".join(repr(k) for k, v in row.items() if v is not None) or "no fields"
         raise at.error(f"expected an object with {wanted} (it has {has})")
+
+    def _chat_tokenizer(self, at: _Row, name: str):
+        if self.tokenizer is None:
+            raise at.error(
+                f"{name!r} is a conversation, which needs a tokenizer with a chat template "
+                "(TaskConfig.tokenizer)"
+            )
+        if self.tokenizer.chat_template is None:
+            raise at.error(
+                f"{name!r} is a conversation, but the tokenizer ({self.tokenizer.source}) has no "
+                "chat template"
+            )
+        return self.tokenizer
+
+    def messages(self, value: Any, at: _Row, name: str, *, final: str | None) -> list[dict]:
+        """``value`` validated as a conversation (jrlhf.data.chat.check_messages)."""
+        try:
+            return check_messages(value, final=final)
+        except ValueError as e:
+            raise at.error(f"{name!r}: {e}") from None
+
+    def _render(self, at: _Row, name: str, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as e:  # the template raised, or cannot split the conversation
+            raise at.error(f"{name!r}: {str(e).splitlines()[0]}") from None
+
+    def prompt_from_messages(self, messages: list[dict], at: _Row, name: str) -> list[int]:
+        """The conversation rendered with the generation prompt: a prompt's ids."""
+        tok = self._chat_tokenizer(at, name)
+        ids = self._render(at, name, tok.apply_chat_template, messages, True)
+        return self._truncate(self._check_ids(ids, name, at), is_prompt=True)
+
+    def split_conversation(
+        self, messages: list[dict], at: _Row, name: str
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, response ids, loss mask): the conversation's tokens up to its first
+        assistant turn, the rest through its last one, and 1 on the assistant turns' tokens."""
+        tok = self._chat_tokenizer(at, name)
+        ids, mask = self._render(at, name, tok.encode_chat_with_mask, messages)
+        ids = self._check_ids(ids, name, at)
+        trained = [i for i, m in enumerate(mask) if m]
+        if not trained:
+            raise at.error(f"{name!r}: the template rendered no assistant tokens")
+        first, last = trained[0], trained[-1] + 1
+        if first == 0:
+            raise at.error(
+                f"{name!r}: the conversation has no prompt before its first assistant turn"
+            )
+        prompt = self._truncate(ids[:first], is_prompt=True)
+        response = self._truncate(ids[first:last], is_prompt=False)
+        return prompt, response, mask[first:last][: len(response)]
+
+    def completion(
+        self, prompt_ids: list[int], messages: list[dict], at: _Row, name: str
+    ) -> list[int]:
+        """The ids a conversation adds to ``prompt_ids`` (its prompt rendered with the
+        generation prompt), through its last assistant turn."""
+        tok = self._chat_tokenizer(at, name)
+        ids, mask = self._render(at, name, tok.encode_chat_with_mask, messages)
+        n = len(prompt_ids)
+        trained = [i for i, m in enumerate(mask) if m]
+        if ids[:n] != prompt_ids or not trained or trained[-1] < n:
+            raise at.error(
+                f"{name!r}: the conversation does not tokenize as its prompt followed by the "
+                "assistant's answer"
+            )
+        return self._truncate(self._check_ids(ids[n : trained[-1] + 1], name, at), False)
 
     def _encode(self, text: Any, name: str, field: _Field, at: _Row, is_prompt: bool) -> list:
         if not isinstance(text, str):
@@ -270,9 +368,18 @@ def load_prompts(
     """
 
     def make(builder: _RecordBuilder, row: dict, at: _Row) -> PromptRecord:
-        ids = builder.ids(row, at, PROMPT, is_prompt=True)
+        conversation = _prompt_conversation(row)
+        if conversation is not None and row.get("prompt_ids") is None:
+            name, value = conversation
+            messages = builder.messages(value, at, name, final="prompt")
+            ids = builder.prompt_from_messages(messages, at, name)
+        else:
+            ids = builder.ids(row, at, PROMPT, is_prompt=True)
         meta = {k: v for k, v in row.items() if k not in _SEQUENCE_NAMES}
         if _present(row, ANSWER):
+            answer = row.get("answer")
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                row = {**row, "answer": str(answer)}  # a number: tokenized as its text
             meta[ANSWER_IDS] = builder.ids(row, at, ANSWER, is_prompt=False)
         return PromptRecord(ids, meta)
 
@@ -301,6 +408,8 @@ def load_preferences(
     """A dataset of :class:`PreferenceRecord`."""
 
     def make(builder: _RecordBuilder, row: dict, at: _Row) -> PreferenceRecord:
+        if _is_conversation(row.get("chosen")) or _is_conversation(row.get("rejected")):
+            return _conversation_pair(builder, row, at)
         return PreferenceRecord(
             builder.ids(row, at, PROMPT, is_prompt=True),
             builder.ids(row, at, CHOSEN, is_prompt=False),
@@ -331,6 +440,16 @@ def load_sft(
     """A dataset of :class:`SFTRecord` (response field ``response`` or ``completion``)."""
 
     def make(builder: _RecordBuilder, row: dict, at: _Row) -> SFTRecord:
+        if row.get(MESSAGES) is not None or _is_conversation(row.get("prompt")):
+            if row.get(MESSAGES) is not None:
+                name, value = MESSAGES, row[MESSAGES]
+            else:  # TRL's conversational prompt-completion form
+                completion = row.get("completion")
+                if not _is_conversation(completion):
+                    raise at.error("a 'prompt' message list needs a 'completion' message list")
+                name, value = "prompt+completion", [*row["prompt"], *completion]
+            messages = builder.messages(value, at, name, final="assistant")
+            return SFTRecord(*builder.split_conversation(messages, at, name))
         return SFTRecord(
             builder.ids(row, at, PROMPT, is_prompt=True),
             builder.ids(row, at, RESPONSE, is_prompt=False),
@@ -345,6 +464,52 @@ def load_sft(
         max_prompt_len=max_prompt_len,
         max_response_len=max_response_len,
         append_eos=append_eos,
+    )
+
+
+def _prompt_conversation(row: dict) -> tuple[str, Any] | None:
+    """(field, value) of a prompt row's conversation: ``messages``, or ``prompt`` given as a
+    message list (verl's and TRL's layout); None for a text or id prompt."""
+    if row.get(MESSAGES) is not None:
+        return MESSAGES, row[MESSAGES]
+    if isinstance(row.get("prompt"), (list, tuple)) and not _is_ids(row["prompt"]):
+        return "prompt", row["prompt"]
+    return None
+
+
+def _is_ids(value: Any) -> bool:
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+
+
+def _conversation_pair(builder: _RecordBuilder, row: dict, at: _Row) -> PreferenceRecord:
+    """A preference pair of two conversations: with a shared ``prompt`` message list, ``chosen``
+    and ``rejected`` are its completions; without one, they are whole conversations that share
+    every message but their final assistant turn (that shared part is the prompt)."""
+    for name in ("chosen", "rejected"):
+        if not _is_conversation(row.get(name)):
+            raise at.error(f"{name!r} must be a message list like the other answer")
+    if row.get("prompt") is not None:
+        prompt = builder.messages(row["prompt"], at, "prompt", final="prompt")
+        chosen = builder.messages(row["chosen"], at, "chosen", final="assistant")
+        rejected = builder.messages(row["rejected"], at, "rejected", final="assistant")
+        chosen, rejected = [*prompt, *chosen], [*prompt, *rejected]
+    else:
+        chosen = builder.messages(row["chosen"], at, "chosen", final="assistant")
+        rejected = builder.messages(row["rejected"], at, "rejected", final="assistant")
+        prompt = chosen[:-1]
+        if not prompt or rejected[:-1] != prompt:
+            raise at.error(
+                "'chosen' and 'rejected' must share every message but their final assistant "
+                "turn (or give the shared turns as a 'prompt' message list)"
+            )
+    builder.messages(prompt, at, "prompt", final="prompt")
+    prompt_ids = builder.prompt_from_messages(prompt, at, "prompt")
+    # Completions continue the untruncated prompt: compare against it before truncation.
+    full_prompt = builder.tokenizer.apply_chat_template(prompt, True)
+    return PreferenceRecord(
+        prompt_ids,
+        builder.completion(full_prompt, chosen, at, "chosen"),
+        builder.completion(full_prompt, rejected, at, "rejected"),
     )
 
 

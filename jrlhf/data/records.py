@@ -31,10 +31,13 @@ class PreferenceRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SFTRecord:
-    """A prompt with its demonstration response."""
+    """A prompt with its demonstration response. ``loss_mask`` (one 0/1 per response token, or
+    None for all ones) marks the tokens SFT trains on: a conversation's assistant turns, not the
+    user turns and template tokens between them."""
 
     prompt_ids: list[int]
     response_ids: list[int]
+    loss_mask: list[int] | None = None
 
 
 @dataclasses.dataclass

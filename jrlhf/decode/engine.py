@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -42,14 +43,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jrlhf.decode.kernels import KERNELS, select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
+from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, end_reason
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.attention import (
     aligned_causal_attention,
-    attention_mask,
     full_attention,
     fused_attention_fits,
+    layer_choice,
+    layer_masks,
 )
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
@@ -83,6 +86,9 @@ class EngineConfig:
     builds), else out-major; elsewhere the layout is the compiler's or the kernel library's
     business (input-major).
 
+    ``max_observation_tokens`` is the longest observation a multi-turn ``generate`` may append
+    between two turns (jrlhf.decode.turns); 0 for single-turn use.
+
     ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
     and land on the same data shard share that prompt's prefill and its full KV pages (tokens
     and log-probs are the same as without: only pages and prefill work are saved).
@@ -100,6 +106,7 @@ class EngineConfig:
     unroll_layers: bool | None = None
     weight_layout: str | None = None
     share_prefixes: bool = True
+    max_observation_tokens: int = 0
 
     def __post_init__(self):
         for name in (
@@ -115,6 +122,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_pages < 0:
             raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
+        if self.max_observation_tokens < 0:
+            raise ValueError(
+                "EngineConfig.max_observation_tokens must be >= 0 "
+                f"(got {self.max_observation_tokens})"
+            )
         if self.kernel not in KERNELS:
             raise ValueError(f"EngineConfig.kernel {self.kernel!r} unknown (use one of {KERNELS})")
         if self.weight_layout is not None and self.weight_layout not in WEIGHT_LAYOUTS:
@@ -152,6 +164,14 @@ class DecodeState:
     tokens: jax.Array  # (slots, max_new_tokens) int32
     sampling_lp: jax.Array  # (slots, max_new_tokens) float32
     raw_lp: jax.Array  # (slots, max_new_tokens) float32
+    # Multi-turn (jrlhf.decode.turns): whether the policy sampled each token (False: an
+    # observation's), the sampled tokens the current turn may still take, and the observation
+    # being fed (its tokens, how many, how many fed so far).
+    policy: jax.Array  # (slots, max_new_tokens) bool
+    turn_left: jax.Array  # (slots,) int32
+    forced: jax.Array  # (slots, max(1, max_observation_tokens)) int32
+    forced_n: jax.Array  # (slots,) int32
+    forced_i: jax.Array  # (slots,) int32
 
 
 _STATE_AXES = DecodeState(
@@ -167,6 +187,11 @@ _STATE_AXES = DecodeState(
     tokens=("slots", None),
     sampling_lp=("slots", None),
     raw_lp=("slots", None),
+    policy=("slots", None),
+    turn_left=("slots",),
+    forced=("slots", None),
+    forced_n=("slots",),
+    forced_i=("slots",),
 )
 
 # The decode state of migrated sequences in transit (jrlhf.decode.engine.Migration): one row per
@@ -176,8 +201,11 @@ _MOVED_AXES = {
     "rows": (None,),
     "rows2": (None, None),
 }
-_MOVED_ROWS = ("lengths", "last_token", "num_generated", "max_new", "active")
-_MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp")
+_MOVED_ROWS = (
+    "lengths", "last_token", "num_generated", "max_new", "active", "turn_left", "forced_n",
+    "forced_i",
+)  # fmt: skip
+_MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp", "policy", "forced")
 
 
 @dataclasses.dataclass
@@ -186,7 +214,10 @@ class GenerationResult:
 
     ``completion_ids`` include the stop token when one ended the sequence. ``raw_logprobs`` are
     the policy's log-probs (temperature 1, no filtering); ``sampling_logprobs`` those of the
-    distribution actually sampled from.
+    distribution actually sampled from. ``policy_masks`` (multi-turn only, else None): per
+    completion, True at the tokens the policy sampled, False at observation tokens (whose
+    log-probs are 0). ``episode_meta`` (filled by jrlhf.ppo.rollout when an environment
+    answered, else None): per completion, what its episode adds to the reward's meta.
     """
 
     completion_ids: list[list[int]]
@@ -194,6 +225,8 @@ class GenerationResult:
     raw_logprobs: list[np.ndarray]
     prompt_index: np.ndarray
     stats: dict[str, Any]
+    policy_masks: list[np.ndarray] | None = None
+    episode_meta: list[dict[str, Any]] | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -202,13 +235,15 @@ class GenerationResult:
 
 class FinishedRow(NamedTuple):
     """One completion as ``generate`` hands it to ``on_finished``: its request index (the
-    position in the result), its prompt's index, tokens and log-probs (as in GenerationResult)."""
+    position in the result), its prompt's index, tokens, log-probs and, multi-turn, which tokens
+    the policy sampled (as in GenerationResult)."""
 
     index: int
     prompt_index: int
     completion_ids: list[int]
     sampling_logprobs: np.ndarray
     raw_logprobs: np.ndarray
+    policy_mask: np.ndarray | None = None
 
 
 # Called with the rows that finished in a decode chunk (jrlhf.ppo.fusion scores them early).
@@ -356,8 +391,13 @@ class DecodeEngine:
         self.config = config
         self.mesh = mesh
         self.rules = rules
+        # A model with soft-capped attention scores (Gemma 2) gets a kernel that computes them
+        # (select_kernel: "auto" takes the blocked one where it would take the Pallas one).
         self.kernel_name, self._kernel = select_kernel(
-            self.config.kernel, self.config.page_size, self.cfg.head_dim
+            self.config.kernel,
+            self.config.page_size,
+            self.cfg.head_dim,
+            self.cfg.attn_logit_softcap,
         )
         ec = self.config
 
@@ -435,6 +475,9 @@ class DecodeEngine:
         self._adopt = jax.jit(
             self._adopt_fn, donate_argnums=(0,), out_shardings=self.state_shardings
         )
+        self._resume = jax.jit(
+            self._resume_fn, donate_argnums=(0,), out_shardings=self.state_shardings
+        )
 
     # ------------------------------------------------------------------------------ device code
     def _init_state(self) -> DecodeState:
@@ -455,6 +498,11 @@ class DecodeEngine:
             tokens=zi(s, n),
             sampling_lp=jnp.zeros((s, n), jnp.float32),
             raw_lp=jnp.zeros((s, n), jnp.float32),
+            policy=jnp.zeros((s, n), bool),
+            turn_left=zi(s),
+            forced=zi(s, max(1, ec.max_observation_tokens)),
+            forced_n=zi(s),
+            forced_i=zi(s),
         )
 
     def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
@@ -488,6 +536,8 @@ class DecodeEngine:
         sample_idx_m,
         max_new_m,
         stop_ids,
+        turn_stop_ids,
+        turn_tokens,
         temperature,
         top_k,
         top_p,
@@ -512,7 +562,7 @@ class DecodeEngine:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
         valid = positions < lens_n[:, None]
         segments = valid.astype(jnp.int32)
-        mask = attention_mask(positions, positions, segments, segments, self.cfg.sliding_window)
+        mask = layer_masks(positions, segments, self.cfg.layer_windows)
         page_idx = jnp.take_along_axis(page_rows_np, positions // ps, axis=1)
         page_idx = jnp.where(valid, page_idx, total_pages)  # padding writes are dropped
         offsets = positions % ps
@@ -534,7 +584,10 @@ class DecodeEngine:
             vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
             if aligned:  # prompts start at column 0: no bias needed
                 return aligned_causal_attention(q, k, v), (kp, vp)
-            return full_attention(q, k, v, mask, self.cfg.fused_attention), (kp, vp)
+            out = full_attention(
+                q, k, v, mask(layer), self.cfg.fused_attention, self.cfg.attn_logit_softcap
+            )
+            return out, (kp, vp)
 
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
@@ -553,7 +606,9 @@ class DecodeEngine:
         keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_m)
         step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_m))
         tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
+        turn_left = turn_tokens - 1
         done = self._is_stop(tok, stop_ids) | (max_new_m <= 1)
+        done |= self._is_stop(tok, turn_stop_ids) | (turn_left <= 0)
         put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
         return state.replace(
             k_pages=kp,
@@ -567,12 +622,16 @@ class DecodeEngine:
             tokens=state.tokens.at[slots_m, 0].set(tok, mode="drop"),
             sampling_lp=state.sampling_lp.at[slots_m, 0].set(slp, mode="drop"),
             raw_lp=state.raw_lp.at[slots_m, 0].set(rlp, mode="drop"),
+            policy=state.policy.at[slots_m, 0].set(True, mode="drop"),
+            turn_left=put(state.turn_left, jnp.broadcast_to(turn_left, lens_m.shape)),
+            forced_n=put(state.forced_n, jnp.zeros_like(lens_m)),
+            forced_i=put(state.forced_i, jnp.zeros_like(lens_m)),
         )
 
     def _paged_attend(self, state: DecodeState):
         """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
         mesh, rules = self.mesh, self.rules
-        ps, window, kernel = self.config.page_size, self.cfg.sliding_window, self._kernel
+        ps, windows, kernel = self.config.page_size, self.cfg.layer_windows, self._kernel
         select, q_axis = self._kv_select, self._q_axes
         spec = lambda *axes: logical_to_spec(axes, mesh, rules)  # noqa: E731
         q_spec = spec("slots", None, "act_heads", "head_dim")
@@ -580,8 +639,9 @@ class DecodeEngine:
         pool_spec = self._specs.k_pages
         slot_spec = spec("slots")
         table_spec = spec("slots", None)
+        options, _ = layer_choice(windows, 0)
 
-        def local(q, k, v, layer, kp, vp, table, lengths, active):
+        def local(static_which, q, k, v, layer, kp, vp, table, lengths, active, which=None):
             local_pages = kp.shape[1]
             page = jnp.take_along_axis(table, (lengths // ps)[:, None], axis=1)[:, 0]
             page = jnp.where(active, page, local_pages)  # idle slots write nowhere
@@ -595,32 +655,46 @@ class DecodeEngine:
                 kp_q, vp_q = _own_kv_heads(q, kp, vp, self.cfg, q_axis)
             else:
                 kp_q, vp_q = kp, vp
-            out = kernel(q[:, 0], kp_q, vp_q, layer, table, kv_len, window)
+            # The kernels take the sliding window as a constant: the layer's own where it is
+            # known here (the layers unrolled, or all alike), else a switch over the model's
+            # distinct windows (two for Gemma's sliding and full layers under the scanned loop).
+            args = (q[:, 0], kp_q, vp_q, layer, table, kv_len)
+            cases = [lambda *a, w=w: kernel(*a, w) for w in options]
+            if static_which is not None:
+                out = cases[static_which](*args)
+            else:
+                out = jax.lax.switch(which, cases, *args)
             return out[:, None], kp, vp
 
-        mapped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(
-                q_spec,
-                kv_spec,
-                kv_spec,
-                PartitionSpec(),
-                pool_spec,
-                pool_spec,
-                table_spec,
-                slot_spec,
-                slot_spec,
-            ),
-            out_specs=(q_spec, pool_spec, pool_spec),
-            check_vma=False,
+        in_specs = (
+            q_spec,
+            kv_spec,
+            kv_spec,
+            PartitionSpec(),
+            pool_spec,
+            pool_spec,
+            table_spec,
+            slot_spec,
+            slot_spec,
         )
+
+        def mapped(static_which):
+            traced = static_which is None
+            return jax.shard_map(
+                functools.partial(local, static_which),
+                mesh=mesh,
+                in_specs=in_specs + ((PartitionSpec(),) if traced else ()),
+                out_specs=(q_spec, pool_spec, pool_spec),
+                check_vma=False,
+            )
 
         def attend(q, k, v, layer, cache):
             kp, vp = cache
-            out, kp, vp = mapped(
-                q, k, v, layer, kp, vp, state.page_table, state.lengths, state.active
-            )
+            _, which = layer_choice(windows, layer)
+            static = isinstance(which, int)
+            args = (q, k, v, jnp.asarray(layer, jnp.int32), kp, vp)
+            args += (state.page_table, state.lengths, state.active)
+            out, kp, vp = mapped(which if static else None)(*args, *(() if static else (which,)))
             return out, (kp, vp)
 
         return attend
@@ -631,6 +705,8 @@ class DecodeEngine:
         layer_params,
         state: DecodeState,
         stop_ids,
+        turn_stop_ids,
+        turn_tokens,
         temperature,
         top_k,
         top_p,
@@ -653,9 +729,20 @@ class DecodeEngine:
         tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
         active = state.active
         slots = jnp.arange(active.shape[0])
+        # A slot feeding an observation takes its next token instead of the sample (the logits
+        # of this step, after the turn's last token, are not the policy's choice of anything).
+        forcing = state.forced_i < state.forced_n
+        at = jnp.minimum(state.forced_i, state.forced.shape[1] - 1)
+        forced_tok = jnp.take_along_axis(state.forced, at[:, None], axis=1)[:, 0]
+        tok = jnp.where(forcing, forced_tok, tok)
+        slp, rlp = jnp.where(forcing, 0.0, slp), jnp.where(forcing, 0.0, rlp)
+        sampled = active & ~forcing
+        turn_left = state.turn_left - sampled
         col = jnp.where(active, state.num_generated, state.tokens.shape[1])  # idle: dropped
         num_generated = state.num_generated + active
-        done = self._is_stop(tok, stop_ids) | (num_generated >= state.max_new)
+        done = num_generated >= state.max_new
+        done |= ~forcing & (self._is_stop(tok, stop_ids) | self._is_stop(tok, turn_stop_ids))
+        done |= sampled & (turn_left <= 0)
         return state.replace(
             k_pages=kp,
             v_pages=vp,
@@ -666,11 +753,12 @@ class DecodeEngine:
             tokens=state.tokens.at[slots, col].set(tok, mode="drop"),
             sampling_lp=state.sampling_lp.at[slots, col].set(slp, mode="drop"),
             raw_lp=state.raw_lp.at[slots, col].set(rlp, mode="drop"),
+            policy=state.policy.at[slots, col].set(~forcing, mode="drop"),
+            turn_left=turn_left,
+            forced_i=state.forced_i + (active & forcing),
         )
 
-    def _decode_chunk_fn(
-        self, params, layer_params, state, stop_ids, temperature, top_k, top_p, *, greedy, filtered
-    ):
+    def _decode_chunk_fn(self, params, layer_params, state, *scalars, greedy, filtered):
         """Up to ``chunk_steps`` decode steps; stops as soon as no slot is active."""
         steps = self.config.chunk_steps
 
@@ -681,20 +769,24 @@ class DecodeEngine:
         def body(carry):
             i, s = carry
             s = self._decode_step(
-                params,
-                layer_params,
-                s,
-                stop_ids,
-                temperature,
-                top_k,
-                top_p,
-                greedy=greedy,
-                filtered=filtered,
+                params, layer_params, s, *scalars, greedy=greedy, filtered=filtered
             )
             return i + 1, s
 
         _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
         return state
+
+    def _resume_fn(self, state: DecodeState, slots_m, forced_mf, forced_n_m, turn_tokens):
+        """Slots ``slots_m`` (out of range: padding) go on with a new turn: first the
+        ``forced_n_m`` observation tokens of ``forced_mf``, then ``turn_tokens`` sampled ones."""
+        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
+        return state.replace(
+            active=put(state.active, True),
+            forced=put(state.forced, forced_mf),
+            forced_n=put(state.forced_n, forced_n_m),
+            forced_i=put(state.forced_i, jnp.zeros_like(forced_n_m)),
+            turn_left=put(state.turn_left, jnp.broadcast_to(turn_tokens, forced_n_m.shape)),
+        )
 
     def _extract_fn(self, state: DecodeState, slots_m, pages_mp):
         """The decode state of slots ``slots_m`` (out of range: padding rows, inactive) with the
@@ -818,6 +910,7 @@ class DecodeEngine:
         sampling: SamplingParams | None = None,
         on_finished: FinishedCallback | None = None,
         migration: Migration | None = None,
+        turns: Turns | None = None,
     ) -> GenerationResult:
         """Generate ``sampling.num_samples`` completions for every prompt (token-id lists).
 
@@ -825,7 +918,8 @@ class DecodeEngine:
         the next chunk has been dispatched (so the host work it does overlaps that chunk's
         decode), and the last ones after the loop; it must not touch the engine. ``migration``
         moves the last few sequences onto a tail engine on fewer devices (see Migration). The
-        samples are the same with or without either.
+        samples are the same with or without either. ``turns`` makes every sequence an episode
+        of several turns (jrlhf.decode.turns).
         """
         sp = sampling or SamplingParams()
         ec = self.config
@@ -839,11 +933,19 @@ class DecodeEngine:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported (got {len(stops)})")
         if migration is not None:
             self._check_tail(migration.engine)
+        self._check_turns(turns)
         requests = self._requests(prompts, sp, max_new)
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[: len(stops)] = stops
+        turn_stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        turn_tokens = np.int32(2**30)  # no turn limit but the episode's
+        if turns is not None:
+            turn_stop_ids[: len(turns.stop_ids)] = turns.stop_ids
+            turn_tokens = np.int32(turns.max_tokens or 2**30)
         scalars = (
             stop_ids,
+            turn_stop_ids,
+            turn_tokens,
             np.float32(sp.temperature),
             np.int32(sp.top_k),
             np.float32(sp.top_p),
@@ -900,7 +1002,16 @@ class DecodeEngine:
                     s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
                 ]
                 if finished:
-                    toks, slp, rlp = to_host((state.tokens, state.sampling_lp, state.raw_lp))
+                    fetch = (state.tokens, state.sampling_lp, state.raw_lp)
+                    toks, slp, rlp, *policy = to_host(fetch + ((state.policy,) * bool(turns)))
+                    if turns is not None:
+                        turn_ended = finished
+                        state, finished = eng._next_turns(
+                            state, turns, finished, slot_req, num_gen, toks, policy[0], stops
+                        )
+                        for slot in set(turn_ended) - set(finished):  # going on: a new turn
+                            active_host[slot] = True
+                            stats["turns"] += 1
                     for slot in finished:
                         n = int(num_gen[slot])
                         req = slot_req[slot]
@@ -908,6 +1019,7 @@ class DecodeEngine:
                             toks[slot, :n].tolist(),
                             slp[slot, :n].copy(),
                             rlp[slot, :n].copy(),
+                            policy[0][slot, :n].copy() if policy else None,
                         )
                         alloc.release(slot)
                         slot_req[slot] = None
@@ -932,6 +1044,11 @@ class DecodeEngine:
                     stats["migrate_seconds"] = time.perf_counter() - t_mig
             if on_finished is not None and done_rows:
                 on_finished(done_rows)
+        except BaseException:
+            # A failed call leaves slots active on the device that no request owns: the next
+            # call starts from a fresh state rather than decode them into pages reused by others.
+            state = own_state = None
+            raise
         finally:
             if eng is self:
                 self.state = state
@@ -952,7 +1069,67 @@ class DecodeEngine:
             raw_logprobs=[o[2] for o in outputs],
             prompt_index=np.array([r.prompt_index for r in requests], np.int32),
             stats=dict(stats),
+            policy_masks=[o[3] for o in outputs] if turns is not None else None,
         )
+
+    def _check_turns(self, turns: Turns | None) -> None:
+        """One line of error for multi-turn settings this engine cannot run."""
+        if turns is None:
+            return
+        if not self.config.max_observation_tokens:
+            raise ValueError(
+                "multi-turn generation needs EngineConfig.max_observation_tokens > 0 (the "
+                "longest observation appended between turns)"
+            )
+        if len(turns.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(
+                f"at most {MAX_STOP_IDS} turn stop ids are supported (got {len(turns.stop_ids)})"
+            )
+
+    def _next_turns(self, state, turns: Turns, finished, slot_req, num_gen, toks, policy, stops):
+        """The slots in ``finished`` whose turn ended ask ``turns.handler`` for their next
+        observation; those that get one go on (a ``_resume`` call feeds it), the others' episodes
+        end. Returns the state and the slots whose episodes ended."""
+        ends = []
+        for slot in finished:
+            req, n = slot_req[slot], int(num_gen[slot])
+            reason = end_reason(int(toks[slot, n - 1]), n, req.max_new, stops, turns)
+            ends.append(
+                TurnEnd(
+                    req.index, req.prompt_index, req.sample_index, req.prompt,
+                    toks[slot, :n].tolist(), policy[slot, :n].copy(), reason, req.max_new - n,
+                )
+            )  # fmt: skip
+        answers = list(turns.handler(ends))
+        if len(answers) != len(ends):
+            raise ValueError(f"turn handler answered {len(answers)} of {len(ends)} turn ends")
+        width = self.config.max_observation_tokens
+        slots = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
+        forced = np.zeros((self.config.num_slots, max(1, width)), np.int32)
+        forced_n = np.zeros((self.config.num_slots,), np.int32)
+        ended, k = [], 0
+        for slot, end, answer in zip(finished, ends, answers):
+            if end.reason not in CONTINUING or answer is None or not len(answer):
+                ended.append(slot)
+                continue
+            obs = [int(t) for t in answer][: end.room]
+            if len(obs) > width:
+                raise ValueError(
+                    f"request {end.index}: an observation of {len(obs)} tokens is longer than "
+                    f"EngineConfig.max_observation_tokens {width}"
+                )
+            bad = [t for t in obs if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {end.index}: observation token id {bad[0]} outside vocab "
+                    f"{self.cfg.vocab_size}"
+                )
+            slots[k], forced[k, : len(obs)], forced_n[k] = slot, obs, len(obs)
+            k += 1
+        if k:
+            turn_tokens = np.int32(turns.max_tokens or 2**30)
+            state = self._resume(state, slots, forced, forced_n, turn_tokens)
+        return state, ended
 
     def _allocator(self) -> PageAllocator:
         ec = self.config

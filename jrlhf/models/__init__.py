@@ -1,4 +1,5 @@
-"""Llama-family decoder in Flax NNX, its value-head variant, and HF checkpoint interop."""
+"""The decoder in Flax NNX (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text), its value-head
+variant, and HF checkpoint interop."""
 
 from jrlhf.models import hf
 from jrlhf.models.config import ModelConfig, RopeScaling, tiny_config

@@ -7,7 +7,7 @@ a cache all use the same rule: a query attends to keys of its own segment at pos
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,8 +44,41 @@ def attention_mask(
     return mask
 
 
+def layer_choice(values: Sequence[Any], layer_idx: Any) -> tuple[tuple[Any, ...], Any]:
+    """Per-layer ``values`` (one per layer) at ``layer_idx``, as (the distinct values in order,
+    which of them): ``which`` a Python int where every layer has the same value or the index is a
+    Python int (the unrolled loop), else a traced int32 looked up from the index (the scanned
+    loop, whose one body serves every layer)."""
+    options = tuple(sorted(set(values)))
+    if len(options) == 1:
+        return options, 0
+    if isinstance(layer_idx, int):
+        return options, options.index(values[layer_idx])
+    which = jnp.asarray([options.index(v) for v in values], jnp.int32)
+    return options, which[layer_idx]
+
+
+def select_choice(cases: Sequence[Any], which: Any) -> Any:
+    """``cases[which]`` for a ``layer_choice`` index: the case itself where ``which`` is a Python
+    int, else an elementwise select of the (same-shaped) pytrees."""
+    if isinstance(which, int):
+        return cases[which]
+    return jax.tree.map(lambda *xs: jax.lax.select_n(which, *xs), *cases)
+
+
+def softcap_scores(scores: jax.Array, softcap: float) -> jax.Array:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention logits); ``scores`` if 0."""
+    if not softcap:
+        return scores
+    return softcap * jnp.tanh(scores / softcap)
+
+
 def masked_attention(
-    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    mask_bts: jax.Array,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Grouped-query attention with a boolean mask; softmax in float32.
 
@@ -58,8 +91,10 @@ def masked_attention(
 
     On CPU, for float32 on one device (``native_fits``), the native kernel computes the same
     (``jrlhf.native.attention``: forward and backward, 1.3x the train step's speed there).
+    It has no soft-capping: ``softcap`` (``softcap_scores`` of the scaled scores, before the
+    mask) takes the XLA form.
     """
-    if native_fits(q_bthd, k_bskd, v_bskd):
+    if not softcap and native_fits(q_bthd, k_bskd, v_bskd):
         return native_attention.masked_attention(q_bthd, k_bskd, v_bskd, mask_bts, MASK_VALUE)
     b, t, h, d = q_bthd.shape
     kv_heads = k_bskd.shape[2]
@@ -69,6 +104,7 @@ def masked_attention(
     k_bkds = k_bskd.transpose(0, 2, 3, 1)
     v_bksd = v_bskd.transpose(0, 2, 1, 3)
     scores = jnp.matmul(q_bkrd, k_bkds, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = softcap_scores(scores, softcap)
     mask_brs = jnp.tile(mask_bts, (1, groups, 1))
     scores = jnp.where(mask_brs[:, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
@@ -131,14 +167,20 @@ def fused_attention_fits(t: int, s: int, head_dim: int) -> bool:
 
 
 def full_attention(
-    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array, fused: bool
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    mask_bts: jax.Array,
+    fused: bool,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Attention of whole sequences (training, scoring, prefill): ``fused_attention`` when
     ``fused`` (ModelConfig.fused_attention) and the shapes allow it, ``masked_attention``
-    otherwise."""
-    if fused and fused_attention_fits(q_bthd.shape[1], k_bskd.shape[1], q_bthd.shape[-1]):
+    otherwise (always with a ``softcap``, which cuDNN's attention does not have)."""
+    fits = fused_attention_fits(q_bthd.shape[1], k_bskd.shape[1], q_bthd.shape[-1])
+    if fused and fits and not softcap:
         return fused_attention(q_bthd, k_bskd, v_bskd, mask_bts)
-    return masked_attention(q_bthd, k_bskd, v_bskd, mask_bts)
+    return masked_attention(q_bthd, k_bskd, v_bskd, mask_bts, softcap)
 
 
 def aligned_attend(q, k, v, layer_idx, cache):
@@ -148,22 +190,40 @@ def aligned_attend(q, k, v, layer_idx, cache):
     return aligned_causal_attention(q, k, v), cache
 
 
+def layer_masks(
+    positions_bt: jax.Array, segment_ids_bt: jax.Array, windows: Sequence[int]
+) -> Callable[[Any], jax.Array]:
+    """``mask(layer_idx)``: the (B, T, T) mask of full sequences for that layer's sliding window
+    (``windows``, one per layer). One mask per distinct window, built once; a scanned layer
+    selects between them by its index."""
+    options, _ = layer_choice(windows, 0)
+    masks = [
+        attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, w)
+        for w in options
+    ]
+
+    def mask(layer_idx):
+        return select_choice(masks, layer_choice(windows, layer_idx)[1])
+
+    return mask
+
+
 def dense_attend(
     positions_bt: jax.Array,
     segment_ids_bt: jax.Array,
-    sliding_window: int = 0,
+    sliding_window: int | Sequence[int] = 0,
     fused: bool = False,
+    softcap: float = 0.0,
 ) -> AttendFn:
     """The attend hook for full-sequence forward passes (training, scoring): no cache.
 
-    ``fused``: see ``full_attention``.
+    ``sliding_window``: one for every layer, or one per layer (ModelConfig.layer_windows).
+    ``fused``, ``softcap``: see ``full_attention``.
     """
-    mask = attention_mask(
-        positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, sliding_window
-    )
+    windows = (sliding_window,) if isinstance(sliding_window, int) else tuple(sliding_window)
+    mask = layer_masks(positions_bt, segment_ids_bt, windows)
 
     def attend(q, k, v, layer_idx, cache):
-        del layer_idx
-        return full_attention(q, k, v, mask, fused), cache
+        return full_attention(q, k, v, mask(layer_idx), fused, softcap), cache
 
     return attend

@@ -1,4 +1,4 @@
-"""Model configuration for the Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral)."""
+"""Model configuration for the decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+# The MLP's gate activation: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU, Gemma's
+# gelu_pytorch_tanh).
+ACTIVATIONS = ("silu", "gelu_tanh")
+# ModelConfig.layer_types entries (HF's names): a sliding layer attends over the last
+# ``sliding_window`` positions, a full one over all of them.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
@@ -48,8 +54,14 @@ POSITIVE_SIZES = (
     "num_kv_heads",
     "max_position_embeddings",
 )
-NONNEGATIVE_SIZES = ("head_dim", "sliding_window")
+NONNEGATIVE_SIZES = ("head_dim", "sliding_window", "query_pre_attn_scalar")
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
+# 0 means "off" (soft-capping) or "derived" (rope_local_theta: rope_theta)
+NONNEGATIVE_REALS = (
+    "attn_logit_softcap",
+    "final_logit_softcap",
+    "rope_local_theta",
+)
 
 
 def value_problem(name: str, value: Any) -> str | None:
@@ -62,6 +74,8 @@ def value_problem(name: str, value: Any) -> str | None:
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if name in POSITIVE_REALS and not (real and 0 < value < math.inf):
         return f"{name} must be a finite number > 0 (got {value!r})"
+    if name in NONNEGATIVE_REALS and not (real and 0 <= value < math.inf):
+        return f"{name} must be a finite number >= 0 (got {value!r})"
     return None
 
 
@@ -86,6 +100,31 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int = 0  # 0 disables sliding-window attention
+    # Which layers the window applies to, one entry per layer (LAYER_TYPES; Gemma 2 alternates,
+    # Gemma 3 has 5 sliding layers to 1 full); empty: every layer (Mistral). Per-layer choices
+    # (window, RoPE table) are taken from the layer index, under the scanned loop as unrolled.
+    layer_types: tuple[str, ...] = ()
+    # RoPE base of the sliding layers, with no frequency scaling (Gemma 3's rope_local_base_freq);
+    # 0: the same RoPE as the full layers.
+    rope_local_theta: float = 0.0
+    qk_norm: bool = (
+        False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
+    )
+    # RMSNorms scale by (1 + weight), in float32 before the cast (Gemma); the weight is stored as
+    # the checkpoint stores it.
+    norm_unit_offset: bool = False
+    # Norms on the attention and MLP outputs too, before each residual add: four per layer
+    # (Gemma 2 and 3).
+    post_norms: bool = False
+    hidden_act: str = "silu"  # ACTIVATIONS
+    scale_embeddings: bool = (
+        False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
+    )
+    # The attention scale is query_pre_attn_scalar ** -0.5 (Gemma); 0: head_dim ** -0.5.
+    query_pre_attn_scalar: int = 0
+    # cap * tanh(x / cap) of the attention scores (Gemma 2) and of the final logits; 0 is off.
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
     max_position_embeddings: int = 2048
     architecture: str = "llama"
     param_dtype: str = "float32"
@@ -111,7 +150,7 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for name in (*POSITIVE_SIZES, *NONNEGATIVE_SIZES, *POSITIVE_REALS):
+        for name in (*POSITIVE_SIZES, *NONNEGATIVE_SIZES, *POSITIVE_REALS, *NONNEGATIVE_REALS):
             problem = value_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(problem)
@@ -152,6 +191,25 @@ class ModelConfig:
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field} {getattr(self, field)!r} unknown (use one of {DTYPES})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} unknown (use one of {ACTIVATIONS})")
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown[0]!r} unknown (use one of {LAYER_TYPES})")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is 0")
+        if self.attention == "cudnn" and self.attn_logit_softcap:
+            raise ValueError(
+                "attention 'cudnn' cannot soft-cap attention scores (attn_logit_softcap "
+                f"{self.attn_logit_softcap}); use attention 'einsum' or 'auto'"
+            )
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if isinstance(self.eos_token_id, list):
@@ -194,8 +252,30 @@ class ModelConfig:
         """Whether full-sequence passes run cuDNN flash attention: ``attention`` "cudnn", or
         "auto" on a GPU backend with a bfloat16/float16 compute dtype."""
         if self.attention == "auto":
-            return jax.default_backend() == "gpu" and self.dtype in FUSED_ATTENTION_DTYPES
+            # cuDNN's attention has no soft-capping of the scores: those models take the einsum
+            return (
+                jax.default_backend() == "gpu"
+                and self.dtype in FUSED_ATTENTION_DTYPES
+                and not self.attn_logit_softcap
+            )
         return self.attention == "cudnn"
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention), from ``layer_types``."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else 0 for kind in self.layer_types
+        )
+
+    @property
+    def query_scale(self) -> float:
+        """What the queries are multiplied by so that the kernels' ``head_dim ** -0.5`` makes
+        the model's attention scale (``query_pre_attn_scalar``); 1.0 for most models."""
+        if not self.query_pre_attn_scalar:
+            return 1.0
+        return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -206,7 +286,8 @@ class ModelConfig:
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * e * f + 2 * e
+        norms = (4 if self.post_norms else 2) * e + (2 * d if self.qk_norm else 0)
+        per_layer = attn + 3 * e * f + norms
         total = self.vocab_size * e + self.num_layers * per_layer + e
         if with_lm_head and not self.tie_word_embeddings:
             total += self.vocab_size * e

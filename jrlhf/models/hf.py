@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
+from jrlhf.data.tokenizer import checkpoint_end_ids
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules, path_str
@@ -30,12 +31,58 @@ from jrlhf.models.config import ModelConfig, RopeScaling
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.safetensors_io import INDEX_NAME, CheckpointError, SafetensorsReader
 
-_ARCH_CLASS = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+_ARCH_CLASS = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3",
+}
+# HF model_type of each architecture where the two differ (Gemma 3's text model), and back.
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_ARCH_OF_MODEL_TYPE = {_HF_MODEL_TYPE.get(a, a): a for a in _ARCH_CLASS}
+_GEMMA = ("gemma2", "gemma3")
+# Gemma3TextConfig's defaults (transformers): the hub's multimodal Gemma 3 config.json files
+# leave them out of text_config.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+# Where the text model's tensors of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration)
+# live: as transformers 5 saves them, and as the hub's files have them. The vision tower and the
+# projector are left out.
+_GEMMA3_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+_GEMMA3_VISION_PREFIXES = (
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "vision_tower.",
+    "multi_modal_projector.",
+)
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",
 )
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -46,19 +93,42 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[ModelConfig, str]:
     """(ModelConfig, head) from a HF config dict; one-line error for what we cannot represent."""
     model_type = hf.get("model_type")
-    if model_type not in _ARCH_CLASS:
+    archs = hf.get("architectures") or []
+    if model_type == "gemma3":  # multimodal: its language model only (see load_hf)
+        if not isinstance(hf.get("text_config"), dict):
+            raise CheckpointError(f"{source}: a gemma3 config without a text_config")
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            raise CheckpointError(
+                f"{source}: multimodal Gemma 3 sequence classifiers are not supported"
+            )
+        top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        hf = {**top, **hf["text_config"], "model_type": "gemma3_text"}
+        archs = ["Gemma3ForCausalLM"]
+    if model_type not in _ARCH_OF_MODEL_TYPE and model_type != "gemma3":
         raise CheckpointError(
             f"{source}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(_ARCH_CLASS)})"
+            f"(supported: {', '.join(_ARCH_OF_MODEL_TYPE)}, and gemma3's text model)"
         )
-    archs = hf.get("architectures") or [f"{_ARCH_CLASS[model_type]}ForCausalLM"]
+    arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
+    if arch == "gemma3":
+        hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
+    archs = archs or [f"{_ARCH_CLASS[arch]}ForCausalLM"]
     head = "value" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
     if head == "value" and hf.get("num_labels", len(hf.get("id2label") or [0])) != 1:
         raise CheckpointError(f"{source}: sequence-classification heads must have num_labels=1")
-    if hf.get("hidden_act", "silu") != "silu":
+    if arch in _GEMMA:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in _GELU_TANH:
+            raise CheckpointError(
+                f"{source}: hidden_activation {act!r} unsupported (gelu_pytorch_tanh only)"
+            )
+        if hf.get("use_bidirectional_attention"):
+            raise CheckpointError(f"{source}: use_bidirectional_attention=true is not supported")
+    elif hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported (silu only)")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    model_type = arch
     if model_type == "qwen2":
         qkv_bias = True
     else:
@@ -67,6 +137,18 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
         qkv_bias = False
     rope = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
+    local_theta = 0.0
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3, transformers 5)
+        local = dict(rope.get("sliding_attention") or {})
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise CheckpointError(
+                f"{source}: sliding layers' rope_type {local.get('rope_type')!r} unsupported "
+                "(default only)"
+            )
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+        rope = dict(rope["full_attention"])
+    elif model_type == "gemma3":
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
     rope = {**legacy, **rope}
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -83,8 +165,35 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     sliding = hf.get("sliding_window") or 0
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         sliding = 0
+    layer_types = hf.get("layer_types")
+    num_layers = hf.get("num_hidden_layers")
+    if layer_types is None and sliding and model_type in ("qwen2", "qwen3"):
+        # transformers' default: the window on the layers from max_window_layers on
+        first = hf.get("max_window_layers", 28)
+        if isinstance(num_layers, int) and isinstance(first, int):
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+    if layer_types is None and model_type in _GEMMA and isinstance(num_layers, int):
+        # transformers' defaults: Gemma 2 alternates sliding and full layers; Gemma 3 has one
+        # full layer in every sliding_window_pattern.
+        pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    layer_types = tuple(layer_types or ())
+    if not sliding or all(t == "sliding_attention" for t in layer_types):
+        # No window (transformers' layer_types then say full everywhere), or one on every layer
+        layer_types = ()
+        local_theta = local_theta if sliding else 0.0
+    softcap = {
+        name: float(hf.get(name) or 0.0)
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    gemma = model_type in _GEMMA
     num_heads = hf["num_attention_heads"]
     try:
         cfg = ModelConfig(
@@ -99,8 +208,18 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=qkv_bias,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             sliding_window=int(sliding),
+            layer_types=layer_types,
+            rope_local_theta=local_theta,
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            norm_unit_offset=gemma,
+            post_norms=gemma,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            scale_embeddings=gemma,
+            query_pre_attn_scalar=(hf.get("query_pre_attn_scalar") or 0) if gemma else 0,
+            attn_logit_softcap=softcap["attn_logit_softcapping"],
+            final_logit_softcap=softcap["final_logit_softcapping"],
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             architecture=model_type,
             initializer_range=float(hf.get("initializer_range", 0.02)),
@@ -116,9 +235,14 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
 
 
 def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
-    """A HF config dict that transformers' Llama/Qwen2/Mistral classes load."""
+    """A HF config dict that transformers' Llama/Qwen2/Qwen3/Mistral/Gemma2 classes load, and
+    its Gemma3ForCausalLM (model_type gemma3_text) for Gemma 3."""
     cls = _ARCH_CLASS[cfg.architecture]
-    arch = f"{cls}ForSequenceClassification" if head == "value" else f"{cls}ForCausalLM"
+    if head == "value":
+        text = "Text" if cfg.architecture == "gemma3" else ""
+        arch = f"{cls}{text}ForSequenceClassification"
+    else:
+        arch = f"{cls}ForCausalLM"
     rope_parameters: dict[str, Any] = {"rope_type": cfg.rope_scaling.rope_type}
     if cfg.rope_scaling.rope_type != "default":
         rope_parameters["factor"] = cfg.rope_scaling.factor
@@ -130,7 +254,7 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
         )
     out: dict[str, Any] = {
         "architectures": [arch],
-        "model_type": cfg.architecture,
+        "model_type": _HF_MODEL_TYPE.get(cfg.architecture, cfg.architecture),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -159,9 +283,37 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     if cfg.architecture == "mistral":
         out["sliding_window"] = cfg.sliding_window or None
-    if cfg.architecture == "qwen2":
+    if cfg.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
         out["sliding_window"] = cfg.sliding_window or None
+        # transformers reads layer_types (below); older readers the first sliding layer
+        sliding = [i for i, w in enumerate(cfg.layer_windows) if w]
+        out["max_window_layers"] = sliding[0] if sliding else cfg.num_layers
+        if cfg.architecture == "qwen3":
+            out["attention_bias"] = False
+    if cfg.layer_types or cfg.architecture in ("qwen2", "qwen3", *_GEMMA):
+        out["layer_types"] = [
+            "sliding_attention" if w else "full_attention" for w in cfg.layer_windows
+        ]
+    if cfg.architecture in _GEMMA:
+        out.update(
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+            sliding_window=cfg.sliding_window or None,
+            attn_logit_softcapping=cfg.attn_logit_softcap or None,
+            final_logit_softcapping=cfg.final_logit_softcap or None,
+        )
+    if cfg.architecture == "gemma3":
+        # RoPE per layer type (transformers 5) and the older spelling (rope_local_base_freq;
+        # rope_scaling for the full layers only).
+        local = cfg.rope_local_theta or cfg.rope_theta
+        out["rope_parameters"] = {
+            "full_attention": out["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+        out["rope_local_base_freq"] = local
     if head == "value":
         out["num_labels"] = 1
         out["id2label"] = {"0": "LABEL_0"}
@@ -172,20 +324,20 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # weight map: our parameter path <-> HF tensor name, with layout transforms both ways
 # ---------------------------------------------------------------------------------------------
+def _same(x, cfg):
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
     path: tuple[str, ...]
     hf_name: str  # "{i}" is the layer index for stacked parameters
-    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]  # must return a view when possible
-    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray] = _same  # a view when possible
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray] = _same
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
-
-
-def _same(x, cfg):
-    return x
 
 
 def _t(x, cfg):
@@ -220,20 +372,19 @@ def _o_to_hf(x, cfg):  # (H, D, E) -> (E, H*D)
     return x.transpose(2, 0, 1).reshape(x.shape[2], -1)
 
 
-def weight_map(cfg: ModelConfig, head: str) -> list[_Tensor]:
-    L = "model.layers.{i}."
+def weight_map(cfg: ModelConfig, head: str, prefix: str = "model.") -> list[_Tensor]:
+    """Our parameters and the HF tensors they are; ``prefix`` is where the decoder's tensors
+    live (a multimodal Gemma 3's text model: ``_GEMMA3_TEXT_PREFIXES``)."""
+    L = prefix + "layers.{i}."
     q_in, q_out = _qkv_in("num_heads")
     kv_in, kv_out = _qkv_in("num_kv_heads")
+    # Gemma's four norms a layer: ours is the MLP's input norm, theirs the attention's output's
+    mlp_in = "pre_feedforward_layernorm" if cfg.post_norms else "post_attention_layernorm"
     entries = [
-        _Tensor(("embedding",), "model.embed_tokens.weight", _same, _same),
-        _Tensor(("final_norm", "scale"), "model.norm.weight", _same, _same),
+        _Tensor(("embedding",), prefix + "embed_tokens.weight", _same, _same),
+        _Tensor(("final_norm", "scale"), prefix + "norm.weight", _same, _same),
         _Tensor(("layers", "input_norm", "scale"), L + "input_layernorm.weight", _same, _same),
-        _Tensor(
-            ("layers", "post_attn_norm", "scale"),
-            L + "post_attention_layernorm.weight",
-            _same,
-            _same,
-        ),
+        _Tensor(("layers", "post_attn_norm", "scale"), L + mlp_in + ".weight", _same, _same),
         _Tensor(("layers", "attn", "q_kernel"), L + "self_attn.q_proj.weight", q_in, q_out),
         _Tensor(("layers", "attn", "k_kernel"), L + "self_attn.k_proj.weight", kv_in, kv_out),
         _Tensor(("layers", "attn", "v_kernel"), L + "self_attn.v_proj.weight", kv_in, kv_out),
@@ -251,6 +402,16 @@ def weight_map(cfg: ModelConfig, head: str) -> list[_Tensor]:
             _Tensor(("layers", "attn", "q_bias"), L + "self_attn.q_proj.bias", qb_in, qb_out),
             _Tensor(("layers", "attn", "k_bias"), L + "self_attn.k_proj.bias", kb_in, kb_out),
             _Tensor(("layers", "attn", "v_bias"), L + "self_attn.v_proj.bias", kb_in, kb_out),
+        ]
+    if cfg.qk_norm:
+        entries += [
+            _Tensor(("layers", "attn", f"{x}_norm", "scale"), L + f"self_attn.{x}_norm.weight")
+            for x in "qk"
+        ]
+    if cfg.post_norms:
+        entries += [
+            _Tensor(("layers", "attn_out_norm", "scale"), L + "post_attention_layernorm.weight"),
+            _Tensor(("layers", "mlp_out_norm", "scale"), L + "post_feedforward_layernorm.weight"),
         ]
     if head == "lm" and not cfg.tie_word_embeddings:
         entries.append(_Tensor(("lm_head",), "lm_head.weight", _t, _t))
@@ -274,15 +435,41 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 # ---------------------------------------------------------------------------------------------
 # load
 # ---------------------------------------------------------------------------------------------
-def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
+def _read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
     config_path = Path(path) / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: not found (is {path} a HF checkpoint directory?)")
     try:
-        hf = json.loads(config_path.read_text())
+        return json.loads(config_path.read_text()), config_path
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: malformed JSON ({e})") from None
+
+
+def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
+    hf, config_path = _read_config_json(path)
+    try:  # generation stops at any end id: generation_config.json's list and config.json's
+        ends = checkpoint_end_ids(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if ends:
+        hf = {**hf, "eos_token_id": ends[0] if len(ends) == 1 else list(ends)}
     return config_from_hf(hf, str(config_path))
+
+
+def _tensor_prefix(path, reader: SafetensorsReader) -> tuple[str, tuple[str, ...]]:
+    """(where the decoder's tensors live, prefixes of tensors to leave out): ``model.``, but a
+    multimodal Gemma 3 checkpoint's text model in either of ``_GEMMA3_TEXT_PREFIXES``, its
+    vision tower and projector left out."""
+    hf, _ = _read_config_json(path)
+    if hf.get("model_type") != "gemma3":
+        return "model.", ()
+    for prefix in _GEMMA3_TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in reader:
+            return prefix, _GEMMA3_VISION_PREFIXES
+    raise CheckpointError(
+        f"{path}: a gemma3 checkpoint without its text model's embed_tokens.weight under "
+        f"{' or '.join(_GEMMA3_TEXT_PREFIXES)}"
+    )
 
 
 def load_hf(
@@ -309,7 +496,8 @@ def load_hf(
     model = ModelDef(cfg, head)
     reader = SafetensorsReader(path)
     shardings = model.shardings(mesh, rules)
-    entries = weight_map(cfg, head)
+    prefix, left_out = _tensor_prefix(path, reader)
+    entries = weight_map(cfg, head, prefix)
 
     expected_names = set()
     for entry in entries:
@@ -330,11 +518,15 @@ def load_hf(
                     f"{reader.file_of(name)}: tensor {name!r} has shape {list(stored.shape)}, "
                     f"which does not fit parameter {'/'.join(entry.path)} {list(per_layer)}"
                 )
-    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    tied_heads = {"lm_head.weight", "language_model.lm_head.weight"}
+    ignorable = tied_heads if cfg.tie_word_embeddings else set()
     unexpected = [
         k
         for k in reader
-        if k not in expected_names and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
+        if k not in expected_names
+        and k not in ignorable
+        and not k.endswith(_IGNORED_SUFFIXES)
+        and not k.startswith(left_out)
     ]
     if unexpected:
         raise CheckpointError(

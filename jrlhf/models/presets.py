@@ -185,6 +185,162 @@ def qwen2_7b(**overrides: Any) -> ModelConfig:
     )
 
 
+def _qwen3(hidden, intermediate, layers, heads, tied):
+    """Qwen/Qwen3-*: q/k norms, no biases, head_dim 128 at every size, 8 KV heads."""
+    return dict(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        tie_word_embeddings=tied,
+        max_position_embeddings=40960,
+        architecture="qwen3",
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
+def qwen3_0_6b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-0.6B: 0.60e9 parameters (tied embeddings), 16 heads of 128 over hidden 1024."""
+    return _make(_qwen3(1024, 3072, 28, 16, tied=True), overrides)
+
+
+def qwen3_1_7b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-1.7B: 1.72e9 parameters (tied embeddings)."""
+    return _make(_qwen3(2048, 6144, 28, 16, tied=True), overrides)
+
+
+def qwen3_4b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-4B: 4.02e9 parameters (tied embeddings)."""
+    return _make(_qwen3(2560, 9728, 36, 32, tied=True), overrides)
+
+
+def qwen3_8b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-8B: 8.19e9 parameters."""
+    return _make(_qwen3(4096, 12288, 36, 32, tied=False), overrides)
+
+
+def qwen3_14b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-14B: 14.8e9 parameters."""
+    return _make(_qwen3(5120, 17408, 40, 40, tied=False), overrides)
+
+
+def qwen3_32b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-32B: 32.8e9 parameters."""
+    return _make(_qwen3(5120, 25600, 64, 64, tied=False), overrides)
+
+
+def _gemma(**fields):
+    """What every Gemma 2 and 3 model has: (1 + weight) RMSNorms, four a layer, GeGLU,
+    embeddings scaled by sqrt(hidden), tied embeddings (a 256k vocabulary: the embedding is
+    much of the smaller models), BOS 2, EOS 1."""
+    return dict(
+        rms_norm_eps=1e-6,
+        norm_unit_offset=True,
+        post_norms=True,
+        hidden_act="gelu_tanh",
+        scale_embeddings=True,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        **fields,
+    )
+
+
+def _gemma2(hidden, intermediate, layers, heads, kv_heads, head_dim, scalar):
+    """google/gemma-2-*: sliding window 4096 on every other layer (layer 0 sliding), attention
+    scores soft-capped at 50 and the logits at 30."""
+    return _gemma(
+        vocab_size=256000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=scalar,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        layer_types=tuple(
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+        ),
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        max_position_embeddings=8192,
+        architecture="gemma2",
+    )
+
+
+def gemma2_2b(**overrides: Any) -> ModelConfig:
+    """google/gemma-2-2b: 2.61e9 parameters."""
+    return _make(_gemma2(2304, 9216, 26, 8, 4, 256, 256), overrides)
+
+
+def gemma2_9b(**overrides: Any) -> ModelConfig:
+    """google/gemma-2-9b: 9.24e9 parameters; attention scale 224 ** -0.5 (hidden / heads)."""
+    return _make(_gemma2(3584, 14336, 42, 16, 8, 256, 224), overrides)
+
+
+def gemma2_27b(**overrides: Any) -> ModelConfig:
+    """google/gemma-2-27b: 27.2e9 parameters; heads of 128, attention scale 144 ** -0.5."""
+    return _make(_gemma2(4608, 36864, 46, 32, 16, 128, 144), overrides)
+
+
+def _gemma3(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, scalar, window):
+    """google/gemma-3-*: q/k norms, 5 sliding layers to 1 full, the sliding layers' RoPE base
+    10k, the full layers' 1M; above 1B the full layers' RoPE linearly scaled by 8 (128k
+    context). The 4B, 12B and 27B are multimodal checkpoints: these are their text towers."""
+    small = hidden == 1152
+    return _gemma(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=scalar,
+        qk_norm=True,
+        rope_theta=1000000.0,
+        rope_scaling=RopeScaling() if small else RopeScaling("linear", 8.0),
+        rope_local_theta=10000.0,
+        sliding_window=window,
+        layer_types=tuple(
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)
+        ),
+        max_position_embeddings=32768 if small else 131072,
+        architecture="gemma3",
+    )
+
+
+def gemma3_1b(**overrides: Any) -> ModelConfig:
+    """google/gemma-3-1b-pt (a text model): 1.00e9 parameters, one KV head, window 512."""
+    return _make(_gemma3(262144, 1152, 6912, 26, 4, 1, 256, 256, 512), overrides)
+
+
+def gemma3_4b(**overrides: Any) -> ModelConfig:
+    """google/gemma-3-4b-pt's text tower: 3.88e9 parameters (a 262208-token vocabulary)."""
+    return _make(_gemma3(262208, 2560, 10240, 34, 8, 4, 256, 256, 1024), overrides)
+
+
+def gemma3_12b(**overrides: Any) -> ModelConfig:
+    """google/gemma-3-12b-pt's text tower: 11.8e9 parameters."""
+    return _make(_gemma3(262208, 3840, 15360, 48, 16, 8, 256, 256, 1024), overrides)
+
+
+def gemma3_27b(**overrides: Any) -> ModelConfig:
+    """google/gemma-3-27b-pt's text tower: 27.0e9 parameters; heads of 128, attention scale
+    168 ** -0.5 (hidden / heads)."""
+    return _make(_gemma3(262208, 5376, 21504, 62, 32, 16, 128, 168, 1024), overrides)
+
+
 def _make(base: dict[str, Any], overrides: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**{**_BF16, **base, **overrides})
 
@@ -198,6 +354,19 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "llama3_70b": llama3_70b,
     "llama3_405b": llama3_405b,
     "qwen2_7b": qwen2_7b,
+    "qwen3_0_6b": qwen3_0_6b,
+    "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_4b": qwen3_4b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_14b": qwen3_14b,
+    "qwen3_32b": qwen3_32b,
+    "gemma2_2b": gemma2_2b,
+    "gemma2_9b": gemma2_9b,
+    "gemma2_27b": gemma2_27b,
+    "gemma3_1b": gemma3_1b,
+    "gemma3_4b": gemma3_4b,
+    "gemma3_12b": gemma3_12b,
+    "gemma3_27b": gemma3_27b,
 }
 
 

@@ -1,4 +1,9 @@
-"""Rotary position embeddings with explicit positions (default, linear and llama3 scaling)."""
+"""Rotary position embeddings with explicit positions (default, linear and llama3 scaling).
+
+A model has one RoPE table, or two (Gemma 3: the sliding layers' own base frequency,
+``ModelConfig.rope_local_theta``); ``rope_tables`` builds them once per pass and ``rope_kinds``
+says which one each layer reads.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrlhf.models.config import ModelConfig
+from jrlhf.models.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -48,11 +53,33 @@ def rope_cos_sin(positions_bt: jnp.ndarray, cfg: ModelConfig) -> tuple[jnp.ndarr
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
-def apply_rope(x_bthd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray) -> jnp.ndarray:
-    """Rotate (B, T, H, D) by the half-split convention used by HF Llama/Qwen checkpoints."""
+def rope_kinds(cfg: ModelConfig) -> tuple[int, ...]:
+    """Which of ``rope_tables`` each layer reads: 0 the model's, 1 the sliding layers' own."""
+    if not cfg.rope_local_theta:
+        return (0,) * cfg.num_layers
+    return tuple(int(w > 0) for w in cfg.layer_windows)
+
+
+def rope_tables(positions_bt: jnp.ndarray, cfg: ModelConfig) -> list[tuple[jnp.ndarray, ...]]:
+    """``rope_cos_sin`` of the model's RoPE and, with ``rope_local_theta``, of the sliding
+    layers' (that base, no frequency scaling, as Gemma 3's rope_local_base_freq)."""
+    tables = [rope_cos_sin(positions_bt, cfg)]
+    if cfg.rope_local_theta:
+        local = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=RopeScaling())
+        tables.append(rope_cos_sin(positions_bt, local))
+    return tables
+
+
+def apply_rope(
+    x_bthd: jnp.ndarray, cos_btd: jnp.ndarray, sin_btd: jnp.ndarray, scale: float = 1.0
+) -> jnp.ndarray:
+    """Rotate (B, T, H, D) by the half-split convention used by HF Llama/Qwen checkpoints;
+    ``scale`` multiplies the result in float32, before the cast back (ModelConfig.query_scale)."""
     dtype = x_bthd.dtype
     x = x_bthd.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
+    if scale != 1.0:
+        out = out * jnp.float32(scale)
     return out.astype(dtype)

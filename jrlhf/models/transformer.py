@@ -1,4 +1,5 @@
-"""A decoder-only transformer in Flax NNX covering Llama 2/3, Qwen2/2.5 and Mistral configs.
+"""A decoder-only transformer in Flax NNX covering Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Gemma 2
+and Gemma 3 (text) configs.
 
 Every parameter carries logical axis names in its ``axes`` metadata; jrlhf/meshes turns them into
 shardings. Layers are created stacked (one leading ``layers`` dimension) and run under
@@ -21,9 +22,16 @@ from flax import nnx
 
 from jrlhf.meshes.context import constrain
 from jrlhf.models import lora as lora_lib
-from jrlhf.models.attention import AttendFn, aligned_attend, dense_attend, fused_attention_fits
+from jrlhf.models.attention import (
+    AttendFn,
+    aligned_attend,
+    dense_attend,
+    fused_attention_fits,
+    layer_choice,
+    select_choice,
+)
 from jrlhf.models.config import ModelConfig, remat_policy
-from jrlhf.models.rope import apply_rope, rope_cos_sin
+from jrlhf.models.rope import apply_rope, rope_kinds, rope_tables
 from jrlhf.native.matmul import fits, panel_matmul, panel_matmuls, to_panels
 
 HEADS = ("lm", "value")
@@ -222,14 +230,20 @@ def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init: str = "normal") 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """RMSNorm over the last axis (``dim``: hidden_size by default; head_dim for q/k norms)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dim: int | None = None):
         self.eps = cfg.rms_norm_eps
         self.dtype = cfg.jnp_dtype
-        self.scale = _param(rngs, cfg, (cfg.hidden_size,), ("norm",), init="ones")
+        self.unit_offset = cfg.norm_unit_offset
+        init = "zeros" if cfg.norm_unit_offset else "ones"
+        self.scale = _param(rngs, cfg, (dim or cfg.hidden_size,), ("norm",), init=init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:  # Gemma: (1 + weight) in float32, then the cast
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
         return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
 
 
@@ -242,6 +256,11 @@ class Attention(nnx.Module):
         self.k_kernel = _param(rngs, cfg, (e, k, d), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = _param(rngs, cfg, (e, k, d), ("embed", "kv_heads", "head_dim"))
         self.o_kernel = _param(rngs, cfg, (h, d, e), ("heads", "head_dim", "embed"))
+        self.query_scale = cfg.query_scale
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, rngs=rngs, dim=d)
+            self.k_norm = RMSNorm(cfg, rngs=rngs, dim=d)
         self.use_bias = cfg.qkv_bias
         if cfg.qkv_bias:
             self.q_bias = _param(rngs, cfg, (h, d), ("heads", "head_dim"), init="zeros")
@@ -260,7 +279,10 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
-        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin, self.query_scale)
+        q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
         return q, k, v
@@ -276,6 +298,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, f = cfg.hidden_size, cfg.intermediate_size
         self.dtype = cfg.jnp_dtype
+        self.hidden_act = cfg.hidden_act
         self.gate_kernel = _param(rngs, cfg, (e, f), ("embed", "mlp"))
         self.up_kernel = _param(rngs, cfg, (e, f), ("embed", "mlp"))
         self.down_kernel = _param(rngs, cfg, (f, e), ("mlp", "embed"))
@@ -283,7 +306,11 @@ class MLP(nnx.Module):
     def __call__(self, x_bte):
         dt = self.dtype
         gate, up = project_all(x_bte, (_kernel(self, "gate", dt), _kernel(self, "up", dt)))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        if self.hidden_act == "gelu_tanh":
+            act = jax.nn.gelu(gate, approximate=True)
+        else:
+            act = jax.nn.silu(gate)
+        hidden = constrain(act * up, ("batch", "length", "act_mlp"))
         return project(hidden, _kernel(self, "down", dt))
 
 
@@ -291,14 +318,20 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg, rngs=rngs)  # the MLP's input norm
         self.mlp = MLP(cfg, rngs=rngs)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:  # Gemma: the attention's and the MLP's outputs normed too
+            self.attn_out_norm = RMSNorm(cfg, rngs=rngs)
+            self.mlp_out_norm = RMSNorm(cfg, rngs=rngs)
 
     def __call__(self, x_bte, cos, sin, attend: AttendFn, layer_idx, cache):
         q, k, v = self.attn.qkv(self.input_norm(x_bte), cos, sin)
         attn, cache = attend(q, k, v, layer_idx, cache)
-        x_bte = x_bte + self.attn.out(attn)
-        x_bte = x_bte + self.mlp(self.post_attn_norm(x_bte))
+        out = self.attn.out(attn)
+        x_bte = x_bte + (self.attn_out_norm(out) if self.post_norms else out)
+        out = self.mlp(self.post_attn_norm(x_bte))
+        x_bte = x_bte + (self.mlp_out_norm(out) if self.post_norms else out)
         return constrain(x_bte, ("batch", "length", "act_embed")), cache
 
 
@@ -339,7 +372,10 @@ class Transformer(nnx.Module):
 
     # -- pieces, used by the decode engine -------------------------------------------------------
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.config.jnp_dtype)
+        dt = self.config.jnp_dtype
+        x = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dt)
+        if self.config.scale_embeddings:  # Gemma: by sqrt(hidden_size), rounded to the dtype
+            x = x * jnp.asarray(self.config.hidden_size**0.5, dt)
         return constrain(x, ("batch", "length", "act_embed"))
 
     def run_layers(
@@ -350,7 +386,9 @@ class Transformer(nnx.Module):
         cache: Any = None,
         layer_params: LayerWeights | None = None,
     ):
-        """Run the layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer.
+        """Run the layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer, ``layer_idx``
+        a Python int in the unrolled loop, a traced int32 under the scan (per-layer choices go
+        through ``layer_choice``, static where the index is).
 
         The stacked layers run under ``lax.scan`` or unrolled over static slices
         (``ModelConfig.layer_loop``; by default unrolled for shallow models on CPU).
@@ -359,7 +397,7 @@ class Transformer(nnx.Module):
         scan's per-layer dynamic slice of every stacked weight is materialised as a copy before
         each matmul, doubling the weight traffic that bounds a decode step.
         """
-        cos, sin = rope_cos_sin(positions_bt, self.config)
+        tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         graphdef, state = nnx.split(self.layers)
         if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
@@ -369,13 +407,16 @@ class Transformer(nnx.Module):
                     layer_state = jax.tree.map(lambda v: v, state, is_leaf=_is_variable)
                     nnx.replace_by_pure_dict(layer_state, params)
                     layer = nnx.merge(graphdef, layer_state)
+                    cos, sin = tables[kinds[idx]]
                     with lora_lib.layer(idx):
-                        x_bte, cache = layer(x_bte, cos, sin, attend, jnp.int32(idx), cache)
+                        x_bte, cache = layer(x_bte, cos, sin, attend, idx, cache)
             return self.final_norm(x_bte), cache
 
         def body(carry, layer_state):
             x, cache, idx = carry
             layer = nnx.merge(graphdef, layer_state)
+            options, which = layer_choice(kinds, idx)
+            cos, sin = select_choice([tables[k] for k in options], which)
             with lora_lib.layer(idx):
                 x, cache = layer(x, cos, sin, attend, idx, cache)
             return (x, cache, idx + 1), None
@@ -387,18 +428,24 @@ class Transformer(nnx.Module):
         return self.final_norm(x_bte), cache
 
     def logits(self, hidden_bte: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
-        """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given)."""
+        """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given),
+        soft-capped where the model says (``final_logit_softcap``)."""
         dt = self.config.jnp_dtype
         if weights is not None and weights.head is not None:
             if weights.head.ndim == 3:  # panels
-                return panel_matmul(hidden_bte, weights.head)
-            return left_matmul(weights.head.astype(dt), hidden_bte, jnp.float32)
-        if self.config.tie_word_embeddings:
-            kernel = self.embedding[...].astype(dt).T
+                out = panel_matmul(hidden_bte, weights.head)
+            else:
+                out = left_matmul(weights.head.astype(dt), hidden_bte, jnp.float32)
         else:
-            kernel = self.lm_head[...].astype(dt)
-        out = jnp.einsum("...e,ev->...v", hidden_bte, kernel, preferred_element_type=jnp.float32)
-        return out
+            if self.config.tie_word_embeddings:
+                kernel = self.embedding[...].astype(dt).T
+            else:
+                kernel = self.lm_head[...].astype(dt)
+            out = jnp.einsum(
+                "...e,ev->...v", hidden_bte, kernel, preferred_element_type=jnp.float32
+            )
+        cap = self.config.final_logit_softcap
+        return cap * jnp.tanh(out / cap) if cap else out
 
     def values(self, hidden_bte: jax.Array) -> jax.Array:
         """float32 scalar per position (..., ) from final hidden states."""
@@ -432,8 +479,9 @@ class Transformer(nnx.Module):
         attend = dense_attend(
             positions_bt,
             segment_ids_bt,
-            self.config.sliding_window,
-            fused=self.config.fused_attention,
+            cfg.layer_windows,
+            fused=cfg.fused_attention,
+            softcap=cfg.attn_logit_softcap,
         )
         hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
         return hidden

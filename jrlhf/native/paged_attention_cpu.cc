@@ -9,7 +9,8 @@
 //
 // Semantics are those of paged_attention_reference (jrlhf/decode/kernels/reference.py): one query
 // token per sequence at position lengths[b] - 1, keys at positions [0, lengths[b]) (the last
-// `sliding_window` of them when it is > 0), page ids clipped into the pool, float32 arithmetic, and
+// `sliding_window` of them when it is > 0), scores soft-capped (softcap * tanh(score / softcap), when
+// `softcap` > 0: Gemma 2), page ids clipped into the pool, float32 arithmetic, and
 // zeros for a sequence with no key to attend to (an idle slot, of length 0), where the pure-JAX
 // kernels average masked keys.
 
@@ -85,6 +86,7 @@ struct Problem {
   bool q_bf16, pool_bf16;
   int64_t batch, heads, head_dim, pages, page_size, kv_heads, max_pages, window;
   int64_t layer;
+  float softcap;  // 0: none
 };
 
 constexpr int64_t kBlock = 16;  // positions a block of scores is computed for (one vector)
@@ -177,6 +179,8 @@ void AttendOne(const Problem& p, int64_t b, int64_t next, std::vector<float>& sc
   }
   for (int64_t head = 0; head < h; ++head) {
     float* row = scores + head * count;
+    if (p.softcap > 0.0f)
+      for (int64_t s = 0; s < count; ++s) row[s] = p.softcap * std::tanh(row[s] / p.softcap);
     const float m = jrlhf::MaxOf(row, count);
     for (int64_t s = 0; s < count; ++s) row[s] = jrlhf::ExpNonPositive(row[s] - m);
     total[head] = jrlhf::SumOf(row, count);
@@ -241,7 +245,8 @@ bool Supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::Da
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
                           ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t sliding_window) {
+                          ffi::Result<ffi::AnyBuffer> out, int64_t sliding_window,
+                          float softcap) {
   auto qd = q.dimensions(), kd = k_pool.dimensions(), td = table.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || lengths.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("paged attention: q, pools, table or lengths of wrong rank");
@@ -264,6 +269,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.out = out->untyped_data();
   p.q_bf16 = IsBf16(q.element_type()), p.pool_bf16 = IsBf16(k_pool.element_type());
   p.window = sliding_window;
+  p.softcap = softcap;
   // A negative layer counts from the end, as array indexing does; others clip into the pool.
   const int64_t index = layer.typed_data()[0];
   p.layer = std::clamp<int64_t>(index < 0 ? index + kd[0] : index, 0, kd[0] - 1);
@@ -292,4 +298,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JrlhfPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("sliding_window"));
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("softcap"));

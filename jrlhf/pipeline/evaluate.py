@@ -21,7 +21,7 @@ from jrlhf.config import Config, load_config
 from jrlhf.meshes.mesh import MeshSpec, make_mesh
 from jrlhf.meshes.rules import get_rules
 from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
-from jrlhf.pipeline.task_data import build_task_data
+from jrlhf.pipeline.task_data import build_task_data, environment_setup
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.rollout import Rollout
@@ -108,7 +108,7 @@ def evaluate_checkpoint(
         reference, why = _run_had(cfg, "reference", ref_init, data.model_overrides, run_dir)
         if reference is None:
             not_reported["kl_to_ref"] = f"the run ({stages}) had no reference: {why}"
-    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    reward_fn = get_reward_fn(cfg.task.reward_fn, cfg.task) if cfg.task.reward_fn else None
     reward: ModelSource | None = None
     if reward_fn is None and rl:
         reward = resolve_model(cfg, "reward", data.model_overrides, run_dir)
@@ -135,7 +135,8 @@ def evaluate_checkpoint(
         reward_name=cfg.task.reward_fn or None,
         reward_required=False,
     )
-    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.eos_id)
+    env = environment_setup(cfg, data)  # multi-turn: the held-out episodes run it too
+    rollout = Rollout.build(model, mesh, rules, scorer, cfg, data.stop_ids, env=env)
     prompts = data.heldout_prompts[: num_prompts or None]
     meta = data.heldout_meta[: num_prompts or None] if data.heldout_meta else None
     report = rollout.evaluate(params, prompts, samples, greedy, meta=meta)

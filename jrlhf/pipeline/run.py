@@ -22,7 +22,7 @@ from jrlhf.data import PromptLoader
 from jrlhf.meshes.processes import is_primary
 from jrlhf.pipeline.run_dir import before_training, write_start_files
 from jrlhf.pipeline.supervised import run_dpo, run_reward_model, run_sft
-from jrlhf.pipeline.task_data import TaskData, build_task_data
+from jrlhf.pipeline.task_data import TaskData, build_task_data, environment_setup
 from jrlhf.placement import ExecutionPlan, effective_plan
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.trainer import RLTrainer
@@ -135,11 +135,12 @@ def run_rl(
     # Roles whose output reaches the loss: no reference without a KL term, no critic in GRPO.
     needed = ["actor"] + (["reference"] if algos.uses_reference(cfg.rl) else [])
     needed += ["critic"] if stage == "ppo" else []
-    reward_fn = get_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+    reward_fn = get_reward_fn(cfg.task.reward_fn, cfg.task) if cfg.task.reward_fn else None
     if reward_fn is None:
         needed.append("reward")
     roles = {role: setup(role) for role in needed}
-    trainer = RLTrainer(cfg, stage, roles, plan, data, run_dir, reward_fn=reward_fn)
+    env = environment_setup(cfg, data)
+    trainer = RLTrainer(cfg, stage, roles, plan, data, run_dir, reward_fn=reward_fn, env=env)
     # Batches of PromptRecords: each prompt's meta travels with it to the reward function.
     loader = PromptLoader(data.train_records(), cfg.rl.prompts_per_iteration, seed=cfg.run.seed)
     resumed = trainer.restore()

@@ -243,13 +243,24 @@ def _supervised_stage(
     return out
 
 
+def sft_batch(rows: Sequence[Any], max_prompt_len: int, max_response_len: int, pad_id: int):
+    """SFT records in the batch layout; a record's ``loss_mask`` (a conversation's: its
+    assistant turns only) zeroes the loss on the response tokens it marks 0."""
+    prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
+    batch = rl_batch.pack(prompts, responses, max_prompt_len, max_response_len, pad_id)
+    for i, r in enumerate(rows):
+        loss_mask = getattr(r, "loss_mask", None)
+        if loss_mask is not None:
+            batch["mask"][i, : len(loss_mask)] *= np.asarray(loss_mask, np.float32)
+    return batch
+
+
 def run_sft(setup: RoleSetup, data, cfg, run_dir: Path, logger, seed: int) -> Path:
     """Supervised fine-tuning of the actor on prompt/response demonstrations."""
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
 
     def make_batch(rows):
-        prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
-        return rl_batch.pack(prompts, responses, P, R, data.pad_id)
+        return sft_batch(rows, P, R, data.pad_id)
 
     return _supervised_stage(
         "sft", setup, data.sft_records, make_batch, sft_loss_fn(P), cfg.sft, cfg,

@@ -15,9 +15,10 @@ from typing import Any
 
 from jrlhf import data as data_lib
 from jrlhf.config import Config, ConfigError
+from jrlhf.envs import EnvSetup, load_environment
 from jrlhf.meshes.mesh import blame_setting
-from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn, required_meta
-from jrlhf.tasks.rewards import check_reward_fn
+from jrlhf.tasks import BUILTIN_TASKS, get_reward_fn
+from jrlhf.tasks.rewards import check_reward_fn, missing_meta
 
 
 @dataclasses.dataclass
@@ -45,8 +46,14 @@ class TaskData:
     heldout_meta: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     decode: Callable[[Sequence[int]], str] | None = None  # ids -> text, for reward functions
     heldout_preference_records: list[Any] = dataclasses.field(default_factory=list)
+    tokenizer: data_lib.Tokenizer | None = None  # text <-> ids (environments' observations)
+    # Every id generation stops at (a checkpoint's end ids: generation_config.json's list, e.g.
+    # <|im_end|> and <|endoftext|>); () means (eos_id,).
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if not self.stop_ids and self.eos_id is not None:
+            self.stop_ids = (int(self.eos_id),)
         # Every prompt gets a meta entry, so prompts and meta always index alike.
         for split in ("train", "heldout"):
             prompts, meta = getattr(self, f"{split}_prompts"), getattr(self, f"{split}_meta")
@@ -61,12 +68,14 @@ class TaskData:
 
 
 def tokenizer_model_overrides(tokenizer: data_lib.Tokenizer | None) -> dict[str, Any]:
-    """Model fields a tokenizer imposes on ``tiny`` models: its vocabulary and EOS id."""
+    """Model fields a tokenizer imposes on ``tiny`` models: its vocabulary and end ids (one id,
+    or all of a checkpoint's, :attr:`~jrlhf.data.Tokenizer.end_ids`)."""
     if tokenizer is None:
         return {}
     overrides: dict[str, Any] = {"vocab_size": tokenizer.vocab_size}
-    if tokenizer.eos_id is not None:
-        overrides["eos_token_id"] = tokenizer.eos_id
+    ends = tokenizer.end_ids
+    if ends:
+        overrides["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return overrides
 
 
@@ -143,9 +152,11 @@ def build_task_data(cfg: Config) -> TaskData:
             heldout_meta=meta_of(heldout_prompts),
             decode=task.tokenizer().decode,
             heldout_preference_records=heldout_pairs,
+            tokenizer=task.tokenizer(),
         )
         _check_reward_meta(cfg, {f"the {t.name} task's prompts": builtin.train_meta})
         _check_reward_fn(cfg, builtin)
+        environment_setup(cfg, builtin)
         return builtin
     with blame_setting("TaskConfig.tokenizer", (FileNotFoundError, ValueError)):
         tokenizer = data_lib.Tokenizer.from_file(t.tokenizer) if t.tokenizer else None
@@ -181,7 +192,7 @@ def build_task_data(cfg: Config) -> TaskData:
 
         def save(directory, src=Path(t.tokenizer)):
             src_dir = src if src.is_dir() else src.parent
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            for name in data_lib.tokenizer.TOKENIZER_FILES:
                 if (src_dir / name).exists():
                     shutil.copy2(src_dir / name, Path(directory) / name)
 
@@ -198,9 +209,47 @@ def build_task_data(cfg: Config) -> TaskData:
         heldout_meta=[r.meta for r in heldout],
         decode=tokenizer.decode if tokenizer else None,
         heldout_preference_records=list(heldout_prefs),
+        tokenizer=tokenizer,
+        stop_ids=tokenizer.end_ids if tokenizer else (),
     )
     _check_reward_fn(cfg, files)
+    environment_setup(cfg, files)
     return files
+
+
+def environment_setup(cfg: Config, data: TaskData) -> EnvSetup | None:
+    """The run's environment (``EnvConfig``) resolved against its tokenizer, None without one;
+    a name that does not resolve, or a turn stop string that is not one token, is one line
+    naming the setting (build_task_data calls this before any model is built)."""
+    e = cfg.env
+    if not e.name:
+        return None
+    try:
+        factory = load_environment(e.name)
+    except ValueError as err:  # its message names EnvConfig.name
+        raise ConfigError(str(err)) from None
+    stop_ids = list(e.turn_stop_ids)
+    vocab = data.tokenizer.vocab_size if data.tokenizer is not None else None
+    for text in e.turn_stop:
+        token = data.tokenizer.token_to_id(text) if data.tokenizer is not None else None
+        if token is None:
+            where = "the tokenizer" if data.tokenizer is not None else "a run without a tokenizer"
+            raise ConfigError(
+                f"EnvConfig.turn_stop: {text!r} is not one token of {where} (a turn ends at "
+                "single tokens; use turn_stop_ids for ids)"
+            )
+        stop_ids.append(token)
+    for token in stop_ids:
+        if vocab is not None and token >= vocab:
+            raise ConfigError(
+                f"EnvConfig.turn_stop_ids: {token} is outside the vocabulary of {vocab}"
+            )
+    tok = data.tokenizer
+    return EnvSetup(
+        e.name, factory, tuple(stop_ids), e.max_turn_tokens, e.max_turns, e.timeout_s,
+        e.failure_limit, tok.encode if tok is not None else None, data.decode,
+        e.max_observation_tokens,
+    )  # fmt: skip
 
 
 def _check_reward_fn(cfg: Config, data: TaskData) -> None:
@@ -214,6 +263,7 @@ def _check_reward_fn(cfg: Config, data: TaskData) -> None:
             data.decode,
             data.eos_id,
             cfg.task.max_response_len,
+            cfg.task,
         )
 
 
@@ -221,12 +271,12 @@ def _check_reward_meta(cfg: Config, meta_by_source: dict[str, list[dict[str, Any
     """Fail now, naming the record, if a prompt lacks meta the reward function reads."""
     if not cfg.task.reward_fn:
         return
-    needs = required_meta(get_reward_fn(cfg.task.reward_fn))
+    fn = get_reward_fn(cfg.task.reward_fn, cfg.task)
     for source, metas in meta_by_source.items():
         for i, meta in enumerate(metas):
-            missing = [k for k in needs if k not in meta]
+            missing = missing_meta(fn, meta)
             if missing:
                 raise ConfigError(
-                    f"TaskConfig.reward_fn: {cfg.task.reward_fn!r} reads {missing} from each "
-                    f"prompt's meta, which record {i + 1} of {source} lacks"
+                    f"TaskConfig.reward_fn: {cfg.task.reward_fn!r} reads {', '.join(missing)} "
+                    f"from each prompt's meta, which record {i + 1} of {source} lacks"
                 )

@@ -317,7 +317,8 @@ def activation_bytes_per_token(
 def attention_is_fused(cfg: ModelConfig, device_fuses: bool) -> bool:
     """Whether ``cfg``'s full-sequence passes run fused (cuDNN) attention on a device whose
     profile says it has the kernel (``DeviceProfile.fused_attention``): ModelConfig.fused_attention
-    with the device given instead of JAX's current backend."""
+    with the device given instead of JAX's current backend (soft-capped scores, Gemma 2's, are
+    never fused: cuDNN's attention has no soft-capping)."""
     if cfg.attention == "auto":
-        return device_fuses and cfg.dtype in FUSED_ATTENTION_DTYPES
+        return device_fuses and cfg.dtype in FUSED_ATTENTION_DTYPES and not cfg.attn_logit_softcap
     return cfg.attention == "cudnn"

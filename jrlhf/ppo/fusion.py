@@ -69,14 +69,10 @@ def tail_migration(
     scoring meshes'), so scoring there need not wait for the tail. One line of error when the
     generation mesh has no more replicas than that."""
     mesh = engine.mesh
-    processes = {d.process_index for d in mesh.devices.flat}
-    if len(processes) > 1:
-        # Every process drives the decode loop; a tail on some processes' devices would leave
-        # the others without their share of the program.
-        raise ValueError(
-            f"RLConfig.migrate_rows: the generation mesh spans {len(processes)} processes; "
-            "migration works within one process's devices"
-        )
+    # With the generation mesh over several processes every process still drives the tail's
+    # loop (a call on a mesh without its devices does nothing there, and host reads reach every
+    # process: to_host); the hand-over moves rows onto the tail's devices within the mesh (the
+    # resharder's stack path).
     data = logical_to_spec(("slots",), mesh, engine.rules)[0]
     data = () if data is None else (data,) if isinstance(data, str) else tuple(data)
     total = axis_size(mesh, data or None)
@@ -107,9 +103,11 @@ class FusedScoring:
         score_rows: int,
         prompts: Sequence[Sequence[int]],
         meta: Sequence[Mapping[str, Any]] | None = None,
+        episode_meta: Callable[[int], Mapping[str, Any]] | None = None,
     ):
         self.scorer, self.score_rows = scorer, score_rows
         self.prompts, self.meta = prompts, meta
+        self.episode_meta = episode_meta  # multi-turn: what a row's episode adds to its meta
         self.pending: list[FinishedRow] = []
         self.chunks: list[tuple[np.ndarray, PendingScores]] = []
         self.calls = 0  # on_finished calls so far
@@ -126,12 +124,19 @@ class FusedScoring:
     def _dispatch(self, rows: list[FinishedRow]) -> None:
         prompts = [self.prompts[r.prompt_index] for r in rows]
         meta = None if self.meta is None else [self.meta[r.prompt_index] for r in rows]
+        if self.episode_meta is not None:
+            meta = [
+                {**(m or {}), **self.episode_meta(r.index)}
+                for m, r in zip(meta or [{}] * len(rows), rows)
+            ]
+        policy = [r.policy_mask for r in rows] if rows[0].policy_mask is not None else None
         pending = self.scorer.dispatch(
             prompts,
             [r.completion_ids for r in rows],
             [r.raw_logprobs for r in rows],
             meta=meta,
             pad_to=self.score_rows,
+            policy_masks=policy,
         )
         self.chunks.append((np.array([r.index for r in rows]), pending))
         self.dispatched_at.append(self.calls)

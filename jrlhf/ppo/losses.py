@@ -59,7 +59,8 @@ def _actor_loss(P: int, rl: LossSettings, kl_in_loss: bool, kl_estimator: str | 
         logp, entropy = rl_batch.response_logprobs(
             module, batch, P, with_entropy=True, chunk=rl.logprob_chunk
         )
-        mask = batch["mask"]
+        # Multi-turn rollouts train on the policy's own tokens only (jrlhf.decode.turns).
+        mask = batch.get("loss_mask", batch["mask"])
         loss, metrics = policy_loss(
             logp,
             batch["old_logprobs"],
@@ -97,15 +98,11 @@ def critic_loss(P: int, rl):
 def _critic_loss(P: int, rl: LossSettings):
     def loss_fn(module, batch):
         values = rl_batch.response_values(module, batch, P)
+        mask = batch.get("loss_mask", batch["mask"])  # the policy's tokens (multi-turn)
         loss, metrics = algos.value_loss_clipped(
-            values,
-            batch["old_values"],
-            batch["returns"],
-            batch["mask"],
-            rl.value_clip_eps,
-            agg=rl.loss_agg,
+            values, batch["old_values"], batch["returns"], mask, rl.value_clip_eps, agg=rl.loss_agg
         )
-        weight = algos.aggregation_weight(batch["mask"], rl.loss_agg)
+        weight = algos.aggregation_weight(mask, rl.loss_agg)
         return loss, dict(metrics, value_loss=loss, weight=weight)
 
     return loss_fn

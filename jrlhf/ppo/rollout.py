@@ -26,6 +26,7 @@ from jrlhf.decode.engine import (
     round_slots,
 )
 from jrlhf.decode.sampling import SamplingParams
+from jrlhf.envs import EnvSetup
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.ppo.fusion import FusedScoring
@@ -54,6 +55,7 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
         max_prefill_rows=min(slots, 64),
         min_prefill_len=min(16, P),
         unroll_layers=DECODE_LAYER_LOOPS[cfg.decode.layer_loop],
+        max_observation_tokens=cfg.env.max_observation_tokens if cfg.env.name else 0,
     )
 
 
@@ -71,21 +73,29 @@ class RolloutBatch:
 class Rollout:
     """Generates with ``engine`` and scores with ``scorer`` (None: generation only, as in
     ``python -m jrlhf.generate``). ``cfg`` (a run's config) gives the sampling of iterations
-    and of evaluation; without it, callers pass their own SamplingParams."""
+    and of evaluation; without it, callers pass their own SamplingParams. ``env`` makes every
+    sample an episode of several turns answered by an environment (jrlhf.envs)."""
 
     def __init__(
         self,
         engine: DecodeEngine,
         scorer: Scorer | None = None,
         cfg: Config | None = None,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         fusion_rows: int = 0,
         migration: Migration | None = None,
+        env: EnvSetup | None = None,
     ):
-        self.engine, self.scorer, self.cfg, self.eos_id = engine, scorer, cfg, eos_id
+        # One end id or several (a checkpoint's generation_config.json list): any stops a sample.
+        self.engine, self.scorer, self.cfg = engine, scorer, cfg
+        self.eos_ids = (
+            () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+        )
         self.fusion_rows = fusion_rows
         self.migration = migration  # of fused rollouts' long tails (jrlhf.ppo.fusion)
         self.fusion_stats: dict[str, int] = {}  # of the last fused rollout
+        self.env = env
+        self.env_metrics: dict[str, float] = {}  # of the last rollout with an environment
 
     @classmethod
     def build(
@@ -95,13 +105,14 @@ class Rollout:
         rules: Rules | str,
         scorer: Scorer | None,
         cfg: Config,
-        eos_id: int | None,
+        eos_id: int | Sequence[int] | None,
         fusion_rows: int = 0,
+        env: EnvSetup | None = None,
     ) -> Rollout:
         """A rollout whose engine runs ``model`` on ``mesh`` with the config's engine shapes;
         ``fusion_rows`` > 0 fuses scoring into generation in calls of that many rows."""
         engine = DecodeEngine(model, mesh, rules, engine_config(cfg, mesh, rules))
-        return cls(engine, scorer, cfg, eos_id, fusion_rows)
+        return cls(engine, scorer, cfg, eos_id, fusion_rows, env=env)
 
     def sampling(
         self, iteration: int, *, num_samples: int | None = None, salt: int = 0, greedy: bool = False
@@ -118,7 +129,7 @@ class Rollout:
             top_p=rl.top_p,
             num_samples=num_samples or rl.samples_per_prompt,
             seed=int(np.random.default_rng([seed, iteration, salt]).integers(2**31)),
-            stop_ids=(self.eos_id,) if self.eos_id is not None else None,
+            stop_ids=self.eos_ids or None,
             max_new_tokens=self.cfg.task.max_response_len,
         )
 
@@ -127,10 +138,31 @@ class Rollout:
         return self.sampling(EVAL_ITERATION, num_samples=samples, salt=EVAL_SALT, greedy=greedy)
 
     def generate(
-        self, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        self,
+        params: Params,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        meta: Sequence[Mapping[str, Any]] | None = None,
+        fused: FusedScoring | None = None,
+        migration: Migration | None = None,
     ) -> tuple[list[Sequence[int]], GenerationResult]:
-        """Completions for ``prompts``; returns each sample's prompt and the engine's result."""
-        result = self.engine.generate(params, prompts, sampling)
+        """Completions for ``prompts`` (episodes with the run's environment, whose resets get
+        ``meta``), scored as they finish by ``fused`` if given; returns each sample's prompt and
+        the engine's result (with each episode's ``episode_meta``; the metrics in
+        ``env_metrics``)."""
+        runner = turns = None
+        if self.env is not None:
+            episodes = len(prompts) * sampling.num_samples
+            runner = self.env.runner(meta if meta is not None else [{}] * len(prompts), episodes)
+            turns = self.env.turns(runner)
+            if fused is not None:  # a finished row's episode is final: its meta is known
+                fused.episode_meta = runner.episode_meta
+        result = self.engine.generate(
+            params, prompts, sampling, on_finished=fused, migration=migration, turns=turns
+        )
+        if runner is not None:
+            result.episode_meta = [runner.episode_meta(i) for i in range(len(result.prompt_index))]
+            self.env_metrics = runner.metrics(result.policy_masks)
         return [prompts[int(i)] for i in result.prompt_index], result
 
     def __call__(
@@ -148,18 +180,19 @@ class Rollout:
             raise ValueError("this rollout has no scorer: use generate()")
         if self.fusion_rows and fuse:
             fused = FusedScoring(self.scorer, self.fusion_rows, prompts, meta)
-            result = self.engine.generate(
-                params, prompts, sampling, on_finished=fused, migration=self.migration
+            rep, result = self.generate(
+                params, prompts, sampling, meta, fused=fused, migration=self.migration
             )
-            rep = [prompts[int(i)] for i in result.prompt_index]
             arrays = fused.finish(result)
             self.fusion_stats = fused.stats
             for k in ("migrated_rows", "tail_decode_chunks"):
                 self.fusion_stats[f"fusion/{k}"] = int(result.stats.get(k, 0))
         else:
-            rep, result = self.generate(params, prompts, sampling)
-            rep_meta = sample_meta(meta, result.prompt_index)
-            arrays = self.scorer(rep, result.completion_ids, result.raw_logprobs, meta=rep_meta)
+            rep, result = self.generate(params, prompts, sampling, meta)
+            rep_meta = sample_meta(meta, result.prompt_index, result.episode_meta)
+            arrays = self.scorer(
+                rep, result.completion_ids, result.raw_logprobs, rep_meta, result.policy_masks
+            )
         return RolloutBatch(rep, result.completion_ids, result, arrays)
 
     def evaluate(

@@ -26,10 +26,16 @@ GroundTruthFn = Callable[[Sequence[int], Sequence[int]], float]
 
 
 def sample_meta(
-    meta: Sequence[Mapping[str, Any]] | None, prompt_index: Sequence[int]
+    meta: Sequence[Mapping[str, Any]] | None,
+    prompt_index: Sequence[int],
+    episode_meta: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Mapping[str, Any]] | None:
     """Per-prompt meta repeated for each sample (``prompt_index[i]``: sample i's prompt), the
-    form :meth:`Scorer.__call__` takes; None stays None."""
+    form :meth:`Scorer.__call__` takes, with what each sample's episode adds (multi-turn:
+    ``episode_meta[i]``, e.g. the environment's reward); None stays None."""
+    if episode_meta is not None:
+        base = meta if meta is not None else [{}] * (max(map(int, prompt_index), default=-1) + 1)
+        return [{**base[int(i)], **extra} for i, extra in zip(prompt_index, episode_meta)]
     return None if meta is None else [meta[int(i)] for i in prompt_index]
 
 
@@ -90,6 +96,7 @@ class Scorer:
         responses: Sequence[Sequence[int]],
         rollout_logprobs: Sequence[np.ndarray],
         meta: Sequence[Mapping[str, Any]] | None = None,
+        policy_masks: Sequence[np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs`` (with a
         reference),
@@ -98,7 +105,10 @@ class Scorer:
         ``meta``: one prompt-record meta per row (row i is sample i, so a prompt's meta repeats
         for each of its samples), handed to ``reward_fn``; None means ``{}`` for every row.
         """
-        return self.collect(self.dispatch(prompts, responses, rollout_logprobs, meta))
+        pending = self.dispatch(
+            prompts, responses, rollout_logprobs, meta, policy_masks=policy_masks
+        )
+        return self.collect(pending)
 
     def dispatch(
         self,
@@ -107,11 +117,15 @@ class Scorer:
         rollout_logprobs: Sequence[np.ndarray],
         meta: Sequence[Mapping[str, Any]] | None = None,
         pad_to: int = 0,
+        policy_masks: Sequence[np.ndarray] | None = None,
     ) -> PendingScores:
         """The first half of :meth:`__call__`: pack the rows, dispatch every device call and run
         the reward function, without waiting for the devices. With ``pad_to`` > len(rows) the
         device calls see the rows repeated up to ``pad_to`` rows (one compiled shape for every
-        chunk of jrlhf.ppo.fusion); the reward function sees only the real rows."""
+        chunk of jrlhf.ppo.fusion); the reward function sees only the real rows.
+        ``policy_masks`` (multi-turn rollouts: per response, True at the tokens the policy
+        sampled) add ``loss_mask``, the response mask without the observations' tokens, which
+        the losses, advantages and KL read instead of ``mask``."""
         if meta is not None and len(meta) != len(prompts):
             raise ValueError(f"{len(meta)} meta entries for {len(prompts)} rows")
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
@@ -134,6 +148,11 @@ class Scorer:
         for i, lp in enumerate(rollout_logprobs):
             old_lp[i, : len(lp)] = lp
         arrays["old_logprobs"] = old_lp
+        if policy_masks is not None:
+            policy = np.zeros_like(arrays["mask"])
+            for i, m in enumerate(policy_masks):
+                policy[i, : len(m)] = m
+            arrays["loss_mask"] = arrays["mask"] * policy
         return PendingScores(arrays, ref_lp, values, scores)
 
     def collect(self, pending: PendingScores) -> dict[str, np.ndarray]:
@@ -165,9 +184,10 @@ class Scorer:
         ref; only with a reference), response length, and the ground-truth score when the task
         knows it."""
         mask = arrays["mask"]
+        policy = arrays.get("loss_mask", mask)  # the policy's own tokens (multi-turn)
         out = {"reward": float(np.mean(arrays["scores"]))} if "scores" in arrays else {}
         if "ref_logprobs" in arrays:
-            kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * mask, axis=1)
+            kl = np.sum((arrays["old_logprobs"] - arrays["ref_logprobs"]) * policy, axis=1)
             out["kl_to_ref"] = float(np.mean(kl))
         out["response_len"] = float(np.mean(mask.sum(axis=1)))
         out["num_samples"] = float(len(responses))

@@ -28,6 +28,7 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
+from jrlhf.envs import EnvSetup
 from jrlhf.meshes.mesh import mesh_devices
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
@@ -61,6 +62,7 @@ class RLTrainer:
         data: Any,
         run_dir: Path,
         reward_fn: RewardFn | None = None,
+        env: EnvSetup | None = None,
     ):
         self.cfg, self.rl, self.algorithm = cfg, cfg.rl, algorithm
         self.roles, self.data = roles, data
@@ -84,7 +86,7 @@ class RLTrainer:
             )
         self.rollout = Rollout.build(
             actor.model.base, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
-            data.eos_id, fusion_rows,
+            data.stop_ids, fusion_rows, env=env,
         )  # fmt: skip
         self.weights = WeightChannel(plan, roles, self.trained)
         if self.rl.migrate_rows:  # RLHFuse's migration: the tail leaves the scoring devices
@@ -283,6 +285,8 @@ class RLTrainer:
         metrics.update(update_metrics)
         if self.rollout.fusion_rows:  # RLConfig.fusion: chunks scored early, rows migrated
             metrics.update({k: float(v) for k, v in self.rollout.fusion_stats.items()})
+        if self.rollout.env is not None:  # multi-turn: turns, tool calls, tokens by source
+            metrics.update(self.rollout.env_metrics)
         return metrics
 
     # -- evaluation and checkpoints ------------------------------------------------------------

@@ -48,6 +48,12 @@ _ACTOR_FIELDS = (
 _CRITIC_FIELDS = ("tokens", "positions", "segment_ids", "mask", "old_values", "returns")
 
 
+def loss_mask(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The tokens the losses, advantages and KL count: the policy's own (``loss_mask``, in a
+    multi-turn rollout's arrays), else every response token (``mask``)."""
+    return arrays.get("loss_mask", arrays["mask"])
+
+
 def optimizer_config(setup: RoleSetup) -> OptimizerConfig:
     """The optimizer a role's ``RoleConfig`` asks for."""
     rc = setup.config
@@ -150,12 +156,13 @@ class Update:
             # that scores the reference (the same programs give bit-identical updates).
             batch = dict(batch, ref_logprobs=batch["old_logprobs"])
         kl_coef = np.float32(self.kl_ctl.value)
+        # Multi-turn: observation tokens are not the policy's steps; GAE steps over them.
         adv, returns = self.advantages(
             batch["train_scores"],
             batch["old_logprobs"],
             batch["ref_logprobs"],
             batch["old_values"],
-            batch["mask"],
+            loss_mask(batch),
             kl_coef,
         )
         batch["advantages"] = np.asarray(adv)
@@ -195,7 +202,7 @@ class Update:
         prox = self.prox_logprobs(self.states["actor"].params, {k: batch[k] for k in keys})
         prox = np.asarray(to_host(prox), np.float32)
         weights, m = algos.behaviour_importance_weights(
-            prox, batch["old_logprobs"], batch["mask"], self.rl.off_policy_correction,
+            prox, batch["old_logprobs"], loss_mask(batch), self.rl.off_policy_correction,
             self.rl.is_cap,
         )  # fmt: skip
         batch["behaviour_logprobs"] = batch["old_logprobs"]
@@ -227,7 +234,8 @@ class Update:
         ``train/*`` metrics (fetched: the call is synchronous)."""
         rows = arrays["mask"].shape[0]
         mb = self.rl.minibatch_size
-        fields = _ACTOR_FIELDS + (("is_weights",) if "is_weights" in arrays else ())
+        fields = _ACTOR_FIELDS + tuple(k for k in ("is_weights", "loss_mask") if k in arrays)
+        critic_fields = _CRITIC_FIELDS + (("loss_mask",) if "loss_mask" in arrays else ())
         rng = np.random.default_rng([self.seed, iteration, 7])
         # Metrics stay on device until the end, so actor and critic steps (which may run on
         # different devices) are dispatched back to back without a host sync in between.
@@ -243,7 +251,7 @@ class Update:
                 self.states["actor"], m = step(self.states["actor"], batch, split)
                 splits["train/microbatches"].append(split)
                 if self.use_critic:
-                    cbatch, split = self.pack({k: arrays[k][idx] for k in _CRITIC_FIELDS}, "critic")
+                    cbatch, split = self.pack({k: arrays[k][idx] for k in critic_fields}, "critic")
                     step = self.steps["critic"]
                     self.states["critic"], cm = step(self.states["critic"], cbatch, split)
                     splits["train/critic/microbatches"].append(split)
@@ -276,7 +284,7 @@ class Update:
             return None
         kl_token = float(
             algos.observed_kl(
-                arrays["old_logprobs"], arrays["ref_logprobs"], arrays["mask"], self.kl_estimator
+                arrays["old_logprobs"], arrays["ref_logprobs"], loss_mask(arrays), self.kl_estimator
             )
         )
         self.kl_ctl = self.kl_ctl.update(kl_token, rows)

@@ -191,7 +191,7 @@ class Transition:
             self._build_jit()
         elif self.path == "device_put+jit":
             self._build_twin()
-        elif self.path in ("stack+device_put", "device_put+stack"):
+        elif self.path in ("stack", "stack+device_put", "device_put+stack"):
             self._build_stacked()
         self.compiles += backend_compile_count() - before
         self._memory = self._memory_plan()
@@ -223,6 +223,11 @@ class Transition:
             math.prod(s.mesh.devices.shape) == len(order) for s in self.src
         ):
             return "device_put+jit"
+        whole = all(math.prod(s.mesh.devices.shape) == len(src_set) for s in self.src)
+        if frozenset(order) < src_set and whole and len(src_set) % len(order) == 0:
+            # Onto some of the source's own devices (a migration's tail mesh): through the
+            # stacked layout, its first copy on the target's devices (see _build_stacked).
+            return "stack"
         if src_set.isdisjoint(order) and all(
             math.prod(s.mesh.devices.shape) == len(src_set) for s in self.src
         ):
@@ -277,9 +282,13 @@ class Transition:
         self._compiled = _compile(fn, self._abstract(self._twins))
 
     def _build_stacked(self) -> None:
-        """Between disjoint device sets of different sizes, one dividing the other, with every
-        transfer shard for shard (what JAX can do between processes):
+        """Between device sets of different sizes, one dividing the other, with every transfer
+        shard for shard (what JAX can do between processes):
 
+        * ``stack`` (the target's devices some of the source's, c times fewer): one jit on the
+          source devices lays the target's layout out c times over them, the first copy on the
+          target's devices, which then hold the target's shards: nothing else moves (a jit or
+          ``device_put`` from a mesh to a part of it cannot run over several processes);
         * ``stack+device_put`` (more source devices, c times the target's): one jit on the
           source devices lays the target's layout out c times over them (a ``copies`` axis
           in front of the target's mesh); the first copy then moves to the target devices,
@@ -290,7 +299,9 @@ class Transition:
         """
         src_order = _order(self.src[0])
         dst_order = _order(self.dst[0])
-        if self.path == "stack+device_put":
+        if self.path == "stack":
+            src_order = (*dst_order, *(d for d in src_order if d not in set(dst_order)))
+        if self.path in ("stack", "stack+device_put"):
             self._stacks = [stacked(d, src_order) for d in self.dst]
             ins = []
             for i, (s, aval) in enumerate(zip(self.src, self.avals)):
@@ -301,7 +312,10 @@ class Transition:
                     self._relabel[i] = r
                 ins.append(r)
             self._in_shardings = ins
-            self._firsts = [twin(d, src_order[: len(dst_order)]) for d in self.dst]
+            if self.path == "stack":
+                self._firsts = list(self.dst)
+            else:
+                self._firsts = [twin(d, src_order[: len(dst_order)]) for d in self.dst]
             fn = jax.jit(_identity, in_shardings=(ins,), out_shardings=self._stacks)
             self._compiled = _compile(fn, self._abstract(ins))
         else:
@@ -332,7 +346,7 @@ class Transition:
         ]
 
     def _run_stacked(self, leaves: list[jax.Array]) -> list[jax.Array]:
-        if self.path == "stack+device_put":
+        if self.path in ("stack", "stack+device_put"):
             stacks = self._compiled(self._relabelled(leaves))
             firsts = []
             for x, first in zip(stacks, self._firsts):
@@ -341,6 +355,8 @@ class Transition:
                 firsts.append(
                     jax.make_array_from_single_device_arrays(x.shape, first, shards, dtype=x.dtype)
                 )
+            if self.path == "stack":
+                return firsts
             out = self._cross(firsts, self.dst)
             del stacks, firsts
             return out
@@ -430,7 +446,9 @@ class Transition:
         layout: what the shard-for-shard transfer sends, every target slice once, or the
         source layout once per group of target devices)."""
         if not hasattr(self, "_bytes_moved"):
-            if self.path == "stack+device_put":
+            if self.path == "stack":
+                self._bytes_moved = layout.bytes_moved(self.src, self.dst, self.avals)
+            elif self.path == "stack+device_put":
                 per_device = layout.bytes_per_device(self.dst, self.avals)
                 self._bytes_moved = sum(per_device.values())
             elif self.path == "device_put+stack":
@@ -468,7 +486,7 @@ class Transition:
             ]
         elif self.path == "jit":
             out = self._compiled(self._relabelled(leaves))
-        elif self.path in ("stack+device_put", "device_put+stack"):
+        elif self.path in ("stack", "stack+device_put", "device_put+stack"):
             out = self._run_stacked(leaves)
         elif self.path == "device_put+jit":
             # No donate= here: donating into a cross-device device_put crashes the CPU client

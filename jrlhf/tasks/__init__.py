@@ -2,6 +2,7 @@
 long-tailed response lengths; arithmetic with exact answers) and verifiable rewards."""
 
 from jrlhf.tasks.arithmetic import ArithmeticTask
+from jrlhf.tasks.calculator import CalculatorEnv, CalculatorTask
 from jrlhf.tasks.longtail import LongTailTask
 from jrlhf.tasks.rewards import (
     REWARD_FNS,
@@ -17,13 +18,20 @@ from jrlhf.tasks.rewards import (
 from jrlhf.tasks.synthetic import SyntheticTask
 
 # TaskConfig.name -> the built-in task class (constructed with the run's seed).
-BUILTIN_TASKS = {"synthetic": SyntheticTask, "arithmetic": ArithmeticTask, "longtail": LongTailTask}
+BUILTIN_TASKS = {
+    "synthetic": SyntheticTask,
+    "arithmetic": ArithmeticTask,
+    "longtail": LongTailTask,
+    "calculator": CalculatorTask,
+}
 
 __all__ = [
     "BUILTIN_TASKS",
     "REWARD_FNS",
     "ArithmeticTask",
     "BatchReward",
+    "CalculatorEnv",
+    "CalculatorTask",
     "LongTailTask",
     "RewardBatch",
     "RewardError",

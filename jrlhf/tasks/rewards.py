@@ -1,12 +1,13 @@
 """Verifiable reward functions: registered by name, or user code named by import path.
 
-``TaskConfig.reward_fn`` is a registered name (:data:`REWARD_FNS`) or ``module:function``, a
-function importable from the Python path. A function of one argument is called once per batch
-with a :class:`RewardBatch` (prompts and responses as ids and as text, and each record's meta)
-and returns one score per sample; a function of two or three arguments is called per sample as
-``(prompt_ids, response_ids, meta) -> float``. :class:`BatchReward` runs either form, and an
-exception or a non-finite score in user code stops the run with one :class:`RewardError` line
-naming the function and the sample that caused it.
+``TaskConfig.reward_fn`` is a registered name (:data:`REWARD_FNS`), ``module:function``, a
+function importable from the Python path, or a weighted sum of those (``math_verify +
+0.1*boxed_format``: :mod:`jrlhf.tasks.math_rewards`). A function of one argument is called once
+per batch with a :class:`RewardBatch` (prompts and responses as ids and as text, and each
+record's meta) and returns one score per sample; a function of two or three arguments is called
+per sample as ``(prompt_ids, response_ids, meta) -> float``. :class:`BatchReward` runs either
+form, and an exception or a non-finite score in user code stops the run with one
+:class:`RewardError` line naming the function and the sample that caused it.
 
 ``meta`` is the prompt record's extra fields (:attr:`jrlhf.data.PromptRecord.meta`: e.g. an id,
 a reference answer as ``meta["answer_ids"]``), carried from the prompt file through the loader
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from jrlhf.data import ANSWER_IDS
+from jrlhf.tasks import math_rewards
 from jrlhf.tasks.synthetic import SyntheticTask
 
 RewardFn = Callable[[Sequence[int], Sequence[int], Mapping[str, Any]], float]
@@ -111,15 +113,39 @@ def answer_match(
 answer_match.required_meta = (ANSWER_IDS,)
 
 
-def required_meta(fn: Callable[..., float]) -> tuple[str, ...]:
+def required_meta(fn: Callable[..., float]) -> tuple[str | tuple[str, ...], ...]:
     """The meta keys ``fn`` reads from every prompt (its ``required_meta`` attribute, if any),
-    so a run can check its prompt files before any model is built."""
+    so a run can check its prompt files before any model is built. An entry that is a tuple of
+    keys asks for any one of them."""
     return tuple(getattr(fn, "required_meta", ()))
+
+
+def env_reward(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], meta: Mapping[str, Any] | None = None
+) -> float:
+    """The environment's reward of a multi-turn episode (the sum of its steps' rewards, which
+    jrlhf.envs hands over as ``meta["env_reward"]``); 0.0 when it gave none."""
+    del prompt_ids, response_ids
+    return float((meta or {}).get("env_reward", 0.0))
+
+
+def missing_meta(fn: Callable[..., float], meta: Mapping[str, Any]) -> list[str]:
+    """The :func:`required_meta` entries ``meta`` lacks, each as ``'key'`` or ``'a' or 'b'``."""
+    out = []
+    for need in required_meta(fn):
+        keys = need if isinstance(need, tuple) else (need,)
+        if not any(meta.get(k) is not None for k in keys):
+            out.append(" or ".join(repr(k) for k in keys))
+    return out
 
 
 REWARD_FNS: dict[str, RewardFn] = {
     "synthetic_ground_truth": synthetic_ground_truth,
     "answer_match": answer_match,
+    "env_reward": env_reward,
+    "math_verify": math_rewards.math_verify,
+    "boxed_format": math_rewards.boxed_format,
+    "format": math_rewards.format_reward(),
 }
 
 
@@ -132,9 +158,17 @@ def register_reward_fn(name: str, fn: Callable[..., float]) -> RewardFn:
     return REWARD_FNS[name]
 
 
-def get_reward_fn(name: str) -> Callable[..., Any]:
-    """The reward function ``name``: a registered name, or ``module:function`` imported from the
-    Python path. Errors are one line naming ``TaskConfig.reward_fn``."""
+def get_reward_fn(name: str, task: Any = None) -> Callable[..., Any]:
+    """The reward function ``name``: a registered name, ``module:function`` imported from the
+    Python path, or a weighted sum of those (``"math_verify + 0.1*format"``). ``task`` (a
+    TaskConfig) gives the ``format`` reward its ``format_pattern``. Errors are one line naming
+    ``TaskConfig.reward_fn``."""
+    if math_rewards.is_combination(name):
+        terms = [(w, n, get_reward_fn(n, task)) for w, n in math_rewards.parse_combination(name)]
+        return math_rewards.WeightedSum(name, terms)
+    pattern = getattr(task, "format_pattern", "")
+    if name == "format" and pattern:
+        return math_rewards.format_reward(pattern)
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
@@ -279,6 +313,7 @@ def check_reward_fn(
     decode: Callable[[Sequence[int]], str] | None,
     eos_id: int | None,
     max_response_len: int,
+    task: Any = None,
 ) -> None:
     """Score dummy samples with the reward function ``name`` before any training: the first
     :data:`CHECK_SAMPLES` prompts, each answered with its own tokens (in-vocabulary ids the
@@ -299,7 +334,7 @@ def check_reward_fn(
         [list(p) for p in prompts[:n]], responses, [dict(m) for m in metas[:n]], decode
     )
     try:
-        BatchReward(get_reward_fn(name), name)(batch)
+        BatchReward(get_reward_fn(name, task), name)(batch)
     except RewardError as e:
         raise RewardError(
             f"TaskConfig.reward_fn: {e}: a dummy sample scored at start-up, before any stage "

@@ -4,6 +4,7 @@ GPU kernel.
 
 ``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU, the native
 kernel on a CPU where it builds, and the blocked kernel otherwise (TPU; a CPU without a compiler).
+Soft-capped attention scores (Gemma 2) all but the Pallas kernel compute (``SOFTCAP_KERNELS``).
 """
 
 from __future__ import annotations
@@ -19,29 +20,51 @@ from jrlhf.decode.kernels.native_cpu import paged_attention_native
 from jrlhf.decode.kernels.reference import paged_attention_reference
 
 KERNELS = ("auto", "reference", "blocked", "native_cpu", "pallas", "pallas_interpret")
+# The kernels that soft-cap attention scores (their ``softcap`` argument); the Pallas kernel has
+# no such step.
+SOFTCAP_KERNELS = ("reference", "blocked", "native_cpu")
 
 
 def select_kernel(
-    name: str = "auto", page_size: int | None = None, head_dim: int | None = None
+    name: str = "auto",
+    page_size: int | None = None,
+    head_dim: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[str, Callable]:
-    """(resolved name, fn) with fn(q_bhd, k_pool, v_pool, layer, page_table, lengths, window).
+    """(resolved name, fn) with fn(q_bhd, k_pool, v_pool, layer, page_table, lengths, window),
+    the model's attention ``softcap`` (0: none) bound into fn.
 
     Given the engine's ``page_size`` and the model's ``head_dim``, ``"auto"`` takes the blocked
     kernel on a GPU too where the Pallas one cannot tile them (not powers of two), and
-    ``"pallas"`` refuses them here, before any compilation."""
+    ``"pallas"`` refuses them here, before any compilation. With a ``softcap`` ``"auto"`` takes
+    the blocked kernel where it would take the Pallas one (only ``SOFTCAP_KERNELS`` compute it),
+    and naming the Pallas one is refused in one line."""
     if name not in KERNELS:
         raise ValueError(f"unknown paged-attention kernel {name!r} (use one of {KERNELS})")
+    if softcap and name not in ("auto", *SOFTCAP_KERNELS):
+        raise ValueError(
+            f"paged-attention kernel {name!r} cannot soft-cap attention scores (the model's "
+            f"attn_logit_softcap {softcap}): use 'auto' or one of {SOFTCAP_KERNELS}"
+        )
     backend = jax.default_backend()
     if name == "auto":
         name = {"gpu": "pallas", "cpu": "native_cpu"}.get(backend, "blocked")
+        if name == "pallas" and softcap:
+            # The Pallas kernel has no soft-capping step (Gemma 2): the blocked kernel, the next
+            # fastest on a GPU (it reads only the pages in use), computes the model's attention.
+            name = "blocked"
         if name == "pallas" and not all(tileable(n) for n in (page_size, head_dim) if n):
             name = "blocked"
         if name == "native_cpu" and not native_cpu.available():
             name = "blocked"
+
+    def bind(fn: Callable) -> Callable:
+        return functools.partial(fn, softcap=softcap) if softcap else fn
+
     if name == "reference":
-        return name, paged_attention_reference
+        return name, bind(paged_attention_reference)
     if name == "blocked":
-        return name, paged_attention_blocked
+        return name, bind(paged_attention_blocked)
     if name == "native_cpu":
         if backend != "cpu":
             raise ValueError(f"paged-attention kernel 'native_cpu' runs on CPU, not {backend}")
@@ -49,7 +72,7 @@ def select_kernel(
             raise ValueError(
                 f"paged-attention kernel 'native_cpu': {native_cpu.unavailable_reason()}"
             )
-        return name, paged_attention_native
+        return name, bind(paged_attention_native)
     # Pallas and its Triton lowering load only when a Pallas kernel is chosen.
     from jrlhf.decode.kernels.pallas_gpu import (  # noqa: PLC0415
         check_shapes,
@@ -68,6 +91,7 @@ def tileable(n: int) -> bool:
 
 __all__ = [
     "KERNELS",
+    "SOFTCAP_KERNELS",
     "paged_attention_blocked",
     "paged_attention_native",
     "paged_attention_reference",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jrlhf.models.attention import MASK_VALUE
+from jrlhf.models.attention import MASK_VALUE, softcap_scores
 
 # Positions of K/V one loop step of the kernel reads per sequence (rounded to whole pages), by
 # JAX backend; ACCELERATOR_BLOCK_TOKENS for any backend not listed.
@@ -59,6 +59,7 @@ def paged_attention_blocked(
     lengths_b: jax.Array,
     sliding_window: int = 0,
     block_pages: int | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Same contract as ``paged_attention_reference``; ``block_pages`` overrides
     :func:`pages_per_block`."""
@@ -92,6 +93,7 @@ def paged_attention_blocked(
         scores_bskg = jnp.einsum(
             "bskd,bkgd->bskg", k_bskd.astype(jnp.float32), q_bkgd, precision=_HIGHEST
         )
+        scores_bskg = softcap_scores(scores_bskg, softcap)
         scores_bskg = jnp.where(valid_bs[:, :, None, None], scores_bskg, MASK_VALUE)
         m_new = jnp.maximum(m_bkg, jnp.max(scores_bskg, axis=1))
         p_bskg = jnp.exp(scores_bskg - m_new[:, None])

@@ -75,6 +75,7 @@ def paged_attention_native(
     page_table_bp: jax.Array,
     lengths_b: jax.Array,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Same contract as ``paged_attention_reference``, on the CPU. Where the kernel is not
     ``available()`` (it is built and registered by the first call that asks), and for dtypes
@@ -82,7 +83,7 @@ def paged_attention_native(
     dtypes_ok = supports(q_bhd.dtype) and supports(k_pool.dtype) and k_pool.dtype == v_pool.dtype
     if not (dtypes_ok and available()):
         return paged_attention_blocked(
-            q_bhd, k_pool, v_pool, layer, page_table_bp, lengths_b, sliding_window
+            q_bhd, k_pool, v_pool, layer, page_table_bp, lengths_b, sliding_window, softcap=softcap
         )
     out = jax.ShapeDtypeStruct(q_bhd.shape, q_bhd.dtype)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
@@ -94,4 +95,5 @@ def paged_attention_native(
         page_table_bp.astype(jnp.int32),
         lengths_b.astype(jnp.int32),
         sliding_window=np.int64(sliding_window),
+        softcap=np.float32(softcap),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jrlhf.models.attention import MASK_VALUE
+from jrlhf.models.attention import MASK_VALUE, softcap_scores
 
 
 def paged_attention_reference(
@@ -22,6 +22,7 @@ def paged_attention_reference(
     page_table_bp: jax.Array,
     lengths_b: jax.Array,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Attention of one query token per sequence over its cached keys.
 
@@ -32,6 +33,8 @@ def paged_attention_reference(
       page_table_bp: int32 (batch, max_pages) page ids of each sequence, in order.
       lengths_b: int32 (batch,) number of valid cached tokens, including the current one.
       sliding_window: attend only to the last ``sliding_window`` positions (0 = all).
+      softcap: ``softcap * tanh(score / softcap)`` of the scaled scores (0 = none; Gemma 2).
+        The native CPU and Pallas kernels have none (``select_kernel``).
 
     Returns:
       (batch, heads, head_dim) in the dtype of ``q_bhd``.
@@ -55,6 +58,7 @@ def paged_attention_reference(
     # on CPU this form fuses with the gather and measured about 2x faster (fp32 accumulation).
     q_b1kgd = q_bhd.reshape(b, 1, kv_heads, groups, d).astype(jnp.float32) * (d**-0.5)
     scores_bskg = jnp.sum(q_b1kgd * k_bskd[:, :, :, None, :].astype(jnp.float32), axis=-1)
+    scores_bskg = softcap_scores(scores_bskg, softcap)
     scores_bskg = jnp.where(valid_bs[:, :, None, None], scores_bskg, MASK_VALUE)
     probs_bskg = jax.nn.softmax(scores_bskg, axis=1)
     out = jnp.sum(probs_bskg[..., None] * v_bskd[:, :, :, None, :].astype(jnp.float32), axis=1)

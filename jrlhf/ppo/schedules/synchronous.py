@@ -69,13 +69,17 @@ class Synchronous:
                     fused = self.rollout(params, prompts, sampling, meta=meta)
                     rep_prompts, result, arrays = fused.prompts, fused.result, fused.arrays
                 else:
-                    rep_prompts, result = self.rollout.generate(params, prompts, sampling)
+                    rep_prompts, result = self.rollout.generate(params, prompts, sampling, meta)
             with timer.phase("score"):
                 self.residency.enter("score")
                 if not self.rollout.fusion_rows:
-                    rep_meta = sample_meta(meta, result.prompt_index)
+                    rep_meta = sample_meta(meta, result.prompt_index, result.episode_meta)
                     arrays = self.scorer(
-                        rep_prompts, result.completion_ids, result.raw_logprobs, meta=rep_meta
+                        rep_prompts,
+                        result.completion_ids,
+                        result.raw_logprobs,
+                        rep_meta,
+                        result.policy_masks,
                     )
                 arrays["train_scores"] = shaped_scores(self.rl, self.R, arrays)
             rounds.append((rep_prompts, result.completion_ids, arrays))

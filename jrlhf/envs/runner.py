@@ -1,0 +1,299 @@
+"""Driving one environment per episode from the decode engine's turn ends.
+
+``EpisodeRunner`` is the engine's turn handler (jrlhf.decode.turns.TurnHandler) for one rollout:
+at an episode's first turn end it makes the episode's environment and resets it with the prompt
+record's meta, then steps it at every turn end and turns its answer into the observation ids the
+engine appends. Environment code runs on daemon threads with a deadline (``timeout_s``; 0 runs
+it inline): an exception, a timeout or an answer that is not a ``Step`` ends that episode with
+the failure recorded, never the run, until more than ``failure_limit`` of the rollout's episodes
+have failed; then one line naming the environment and the first failure stops it (EnvFailure).
+A thread that never returns cannot be stopped from Python: it is abandoned (daemon threads do
+not keep the process alive). In a multi-controller job process 0 steps every environment and
+broadcasts the answers, so every process feeds its slots the same observations whatever the
+environment does (a clock, a network call, randomness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns
+from jrlhf.envs.base import Conversation, EnvFailure, Step
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """What happened in one episode: turns the policy took, observations appended (tool
+    calls), tool errors the environment flagged, the failure that ended it (None: none), and the
+    environment's reward (summed; None when it gave none)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    failure: str | None = None
+    reward: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """An environment's answer to one turn end: the observation ids (None: the episode ends),
+    the step's reward, whether it flagged a tool error, or the failure that ends the episode."""
+
+    ids: list[int] | None = None
+    reward: float | None = None
+    error: bool = False
+    failure: str | None = None
+
+
+class _Call:
+    """One environment call on a daemon thread."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as e:  # reported to the runner, which records it
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class EpisodeRunner:
+    """The turn handler of one rollout (see the module docstring).
+
+    ``factory()`` makes an environment (``reset``/``step``); ``meta[p]`` is prompt ``p``'s
+    record meta; ``encode`` turns text observations into ids (None: environments must answer
+    ids); ``decode`` gives the conversation its text; ``episodes`` is how many the rollout holds
+    (the failure limit's denominator); ``max_turns`` (0: no cap) ends an episode after that many
+    turns of the policy.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        meta: Sequence[Mapping[str, Any]],
+        episodes: int,
+        *,
+        name: str,
+        encode: Callable[[str], list[int]] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        max_turns: int = 0,
+        timeout_s: float = 30.0,
+        failure_limit: float = 0.25,
+        max_observation_tokens: int = 0,
+    ):
+        self.factory, self.meta, self.episodes = factory, meta, episodes
+        self.max_observation_tokens = max_observation_tokens
+        self.name, self.encode, self.decode = name, encode, decode
+        self.max_turns, self.timeout_s, self.failure_limit = max_turns, timeout_s, failure_limit
+        self.envs: dict[int, Any] = {}
+        self.stats: dict[int, EpisodeStats] = {}
+
+    # -- the handler ---------------------------------------------------------------------------
+    def __call__(self, ends: Sequence[TurnEnd]) -> list[list[int] | None]:
+        answers: list[list[int] | None] = [None] * len(ends)
+        jobs: dict[int, Callable[[], Any]] = {}
+        many = jax.process_count() > 1
+        for k, end in enumerate(ends):
+            stats = self.stats.setdefault(end.index, EpisodeStats())
+            stats.turns += 1
+            if end.reason not in CONTINUING or stats.failure is not None:
+                continue
+            if self.max_turns and stats.turns >= self.max_turns:
+                continue
+            if not many or jax.process_index() == 0:  # process 0 steps them (see _shared)
+                jobs[k] = self._job(end, stats.turns)
+        outcomes = {k: self._outcome(ends[k], o) for k, o in self._run(jobs).items()}
+        if many:
+            outcomes = self._shared(outcomes, len(ends))
+        for k, outcome in outcomes.items():
+            answers[k] = self._record(ends[k], outcome)
+        failed = [s for s in self.stats.values() if s.failure is not None]
+        if len(failed) > self.failure_limit * self.episodes:
+            raise EnvFailure(
+                f"environment {self.name!r} failed in {len(failed)} of {self.episodes} episodes "
+                f"(more than EnvConfig.failure_limit {self.failure_limit:g}); first: "
+                f"{failed[0].failure}"
+            )
+        return answers
+
+    def _job(self, end: TurnEnd, turn: int) -> Callable[[], Any]:
+        meta = self.meta[end.prompt_index]
+        env = self.envs.get(end.index)
+        fresh = env is None
+        if fresh:
+            env = self.envs[end.index] = self.factory()
+        conversation = Conversation(end.prompt, end.tokens, end.policy, turn, meta, self.decode)
+
+        def job():
+            if fresh:
+                env.reset(meta)
+            return env.step(conversation)
+
+        return job
+
+    def _run(self, jobs: Mapping[int, Callable[[], Any]]) -> dict[int, tuple[Any, str | None]]:
+        """(result, failure) of every job: inline without a timeout, else on daemon threads
+        that share one deadline."""
+        out: dict[int, tuple[Any, str | None]] = {}
+        if not self.timeout_s:
+            for k, job in jobs.items():
+                try:
+                    out[k] = (job(), None)
+                except Exception as e:
+                    out[k] = (None, f"{type(e).__name__}: {e}")
+            return out
+        calls = {k: _Call(job) for k, job in jobs.items()}
+        deadline = time.monotonic() + self.timeout_s
+        for k, call in calls.items():
+            if not call.done.wait(max(0.0, deadline - time.monotonic())):
+                out[k] = (None, f"no answer within EnvConfig.timeout_s {self.timeout_s:g} s")
+            elif call.error is not None:
+                out[k] = (None, f"{type(call.error).__name__}: {call.error}")
+            else:
+                out[k] = (call.result, None)
+        return out
+
+    def _outcome(self, end: TurnEnd, outcome: tuple[Any, str | None]) -> _Outcome:
+        """What an environment's answer to ``end`` means: observation ids, reward, tool error,
+        or the failure that ends the episode."""
+        step, failure = outcome
+        if failure is None and not isinstance(step, Step):
+            failure = f"step returned {type(step).__name__}, not a Step"
+        if failure is None and step.reward is not None and not math.isfinite(step.reward):
+            failure = f"step returned a non-finite reward {step.reward!r}"
+        ids: list[int] = []
+        if failure is None:
+            obs = step.observation
+            if isinstance(obs, str):
+                if obs and self.encode is None:
+                    failure = "a text observation, and this run has no tokenizer to encode it"
+                else:
+                    ids = self.encode(obs) if obs else []
+            else:
+                try:
+                    ids = [int(t) for t in obs]
+                except (TypeError, ValueError):
+                    failure = f"observation {obs!r} is neither text nor token ids"
+        limit = self.max_observation_tokens
+        if failure is None and limit and len(ids) > limit:
+            failure = (
+                f"an observation of {len(ids)} tokens, more than "
+                f"EnvConfig.max_observation_tokens {limit}"
+            )
+        if failure is not None:
+            return _Outcome(failure=failure)
+        reward = None if step.reward is None else float(step.reward)
+        return _Outcome(None if step.done else ids, reward, bool(step.error))
+
+    def _record(self, end: TurnEnd, outcome: _Outcome) -> list[int] | None:
+        """Update ``end``'s episode with ``outcome``; its observation ids (None: it ends)."""
+        stats = self.stats[end.index]
+        if outcome.failure is not None:
+            where = f"episode {end.index} (prompt {end.prompt_index}), turn {stats.turns}"
+            stats.failure = f"{where}: {outcome.failure}"
+            return None
+        if outcome.reward is not None:
+            stats.reward = (stats.reward or 0.0) + outcome.reward
+        stats.tool_errors += outcome.error
+        if not outcome.ids:
+            return None
+        stats.tool_calls += 1
+        return outcome.ids
+
+    def _shared(self, outcomes: dict[int, _Outcome], count: int) -> dict[int, _Outcome]:
+        """Process 0's outcomes on every process (a multi-controller job steps each episode's
+        environment once, on process 0, so that every process feeds the same observations):
+        one row per turn end, ``[kind, reward, error, length, ids...]``."""
+        width = 4 + max(1, self.max_observation_tokens)
+        rows = np.zeros((count, width), np.float64)
+        rows[:, 0] = -1  # no step taken
+        if jax.process_index() == 0:
+            for k, o in outcomes.items():
+                ids = o.ids or []
+                kind = 2 if o.failure is not None else (1 if o.ids is not None else 0)
+                reward = np.nan if o.reward is None else o.reward
+                rows[k, :4] = (kind, reward, o.error, len(ids))
+                rows[k, 4 : 4 + len(ids)] = ids
+        rows = np.asarray(multihost_utils.broadcast_one_to_all(rows))
+        shared = {}
+        for k, row in enumerate(rows):
+            kind = int(row[0])
+            if kind < 0:
+                continue
+            if kind == 2:
+                mine = outcomes.get(k)
+                shared[k] = _Outcome(failure=mine.failure if mine else "see process 0")
+                continue
+            reward = None if np.isnan(row[1]) else float(row[1])
+            ids = [int(t) for t in row[4 : 4 + int(row[3])]] if kind == 1 else None
+            shared[k] = _Outcome(ids, reward, bool(row[2]))
+        return shared
+
+    # -- after the rollout -------------------------------------------------------------------------
+    def episode_meta(self, index: int) -> dict[str, Any]:
+        """What the reward function gets from the episode (``env_reward`` when there is one)."""
+        stats = self.stats.get(index)
+        if stats is None or stats.reward is None:
+            return {}
+        return {"env_reward": stats.reward}
+
+    def metrics(self, policy_masks: Sequence[np.ndarray]) -> dict[str, float]:
+        """Means per episode over the rollout: turns, tool calls, tool errors, failed episodes,
+        and tokens by source (the policy's, the observations')."""
+        n = max(len(policy_masks), 1)
+        stats = [self.stats.get(i, EpisodeStats(turns=1)) for i in range(len(policy_masks))]
+        policy = sum(int(np.sum(m)) for m in policy_masks)
+        total = sum(len(m) for m in policy_masks)
+        return {
+            "env/turns": sum(s.turns for s in stats) / n,
+            "env/tool_calls": sum(s.tool_calls for s in stats) / n,
+            "env/tool_errors": sum(s.tool_errors for s in stats) / n,
+            "env/failed_episodes": float(sum(s.failure is not None for s in stats)),
+            "env/policy_tokens": policy / n,
+            "env/observation_tokens": (total - policy) / n,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSetup:
+    """A run's environment, resolved (jrlhf.config.EnvConfig): how to make one per episode, the
+    turn stop ids and limits, and the tokenizer's text functions. ``runner`` and ``turns`` give
+    one rollout its handler."""
+
+    name: str
+    factory: Callable[[], Any]
+    stop_ids: tuple[int, ...] = ()
+    max_turn_tokens: int = 0
+    max_turns: int = 0
+    timeout_s: float = 30.0
+    failure_limit: float = 0.25
+    encode: Callable[[str], list[int]] | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
+    max_observation_tokens: int = 0
+
+    def runner(self, meta: Sequence[Mapping[str, Any]], episodes: int) -> EpisodeRunner:
+        """The turn handler of one rollout of ``episodes`` episodes over prompts with ``meta``."""
+        return EpisodeRunner(
+            self.factory, meta, episodes, name=self.name, encode=self.encode,
+            decode=self.decode, max_turns=self.max_turns, timeout_s=self.timeout_s,
+            failure_limit=self.failure_limit, max_observation_tokens=self.max_observation_tokens,
+        )  # fmt: skip
+
+    def turns(self, runner: EpisodeRunner) -> Turns:
+        return Turns(runner, self.stop_ids, self.max_turn_tokens)
