@@ -184,8 +184,9 @@ def test_adapters_checkpoint_alone_and_restore(tmp_path):
     )
 
 
-def test_export_to_hf_merges_and_transformers_agrees(tmp_path):
-    src = hf_checkpoint("llama3")
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma3"])
+def test_export_to_hf_merges_and_transformers_agrees(kind, tmp_path):
+    src = hf_checkpoint(kind)
     mesh = make_mesh("fsdp=2")
     base_model, _ = load_hf(src, mesh, "fsdp_tp")
     model = ModelDef(base_model.config, lora=LORA)
