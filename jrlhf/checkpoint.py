@@ -29,6 +29,7 @@ about a trainer checkpoint is read through Orbax's API (``CheckpointManager.late
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,10 @@ from jax.sharding import Mesh
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import all_processes, barrier, is_primary
 from jrlhf.meshes.rules import MeshLayoutError, Rules
+from jrlhf.models import hf
+from jrlhf.models import lora as lora_lib
 from jrlhf.models.config import ModelConfig
+from jrlhf.models.lora import LoraConfig
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.reshard.processes import local_part, spanning, spanning_target
 from jrlhf.runtime.storage import write_atomic
@@ -79,14 +83,92 @@ def opt_state_item(role: str) -> str:
 
 
 # -- model descriptions (model.json and the trainer meta's "models" entries) --------------------
-def model_entry(model: ModelDef) -> dict[str, Any]:
-    """The JSON description of ``model``: its head and ModelConfig."""
-    return {"head": model.head, "config": json.loads(model.config.to_json())}
+def model_entry(model: ModelDef, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON description of ``model``: its head and ModelConfig; with LoRA also the
+    adapters' config and ``base`` (``{"weights": source or None, "seed": int}``: where the
+    frozen base weights come from, since a trainer checkpoint holds only the adapters)."""
+    entry = {"head": model.head, "config": json.loads(model.config.to_json())}
+    if model.lora is not None:
+        entry["lora"] = dataclasses.asdict(model.lora)
+        entry["base"] = dict(base or {"weights": None, "seed": 0})
+    return entry
+
+
+def base_entry(weights: str | None, seed: int) -> dict[str, Any]:
+    """A LoRA model entry's ``base``: its weights' source (``hf:DIR`` or ``ckpt:DIR``, the
+    directory made absolute: the checkpoint is read from elsewhere) and the seed of a random one."""
+    if weights is not None:
+        kind, _, where = weights.partition(":")
+        weights = f"{kind}:{Path(where).absolute()}"
+    return {"weights": weights, "seed": int(seed)}
 
 
 def model_from_entry(entry: Mapping[str, Any]) -> ModelDef:
     """The ModelDef a :func:`model_entry` describes."""
-    return ModelDef(ModelConfig.from_json(json.dumps(entry["config"])), entry.get("head", "lm"))
+    lora = LoraConfig(**entry["lora"]) if entry.get("lora") else None
+    config = ModelConfig.from_json(json.dumps(entry["config"]))
+    return ModelDef(config, entry.get("head", "lm"), lora)
+
+
+def load_source_weights(
+    model: ModelDef, weights: str | None, mesh: Mesh, rules: Rules | str, seed: int
+) -> Params:
+    """Parameters of ``model`` on ``mesh`` from ``weights`` (``hf:DIR``, ``ckpt:DIR`` of a
+    model checkpoint, or None: random from ``seed``).
+
+    A value-head model initialised from a language model (e.g. a critic from the SFT policy)
+    keeps the shared backbone and starts its value head from random numbers. A LoRA model
+    loads its base so and starts its adapters fresh (B zero: it computes the base exactly).
+    """
+    if weights is None:
+        return model.init_sharded(mesh, rules, seed=seed)
+    kind, _, where = weights.partition(":")
+    base = model.base
+    if kind == "hf":
+        stored, params = hf.load_hf(where, mesh, rules, param_dtype=base.config.param_dtype)
+    else:
+        stored = ModelDef(base.config, read_model_json(where).head)
+        params = restore_model_params(where, stored, mesh, rules)
+    if stored.head != model.head or model.lora is not None:
+        # Only the fresh leaves survive the program (XLA drops the rest), so the model's own
+        # base is never materialised twice.
+        fresh = _fresh_program(model, stored.head, mesh, rules)(jax.random.key(seed))
+        heads_differ = stored.head != model.head
+        params = {
+            k: v
+            for k, v in params.items()
+            if k in model.abstract_params and not (heads_differ and k in ("lm_head", "value_head"))
+        }
+        params = _deep_update(params, fresh)
+    return params
+
+
+def _fresh_leaf(model: ModelDef, stored_head: str, keys: tuple[str, ...]) -> bool:
+    """Whether the leaf at ``keys`` of ``model`` is not in a checkpoint of the base model
+    with head ``stored_head``: adapters, and a head the stored model lacks."""
+    return "_lora_" in keys[-1] or (
+        stored_head != model.head and keys[0] in ("lm_head", "value_head")
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _fresh_program(model: ModelDef, stored_head: str, mesh: Mesh, rules: Rules | str):
+    shardings = lora_lib.select(
+        model.shardings(mesh, rules), lambda keys: _fresh_leaf(model, stored_head, keys)
+    )
+    return jax.jit(
+        lambda key: lora_lib.select(
+            model.init(key), lambda keys: _fresh_leaf(model, stored_head, keys)
+        ),
+        out_shardings=shardings,
+    )
+
+
+def _deep_update(tree: dict, part: dict) -> dict:
+    out = dict(tree)
+    for k, v in part.items():
+        out[k] = _deep_update(tree.get(k, {}), v) if isinstance(v, dict) else v
+    return out
 
 
 def restore_target(tree: Any, shardings: Any) -> Any:
@@ -178,14 +260,22 @@ def save_trainer_state(
     meta: Mapping[str, Any],
     states: Mapping[str, Any],
     models: Mapping[str, ModelDef],
+    bases: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Save step ``step``: ``meta`` (JSON-serialisable resume state) plus, for every role of
-    ``states`` (train states with ``step``, ``params`` and ``opt_state``), its parameters,
-    optimizer state and model description. Asynchronous if the manager is."""
-    meta = {**meta, MODELS_KEY: {role: model_entry(models[role]) for role in states}}
+    ``states`` (train states with ``step``, ``params`` and ``opt_state``), its trainable
+    parameters (``ModelDef.trainable``: all, or a LoRA model's adapters), optimizer state and
+    model description (with ``bases[role]`` for a LoRA model: :func:`model_entry`).
+    Asynchronous if the manager is."""
+    bases = bases or {}
+    entries = {role: model_entry(models[role], bases.get(role)) for role in states}
+    meta = {**meta, MODELS_KEY: entries}
     args = {META_ITEM: ocp.args.JsonSave(meta)}
     for role, state in states.items():
-        args[params_item(role)] = ocp.args.StandardSave(spanning(state.params))
+        # A LoRA role's item holds its adapters (and value head) only: the base is frozen, and
+        # comes back from its source (the model entry's "base") on resume and on load.
+        trained = models[role].trainable(state.params)
+        args[params_item(role)] = ocp.args.StandardSave(spanning(trained))
         args[opt_state_item(role)] = ocp.args.StandardSave(
             spanning({"step": state.step, "opt_state": state.opt_state})
         )
@@ -274,8 +364,9 @@ def restore_trainer_state(
     newest step falls back to the one before, with a warning: :func:`restore_newest_intact`).
 
     ``targets``: per role, an abstract train state (dataclass with ``step``, ``params`` and
-    ``opt_state``, leaves from :func:`restore_target`); each restored state is the target with
-    its fields replaced, so it lands on the target's shardings.
+    ``opt_state``, leaves from :func:`restore_target`; ``params`` the trainable part, as
+    :func:`save_trainer_state` saved it); each restored state is the target with its fields
+    replaced, so it lands on the target's shardings.
     """
     args = {META_ITEM: ocp.args.JsonRestore()}
     for role, target in targets.items():
@@ -380,7 +471,8 @@ def load_model(
 ) -> tuple[ModelDef, Params]:
     """Restore a model checkpoint, or ``role`` from a trainer checkpoint (a step directory, its
     root or a run directory: then the latest complete step), onto ``mesh`` (any mesh: the
-    restore target carries the new shardings)."""
+    restore target carries the new shardings). A LoRA role comes back merged into its base (the
+    plain model, whose export to HF is the merged weights)."""
     directory = Path(directory)
     if (directory / MODEL_JSON).exists():
         model = read_model_json(directory)
@@ -401,10 +493,18 @@ def load_model(
         if role not in models:
             raise ValueError(f"{base}: step {step} has no {role!r} model (it has {sorted(models)})")
         model = model_from_entry(models[role])
-        target = restore_target(model.abstract_params, model.shardings(mesh, rules))
+        shardings = model.shardings(mesh, rules)
+        target = restore_target(model.abstract_params, shardings)
+        target = model.trainable(target)
         item = params_item(role)
         args = ocp.args.Composite(**{item: ocp.args.StandardRestore(spanning_target(target))})
-        return model, local_part(manager.restore(step, args=args)[item], target)
+        params = local_part(manager.restore(step, args=args)[item], target)
+        if model.lora is None:
+            return model, params
+        # The adapters on their base, merged: evaluate, generate and export see a plain model.
+        source = models[role]["base"]
+        full = load_source_weights(model, source["weights"], mesh, rules, source["seed"])
+        return model.base, model.merge_sharded(model.with_trainable(full, params), mesh, rules)
 
     with _reader(base) as manager:
         if explicit:

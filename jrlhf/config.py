@@ -23,6 +23,9 @@ import gin
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
 from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
+from jrlhf.models.lora import ALL_TARGETS as LORA_TARGETS
+from jrlhf.models.lora import LoraConfig
+from jrlhf.models.lora import config_problem as lora_problem
 from jrlhf.runtime.devices import MAX_HOST_DEVICES
 
 ROLES = ("actor", "critic", "reference", "reward")
@@ -295,10 +298,39 @@ class RoleConfig:
     # micro-batches than a full-length one; each count compiles once. Exclusive with
     # microbatches > 1; 0 (default) uses microbatches.
     microbatch_tokens: int = 0
+    # LoRA (jrlhf.models.lora): lora_rank > 0 trains low-rank adapters on the lora_targets
+    # projections (of q, k, v, o, gate, up, down) of this role's model, its base frozen; the
+    # update is scaled by lora_alpha / lora_rank, and lora_dropout drops the adapters' input
+    # in train steps. Actor and critic only (the roles that train).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_dropout: float = 0.0
+
+    def lora(self) -> LoraConfig | None:
+        """The role's adapters, None without (``lora_rank`` 0)."""
+        if not self.lora_rank:
+            return None
+        return LoraConfig(
+            self.lora_rank, float(self.lora_alpha), tuple(self.lora_targets), self.lora_dropout
+        )
 
     def validate(self, role: str) -> None:
         f = f"{role}/RoleConfig"
         check_types(self, f)
+        _check(self.lora_rank >= 0, f"{f}.lora_rank", "must be >= 0 (0: no LoRA)")
+        if self.lora_rank:
+            _check(
+                role in ("actor", "critic"),
+                f"{f}.lora_rank",
+                f"only the trained roles (actor, critic) take adapters; the {role} is frozen",
+            )
+            problem = lora_problem(
+                self.lora_rank, self.lora_alpha, tuple(self.lora_targets), self.lora_dropout
+            )
+            if problem:
+                field = problem.split()[1]  # "lora rank must ..." -> rank
+                raise ConfigError(f"{f}.lora_{field}: {problem}")
         check_model_overrides(f"{f}.model_overrides", self.model_overrides)
         ok_init = self.init == "tiny" or self.init.split(":", 1)[0] in ("hf", "ckpt", "stage")
         _check(ok_init, f"{f}.init", f"{self.init!r} (use tiny, hf:DIR, ckpt:DIR or stage:NAME)")

@@ -1,5 +1,5 @@
 """``python -m jrlhf.bench
-{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu} [options]``: one JSON
+{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu,lora} [options]``: one JSON
 object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
@@ -19,7 +19,7 @@ from jrlhf.runtime.devices import keep_host_memory
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
-    "gpu",
+    "gpu", "lora",
 )  # fmt: skip
 CHECKOUT = Path(__file__).resolve().parents[2]
 

@@ -43,6 +43,7 @@ FSDP_TP: Rules = (
     ("mlp", "tensor"),
     ("layers", None),
     ("norm", None),
+    ("lora_rank", None),  # LoRA adapters' inner axis (jrlhf.models.lora): a few dozen wide
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("act_embed", None),

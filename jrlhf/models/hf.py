@@ -569,9 +569,10 @@ def save_hf(
     """Write config.json + safetensors (sharded with an index past ``max_shard_bytes``).
 
     The directory is assembled next to ``out_dir`` and moved into place at the end, so an
-    interrupted export never leaves a half-written checkpoint where a good one was.
+    interrupted export never leaves a half-written checkpoint where a good one was. A LoRA
+    model (jrlhf.models.lora) is written merged: HF checkpoints hold plain weights.
     """
-
+    model, params = model.base, model.merge(params)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True)")

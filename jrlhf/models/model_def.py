@@ -17,7 +17,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jrlhf.meshes.rules import Rules, get_rules, tree_shardings
+from jrlhf.models import lora as lora_lib
 from jrlhf.models.config import ModelConfig
+from jrlhf.models.lora import LoraConfig
 from jrlhf.models.transformer import Transformer
 
 Params = dict[str, Any]  # nested dict of arrays, the pure form of the model's nnx.State
@@ -28,11 +30,11 @@ def _is_variable(x: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_split(config: ModelConfig, head: str):
+def _abstract_split(config: ModelConfig, head: str, lora: LoraConfig | None = None):
     """The abstract module's (graphdef, state), shared by every ModelDef of one config and head:
     tracing the module takes a noticeable fraction of a second, and a run builds several
     ModelDefs of one config (actor and reference; critic and reward)."""
-    module = nnx.eval_shape(lambda: Transformer(config, head=head, rngs=nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: Transformer(config, head=head, rngs=nnx.Rngs(0), lora=lora))
     return nnx.split(module)
 
 
@@ -45,16 +47,57 @@ def _init_program(model: ModelDef, mesh: Mesh, rules: Rules):
     return jax.jit(model.init, out_shardings=model.shardings(mesh, rules))
 
 
+@functools.lru_cache(maxsize=64)
+def _merge_program(model: ModelDef, mesh: Mesh, rules: Rules):
+    """One jitted merge per LoRA model, mesh and rule set: the base model's parameters in their
+    layout on ``mesh``."""
+    return jax.jit(model.merge, out_shardings=model.base.shardings(mesh, rules))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
-    """A model's config and head kind; everything else is derived from them."""
+    """A model's config, head kind and LoRA adapters (None: none); everything else is derived
+    from them.
+
+    With ``lora`` the parameter tree holds the adapters beside the base weights it adapts;
+    :meth:`trainable` is the part an optimizer updates (adapters and a value head), the rest is
+    frozen; :attr:`base` is the plain model that :meth:`merge`'s output runs (generation,
+    export).
+    """
 
     config: ModelConfig
     head: str = "lm"
+    lora: LoraConfig | None = None
 
     @property
     def _split(self):
-        return _abstract_split(self.config, self.head)
+        return _abstract_split(self.config, self.head, self.lora)
+
+    @property
+    def base(self) -> ModelDef:
+        """This model without adapters (itself when it has none)."""
+        return self if self.lora is None else dataclasses.replace(self, lora=None)
+
+    def trainable(self, params: Params) -> Params:
+        """The parameters an optimizer updates: all of them, or with LoRA the adapters and a
+        value head (a tree of the same nesting with only those leaves)."""
+        return params if self.lora is None else lora_lib.trainable(params)
+
+    def with_trainable(self, params: Params, trainable: Params) -> Params:
+        """``params`` with its :meth:`trainable` part replaced by ``trainable``."""
+        return trainable if self.lora is None else lora_lib.combine(params, trainable)
+
+    def merge(self, params: Params) -> Params:
+        """Parameters of :attr:`base` computing what ``params`` compute (adapters folded into
+        their kernels); ``params`` themselves without LoRA."""
+        return params if self.lora is None else lora_lib.merge(params, self.lora)
+
+    def merge_sharded(self, params: Params, mesh: Mesh, rules: Rules | str) -> Params:
+        """:meth:`merge` as one compiled program whose output is laid out on ``mesh`` by
+        ``rules`` (``params`` themselves without LoRA)."""
+        if self.lora is None:
+            return params
+        return _merge_program(self, mesh, get_rules(rules))(params)
 
     @property
     def graphdef(self):
@@ -79,7 +122,7 @@ class ModelDef:
 
     def init(self, key: jax.Array) -> Params:
         """Random parameters (pure function of the key; jit it with out_shardings)."""
-        module = Transformer(self.config, head=self.head, rngs=nnx.Rngs(params=key))
+        module = Transformer(self.config, head=self.head, rngs=nnx.Rngs(params=key), lora=self.lora)
         return nnx.to_pure_dict(nnx.state(module))
 
     def init_sharded(self, mesh: Mesh, rules: Rules | str, seed: int = 0) -> Params:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jrlhf.meshes.context import constrain
+from jrlhf.models import lora as lora_lib
 from jrlhf.models.attention import (
     AttendFn,
     aligned_attend,
@@ -58,6 +59,15 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
     or in the layout of the unrolled ``LayerWeights`` being run (decode on CPU): output-major, or
     packed panels (``jrlhf.native.matmul``)."""
     layout = _LAYOUT.get()
+    if isinstance(kernel, lora_lib.Adapted):
+        # LoRA (jrlhf.models.lora): the base product plus the thin low-rank one. Decode runs
+        # merged weights in its own layouts, so adapters only ever meet in-major kernels.
+        if layout != "in_major":
+            raise ValueError(
+                f"LoRA adapters run unmerged in the in-major layout only, not {layout}"
+            )
+        base = project(x, kernel.kernel, n_in)
+        return base + kernel.delta(x, token_matmul).astype(base.dtype)
     if layout == "panels":
         return panel_matmul(x, kernel)
     if layout == "out_major":
@@ -68,7 +78,7 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
 def project_all(x: jax.Array, kernels: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """``project(x, kernel)`` for each of ``kernels`` (one input axis each): with packed panels
     one native call for all of them (they read the same rows), else one product each."""
-    if _LAYOUT.get() == "panels":
+    if _LAYOUT.get() == "panels" and not any(isinstance(k, lora_lib.Adapted) for k in kernels):
         return panel_matmuls(x, kernels)
     return tuple(project(x, kernel) for kernel in kernels)
 
@@ -199,6 +209,14 @@ def _kernel_layout(layout: str) -> Iterator[None]:
         _LAYOUT.reset(token)
 
 
+def _kernel(module: nnx.Module, name: str, dtype) -> Any:
+    """The projection ``name``'s kernel in compute ``dtype``, paired with its LoRA adapter
+    where the model has one (jrlhf.models.lora.Adapted; ``project`` computes both)."""
+    return lora_lib.adapted(
+        module, name, getattr(module, f"{name}_kernel")[...].astype(dtype), dtype
+    )
+
+
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init: str = "normal") -> nnx.Param:
     dtype = cfg.jnp_param_dtype
     if init == "normal":
@@ -253,10 +271,9 @@ class Attention(nnx.Module):
         dt = self.dtype
         b, t = x_bte.shape[:2]
 
-        kernels = (self.q_kernel, self.k_kernel, self.v_kernel)
         q, k, v = (
             out.reshape(b, t, -1, self.head_dim)  # (b, t, heads, head_dim)
-            for out in project_all(x_bte, [kernel[...].astype(dt) for kernel in kernels])
+            for out in project_all(x_bte, [_kernel(self, name, dt) for name in ("q", "k", "v")])
         )
         if self.use_bias:
             q = q + self.q_bias[...].astype(dt)
@@ -274,7 +291,7 @@ class Attention(nnx.Module):
         # One merged (heads * head_dim) contraction: with two contracting dims XLA:CPU transposed
         # both operands (copying the whole kernel at every decode step) before the matmul.
         b, t, h, d = attn_bthd.shape
-        return project(attn_bthd.reshape(b, t, h * d), self.o_kernel[...].astype(self.dtype), 2)
+        return project(attn_bthd.reshape(b, t, h * d), _kernel(self, "o", self.dtype), 2)
 
 
 class MLP(nnx.Module):
@@ -288,15 +305,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x_bte):
         dt = self.dtype
-        gate, up = project_all(
-            x_bte, (self.gate_kernel[...].astype(dt), self.up_kernel[...].astype(dt))
-        )
+        gate, up = project_all(x_bte, (_kernel(self, "gate", dt), _kernel(self, "up", dt)))
         if self.hidden_act == "gelu_tanh":
             act = jax.nn.gelu(gate, approximate=True)
         else:
             act = jax.nn.silu(gate)
         hidden = constrain(act * up, ("batch", "length", "act_mlp"))
-        return project(hidden, self.down_kernel[...].astype(dt))
+        return project(hidden, _kernel(self, "down", dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -333,7 +348,14 @@ def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 class Transformer(nnx.Module):
     """Decoder with either a language-model head (``head="lm"``) or a scalar value head."""
 
-    def __init__(self, cfg: ModelConfig, *, head: str = "lm", rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        head: str = "lm",
+        rngs: nnx.Rngs,
+        lora: lora_lib.LoraConfig | None = None,
+    ):
         if head not in HEADS:
             raise ValueError(f"head {head!r} unknown (use one of {HEADS})")
         self.config = cfg
@@ -345,6 +367,8 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
         if head == "value":
             self.value_head = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None))
+        if lora is not None:  # last: the base draws the same numbers as without adapters
+            lora_lib.attach(self.layers, lora, rngs.params())
 
     # -- pieces, used by the decode engine -------------------------------------------------------
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
@@ -384,7 +408,8 @@ class Transformer(nnx.Module):
                     nnx.replace_by_pure_dict(layer_state, params)
                     layer = nnx.merge(graphdef, layer_state)
                     cos, sin = tables[kinds[idx]]
-                    x_bte, cache = layer(x_bte, cos, sin, attend, idx, cache)
+                    with lora_lib.layer(idx):
+                        x_bte, cache = layer(x_bte, cos, sin, attend, idx, cache)
             return self.final_norm(x_bte), cache
 
         def body(carry, layer_state):
@@ -392,7 +417,8 @@ class Transformer(nnx.Module):
             layer = nnx.merge(graphdef, layer_state)
             options, which = layer_choice(kinds, idx)
             cos, sin = select_choice([tables[k] for k in options], which)
-            x, cache = layer(x, cos, sin, attend, idx, cache)
+            with lora_lib.layer(idx):
+                x, cache = layer(x, cos, sin, attend, idx, cache)
             return (x, cache, idx + 1), None
 
         policy = remat_policy(self.config.remat_policy)

@@ -57,7 +57,13 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
     def setup(role: str, init: str | None = None) -> RoleSetup:
         source = resolve_model(cfg, role, data.model_overrides, run_dir, init=init)
         s = setup_role(cfg, role, plan, source)
-        log.info("%s: %s params; %s", role, f"{s.model.num_params():,}", s.describe())
+        params = f"{s.model.num_params():,} params"
+        if s.model.lora is not None:  # how much of it trains
+            trained = sum(
+                x.size for x in jax.tree.leaves(s.model.trainable(s.model.abstract_params))
+            )
+            params += f" (LoRA rank {s.model.lora.rank}: {trained:,} trained, the base frozen)"
+        log.info("%s: %s; %s", role, params, s.describe())
         return s
 
     def logger_for(stage: str):

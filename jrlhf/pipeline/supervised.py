@@ -160,9 +160,9 @@ def _supervised_stage(
     abstract = jax.eval_shape(
         lambda: init_train_state(setup.model, optimizer, mesh, rules, seed=seed)
     )
-    restored = checkpoint.restore_trainer_state(
-        manager, {role: checkpoint.restore_target(abstract, shardings)}
-    )
+    target = checkpoint.restore_target(abstract, shardings)
+    target = target.replace(params=setup.model.trainable(target.params))
+    restored = checkpoint.restore_trainer_state(manager, {role: target})
     if restored is None:
         done = 0
         params = load_weights(setup.source, mesh, rules, seed)
@@ -170,6 +170,9 @@ def _supervised_stage(
     else:
         meta, states = restored
         done, state = int(meta["step"]), states[role]
+        if setup.model.lora is not None:  # the adapters, on the frozen base from its source
+            params = load_weights(setup.source, mesh, rules, seed)
+            state = state.replace(params=setup.model.with_trainable(params, state.params))
         log.info("%s: resumed at step %d of %d", name, done, steps)
     logger.truncate_after(done)
 
@@ -224,10 +227,13 @@ def _supervised_stage(
                 check_finite(state, f"{name} {role} at step {step}")
                 meta = {"step": step, "stage": name, "seed": seed}
                 models = {role: setup.model}
-                checkpoint.save_trainer_state(manager, step, meta, {role: state}, models)
+                bases = {role: checkpoint.base_entry(setup.source.weights, seed)}
+                checkpoint.save_trainer_state(manager, step, meta, {role: state}, models, bases)
     manager.wait_until_finished()
     check_finite(state.params, f"{name} {role} at step {steps}")
-    checkpoint.save_model(_fresh(out), setup.model, state.params)
+    # A LoRA stage's output is its adapters merged into the base: a plain model checkpoint.
+    merged = setup.model.merge_sharded(state.params, mesh, rules)
+    checkpoint.save_model(_fresh(out), setup.model.base, merged)
     # The stage's output is complete (model.json written last): its mid-stage states are
     # superseded.
     manager.close()

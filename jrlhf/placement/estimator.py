@@ -75,7 +75,9 @@ from jrlhf.config import DROPPED_COPY_PHASES, OFFLOAD_PHASES
 from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.meshes.mesh import MeshSpec, pick_replicas, replica_groups
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
+from jrlhf.models import lora as lora_lib
 from jrlhf.models.config import ModelConfig
+from jrlhf.models.lora import LoraConfig
 from jrlhf.models.model_def import ModelDef
 from jrlhf.placement.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.placement.profile import DeviceProfile
@@ -134,10 +136,11 @@ class PlanEstimate:
 # ------------------------------------------------------------------------ sharding arithmetic
 @functools.lru_cache(maxsize=64)
 def _param_table(
-    cfg: ModelConfig, head: str
+    cfg: ModelConfig, head: str, lora: LoraConfig | None = None
 ) -> tuple[tuple[str, tuple, tuple[int, ...], int], ...]:
-    """(path, logical axes, shape, itemsize) per parameter, from the model's abstract state."""
-    model = ModelDef(cfg, head)
+    """(path, logical axes, shape, itemsize) per parameter, from the model's abstract state
+    (with ``lora``: the LoRA model's, adapters included)."""
+    model = ModelDef(cfg, head, lora)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
     axes, treedef = jax.tree_util.tree_flatten_with_path(model.logical_axes, is_leaf=is_axes)
     shapes = treedef.flatten_up_to(model.abstract_params)
@@ -198,6 +201,43 @@ def shard_bytes(
             math.prod(-(-d // axis_size(placement.mesh, a)) for d, a in zip(shape, axes)) * size
         )
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def lora_shard_bytes(
+    cfg: ModelConfig, head: str, placement: CallPlacement, lora: LoraConfig, part: str
+) -> int:
+    """Bytes one device holds of a LoRA model's ``part``: ``"adapters"`` (the A and B
+    matrices, laid out by their own logical axes) or ``"trainable"`` (adapters and a value
+    head: what has gradients and optimizer moments, jrlhf.models.lora.trainable)."""
+    keep = (lambda k: "_lora_" in k[-1]) if part == "adapters" else lora_lib.is_trainable
+    total = 0
+    for path, logical, shape, size in _param_table(cfg, head, lora):
+        if not keep(tuple(path.split("/"))):
+            continue
+        axes = _dim_axes(logical, placement.mesh, placement.rules)
+        total += (
+            math.prod(-(-d // axis_size(placement.mesh, a)) for d, a in zip(shape, axes)) * size
+        )
+    return total
+
+
+def trained_bytes(
+    cfg: ModelConfig, head: str, placement: CallPlacement, lora: LoraConfig | None
+) -> int:
+    """Bytes one device holds of the parameters a train step differentiates and its optimizer
+    updates: all of them, or a LoRA model's adapters (and value head)."""
+    if lora is None:
+        return shard_bytes(cfg, head, placement)
+    return lora_shard_bytes(cfg, head, placement, lora, "trainable")
+
+
+def held_bytes(
+    cfg: ModelConfig, head: str, placement: CallPlacement, lora: LoraConfig | None
+) -> int:
+    """Parameter bytes one device holds of a trained role: the model, plus its adapters."""
+    extra = 0 if lora is None else lora_shard_bytes(cfg, head, placement, lora, "adapters")
+    return shard_bytes(cfg, head, placement) + extra
 
 
 @functools.lru_cache(maxsize=4096)
@@ -886,7 +926,11 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     mb, seq = min(w.minibatch_size, w.rows), w.seq_len
     m = w.microbatches(role, g.batch)
     micro = w.microbatch_rows(role, g.batch)
-    passes = 3.0 + (profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0)
+    # forward, and a backward of two matmuls per weight (input and weight gradients); a LoRA
+    # model's frozen weights take no weight gradient (its adapters' are a rank/hidden sliver)
+    passes = (2.0 if w.lora(role) else 3.0) + (
+        profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0
+    )
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     step = _fixed_s(
         profile.call_overhead_s
@@ -919,7 +963,7 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     # the gradients of weights replicated over the batch's axes: XLA combines them into one
     # all-reduce per micro-batch (inside the accumulation loop, in the compiled step's HLO)
     step += m * _comm_s(_replicated_grad_bytes(cfg, head, p), 1, g, profile)
-    elems = shard_bytes(cfg, head, p) / itemsize(cfg.param_dtype)
+    elems = trained_bytes(cfg, head, p, w.lora(role)) / itemsize(cfg.param_dtype)
     step += _work_s(elems * profile.optimizer_bytes_per_param, g, profile.memory_bandwidth, profile)
     return w.train_steps * step
 
@@ -1011,9 +1055,12 @@ def _state_bytes(cfg: ModelConfig, head: str, p: CallPlacement, train: bool) -> 
     return b
 
 
-def _moment_bytes(cfg: ModelConfig, head: str, p: CallPlacement) -> int:
-    """fp32 AdamW moments of the parameters one device holds."""
-    return shard_bytes(cfg, head, p) // itemsize(cfg.param_dtype) * MOMENT_BYTES
+def _moment_bytes(
+    cfg: ModelConfig, head: str, p: CallPlacement, lora: LoraConfig | None = None
+) -> int:
+    """fp32 AdamW moments of the trained parameters one device holds (with ``lora``, of the
+    adapters and a value head only)."""
+    return trained_bytes(cfg, head, p, lora) // itemsize(cfg.param_dtype) * MOMENT_BYTES
 
 
 def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
@@ -1033,14 +1080,14 @@ def _resident_parts(
     models = w.models()
     for role, (cfg, head) in models.items():
         if role in ("actor", "critic"):
-            train = plan.for_role(role, "train")
-            out.append((f"{role} params", None, train.devices, shard_bytes(cfg, head, train)))
+            train, lora = plan.for_role(role, "train"), w.lora(role)
+            out.append((f"{role} params", None, train.devices, held_bytes(cfg, head, train, lora)))
             out.append(
                 (
                     f"{role} adam",
                     f"{role}_optimizer",
                     train.devices,
-                    _moment_bytes(cfg, head, train),
+                    _moment_bytes(cfg, head, train, lora),
                 )
             )
         else:  # reference, reward
@@ -1050,7 +1097,8 @@ def _resident_parts(
     # the generation copy is the resharder's output: the "shadow" copy when generation has its
     # own devices, none when it aliases the training copy (the same layout)
     same = same_layout(w.actor, "lm", plan.for_role("actor", "train"), gen)
-    copy = 0 if same else shard_bytes(w.actor, "lm", gen)
+    # A LoRA actor's copy is its merged weights, never its training tree: always a copy.
+    copy = 0 if same and w.actor_lora is None else shard_bytes(w.actor, "lm", gen)
     out.append(("actor generation copy", "generation_copy", gen.devices, copy))
     out.append(("kv pool", None, gen.devices, _kv_pool_bytes(w, _geometry(gen, profile))))
     if "critic" in models and not same_layout(
@@ -1098,7 +1146,7 @@ def _offload_items(w: Workload, plan: ExecutionPlan) -> dict[str, tuple[frozense
         cfg, head = models[role]
         if item.endswith("_optimizer"):
             p = plan.for_role(role, "train")
-            out[item] = (p.devices, _moment_bytes(cfg, head, p))
+            out[item] = (p.devices, _moment_bytes(cfg, head, p, w.lora(role)))
         else:
             p = plan[f"{role}_infer"]
             out[item] = (p.devices, _state_bytes(cfg, head, p, False))
@@ -1186,7 +1234,8 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     # micro-batch per the remat policy, logits and their gradient
     rows = -(-w.microbatch_rows(role, g.batch) // g.batch)
     tokens = rows * w.seq_len
-    grads = shard_bytes(cfg, head, p) * (2 if w.microbatches(role, g.batch) > 1 else 1)
+    grads = trained_bytes(cfg, head, p, w.lora(role))
+    grads *= 2 if w.microbatches(role, g.batch) > 1 else 1
     saved_layer = activation_bytes_per_token(
         cfg, w.seq_len, g.tensor, saved=True, fused_attention=fused
     )

@@ -24,6 +24,7 @@ import numpy as np
 from jrlhf.config import DecodeConfig
 from jrlhf.data.batch import microbatch_splits
 from jrlhf.models.config import FUSED_ATTENTION_DTYPES, ModelConfig
+from jrlhf.models.lora import LoraConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,16 @@ class Workload:
     # score the same (no signal; 0: dynamic sampling off) and RLConfig.max_sampling_rounds.
     no_signal_fraction: float = 0.0
     max_sampling_rounds: int = 4
+    # LoRA adapters of the trained roles (RoleConfig.lora_rank; None: full fine-tuning). The
+    # memory model then counts the adapters beside the frozen base, gradients and AdamW moments
+    # of the adapters (and a value head) only, and the actor's generation copy as a merged copy
+    # of its own (jrlhf.ppo.weights: the weight channel sends merged weights).
+    actor_lora: LoraConfig | None = None
+    critic_lora: LoraConfig | None = None
+
+    def lora(self, role: str) -> LoraConfig | None:
+        """The role's adapters (None: none, or a frozen role)."""
+        return {"actor": self.actor_lora, "critic": self.critic_lora}.get(role)
 
     @property
     def slots(self) -> int:
@@ -188,7 +199,15 @@ class Workload:
             max_sampling_rounds=getattr(cfg.rl, "max_sampling_rounds", 4),
             generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
             offload=tuple(getattr(cfg.rl, "offload", ())),
+            actor_lora=_lora(cfg, "actor"),
+            critic_lora=_lora(cfg, "critic") if critic is not None else None,
         )
+
+
+def _lora(cfg, role: str) -> LoraConfig | None:
+    """The role's RoleConfig LoRA adapters (None without)."""
+    rc = (getattr(cfg, "roles", None) or {}).get(role)
+    return rc.lora() if rc is not None and hasattr(rc, "lora") else None
 
 
 def _microbatches(cfg, role: str, field: str = "microbatches") -> int:

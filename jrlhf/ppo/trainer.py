@@ -68,6 +68,7 @@ class RLTrainer:
         self.roles, self.data = roles, data
         self.run_dir = Path(run_dir)
         self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
+        self.plan = plan
         # The trained roles' states and steps, on their training meshes.
         self.update = Update(cfg, algorithm, roles)
         self.trained = self.update.trained
@@ -84,7 +85,7 @@ class RLTrainer:
                 [(r.meshes["infer"], r.rules["infer"]) for r in scoring],
             )
         self.rollout = Rollout.build(
-            actor.model, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
+            actor.model.base, actor.meshes["generate"], actor.rules["generate"], self.scorer, cfg,
             data.stop_ids, fusion_rows, env=env,
         )  # fmt: skip
         self.weights = WeightChannel(plan, roles, self.trained)
@@ -128,7 +129,7 @@ class RLTrainer:
         if self.update.use_critic:
             critic = roles["critic"]
             critic_values = make_infer(
-                critic.model,
+                self.weights_model("critic"),
                 critic.meshes["infer"],
                 critic.rules["infer"],
                 rl_batch.values_fn(self.P),
@@ -151,6 +152,14 @@ class RLTrainer:
             decode=self.data.decode,
             reward_name=cfg.task.reward_fn or None,
         )
+
+    def weights_model(self, role: str):
+        """The model that reads ``role``'s weights outside its train step: the plain (merged)
+        model where the weight channel moves them (a LoRA role's copies are merged,
+        jrlhf.ppo.weights), else the role's own, reading its training state."""
+        model = self.roles[role].model
+        moved = any(edge.role == role for edge in self.plan.reshard_edges())
+        return model.base if moved else model
 
     # -- the parts' state, by the names the rest of the package reads ------------------------------
     @property
@@ -317,6 +326,7 @@ class RLTrainer:
             meta,
             {role: self.states[role] for role in self.trained},
             {role: self.roles[role].model for role in self.trained},
+            self.update.bases,
         )
 
     def restore(self) -> dict[str, int] | None:
@@ -326,7 +336,7 @@ class RLTrainer:
         if restored is None:
             return None
         meta, states = restored
-        self.states.update(states)
+        self.update.with_restored(states)
         self.update.set_kl_coef(meta["kl_coef"])
         self.iteration = int(meta["iteration"])
         pending = [GeneratedBatch.from_json(g) for g in meta.get("pending", [])]

@@ -96,10 +96,14 @@ class Update:
             "critic": critic_loss(self.P, self.rl),
         }
         self.opts, self.states, self.steps = {}, {}, {}
+        # Where each trained role's weights came from: a LoRA role's checkpoints hold only its
+        # adapters, and name this to find the frozen base again (jrlhf.checkpoint.model_entry).
+        self.bases = {}
         for i, role in enumerate(self.trained):
             setup = roles[role]
             mesh, rules = setup.meshes["train"], setup.rules["train"]
             self.opts[role] = make_optimizer(optimizer_config(setup))
+            self.bases[role] = checkpoint.base_entry(setup.source.weights, seed + i)
             params = load_weights(setup.source, mesh, rules, seed + i)
             self.states[role] = init_train_state(
                 setup.model, self.opts[role], mesh, rules, params=params
@@ -294,5 +298,15 @@ class Update:
             shardings = state_shardings(
                 setup.model, self.opts[role], setup.meshes["train"], setup.rules["train"]
             )
-            targets[role] = checkpoint.restore_target(self.states[role], shardings)
+            target = checkpoint.restore_target(self.states[role], shardings)
+            # A LoRA role's checkpoint holds its trainable part only (jrlhf.checkpoint).
+            targets[role] = target.replace(params=setup.model.trainable(target.params))
         return targets
+
+    def with_restored(self, states: Mapping[str, Any]) -> None:
+        """Take restored train states (``state_targets``' trainable parameters) on top of the
+        frozen parameters these states hold."""
+        for role, state in states.items():
+            model = self.roles[role].model
+            params = model.with_trainable(self.states[role].params, state.params)
+            self.states[role] = state.replace(params=params)

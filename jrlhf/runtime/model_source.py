@@ -91,7 +91,25 @@ def resolve_model(
     init: str | None = None,
     preset: str | None = None,
 ) -> ModelSource:
-    """The model ``role`` runs and its weights' source.
+    """The model ``role`` runs and its weights' source: :func:`resolve_base`, with the
+    role's LoRA adapters (``RoleConfig.lora_rank``) on the model where it has them."""
+    source = resolve_base(cfg, role, task_overrides, run_dir, init=init, preset=preset)
+    lora = cfg.roles[role].lora()
+    if lora is None:
+        return source
+    return dataclasses.replace(source, model=dataclasses.replace(source.model, lora=lora))
+
+
+def resolve_base(
+    cfg: Config,
+    role: str,
+    task_overrides: TaskOverrides,
+    run_dir: str | Path | None = None,
+    *,
+    init: str | None = None,
+    preset: str | None = None,
+) -> ModelSource:
+    """The model ``role`` runs (without adapters) and its weights' source.
 
     ``init`` replaces the role's RoleConfig.init (a supervised stage starting from elsewhere);
     ``preset`` (jrlhf.models.presets, for planning) replaces the architecture and keeps the
@@ -160,21 +178,6 @@ def role_models(
 
 
 def load_weights(source: ModelSource, mesh: Mesh, rules: Rules, seed: int) -> Params:
-    """Parameters of ``source.model`` on ``mesh``: random, or restored/imported.
-
-    A value-head model initialised from a language model (e.g. a critic from the SFT policy)
-    keeps the shared backbone and starts its value head from random numbers.
-    """
-    model = source.model
-    if source.weights is None:
-        return model.init_sharded(mesh, rules, seed=seed)
-    kind, _, where = source.weights.partition(":")
-    if kind == "hf":
-        stored, params = hf.load_hf(where, mesh, rules, param_dtype=model.config.param_dtype)
-    else:
-        stored = ModelDef(model.config, checkpoint.read_model_json(where).head)
-        params = checkpoint.restore_model_params(where, stored, mesh, rules)
-    if stored.head == model.head:
-        return params
-    fresh = model.init_sharded(mesh, rules, seed=seed)
-    return {k: params[k] if k in params and k != "lm_head" else v for k, v in fresh.items()}
+    """Parameters of ``source.model`` on ``mesh``: random, or restored/imported
+    (jrlhf.checkpoint.load_source_weights); a LoRA model's adapters start fresh (B zero)."""
+    return checkpoint.load_source_weights(source.model, source.weights, mesh, rules, seed)

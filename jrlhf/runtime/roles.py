@@ -44,9 +44,11 @@ class RoleSetup:
 
     def shardings(self, phase: str) -> Params:
         """The parameters' shardings in ``phase`` (built once: the trainer asks every
-        iteration, before each weight transition)."""
+        iteration, before each weight transition). Outside training a LoRA model's weights
+        travel merged (jrlhf.ppo.weights): the plain model's shardings."""
         if phase not in self._shardings:
-            self._shardings[phase] = self.model.shardings(self.meshes[phase], self.rules[phase])
+            model = self.model if phase == "train" else self.model.base
+            self._shardings[phase] = model.shardings(self.meshes[phase], self.rules[phase])
         return self._shardings[phase]
 
     def describe(self) -> str:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jrlhf.meshes.batch import check_batch_divides, shard_batch
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, get_rules
+from jrlhf.models import lora as lora_lib
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 from jrlhf.runtime.guard import tree_is_finite
@@ -32,6 +33,9 @@ LossFn = Callable[[Transformer, dict[str, jax.Array]], tuple[jax.Array, dict[str
 
 @flax.struct.dataclass
 class TrainState:
+    """``params``: the model's whole tree; ``opt_state``: the optimizer's state of its
+    trainable part (``ModelDef.trainable``: all of it, or with LoRA the adapters)."""
+
     step: jax.Array
     params: Params
     opt_state: Any
@@ -113,7 +117,8 @@ def state_shardings(
     model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules | str
 ) -> TrainState:
     """The TrainState's shardings: parameters by their logical axes, optimizer moments like the
-    parameters they follow, everything else replicated."""
+    parameters they follow (only the trainable ones', ``ModelDef.trainable``), everything else
+    replicated."""
     return _state_shardings(model, optimizer, mesh, get_rules(rules))
 
 
@@ -122,7 +127,7 @@ def _state_shardings(
     model: ModelDef, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules
 ) -> TrainState:
     params = model.shardings(mesh, rules)
-    abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
+    abstract_opt = jax.eval_shape(optimizer.init, model.trainable(model.abstract_params))
     return TrainState(
         step=_replicated(mesh),
         params=params,
@@ -140,7 +145,7 @@ def _state_init_program(
 
     def init(key_or_params):
         params = model.init(key_or_params) if fresh else key_or_params
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(model.trainable(params)))
 
     return jax.jit(init, out_shardings=state_shardings(model, optimizer, mesh, rules))
 
@@ -187,18 +192,25 @@ def make_train_step(
     rules = get_rules(rules)
     shardings = state_shardings(model, optimizer, mesh, rules)
 
-    def grads_of(params, batch):
-        def loss(p):
-            return loss_fn(model.bind(p), batch)
+    # Gradients of the trainable part only (with LoRA the adapters: no gradient, and no optimizer
+    # state, for the frozen base). LoRA dropout draws from a key of the step count, so a resumed
+    # run repeats the masks of the uninterrupted one.
+    dropout = model.lora is not None and model.lora.dropout > 0
 
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    def grads_of(params, batch, key=None):
+        def loss(trainable):
+            with lora_lib.dropout_key(key):
+                return loss_fn(model.bind(model.with_trainable(params, trainable)), batch)
+
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(model.trainable(params))
         return value, metrics, grads
 
     def build(microbatches: int):
         def step(state: TrainState, batch):
+            key = jax.random.fold_in(jax.random.key(0), state.step) if dropout else None
             with activation_sharding(mesh, rules):
                 if microbatches == 1:
-                    value, metrics, grads = grads_of(state.params, batch)
+                    value, metrics, grads = grads_of(state.params, batch, key)
                 else:
                     split = jax.tree.map(
                         lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]),
@@ -207,8 +219,10 @@ def make_train_step(
 
                     # Each microbatch counts by its metrics["weight"] (e.g. its number of loss
                     # tokens), so a token-mean loss accumulates to the full batch's token mean.
-                    def body(acc, mb):
-                        value, metrics, grads = grads_of(state.params, mb)
+                    def body(acc, mb_i):
+                        mb, i = mb_i
+                        mb_key = None if key is None else jax.random.fold_in(key, i)
+                        value, metrics, grads = grads_of(state.params, mb, mb_key)
                         w = metrics.get("weight", jnp.float32(1.0))
                         scaled = jax.tree.map(lambda x: x * w, (value, metrics, grads))
                         return jax.tree.map(jnp.add, acc, (*scaled, w)), None
@@ -217,7 +231,9 @@ def make_train_step(
                         grads_of, state.params, jax.tree.map(lambda x: x[0], split)
                     )
                     zero = jax.tree.map(jnp.zeros_like, (*shapes, jnp.float32(0.0)))
-                    (*total, weight), _ = jax.lax.scan(body, zero, split)
+                    (*total, weight), _ = jax.lax.scan(
+                        body, zero, (split, jnp.arange(microbatches))
+                    )
                     weight = jnp.maximum(weight, 1e-9)
                     value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
             grad_norm = optax.tree.norm(grads)
@@ -234,12 +250,15 @@ def make_train_step(
             # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
             # refuses to save such a state.
             ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            updated = TrainState(
-                state.step + 1, optax.apply_updates(state.params, updates), opt_state
+            trainable = model.trainable(state.params)
+            updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+            updated = (state.step + 1, optax.apply_updates(trainable, updates), opt_state)
+            old = (state.step, trainable, state.opt_state)
+            step_n, trainable, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), updated, old
             )
-            new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
-            ok = ok & tree_is_finite(new_state.params)
+            new_state = TrainState(step_n, model.with_trainable(state.params, trainable), opt_state)
+            ok = ok & tree_is_finite(trainable)
             metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
             return new_state, metrics
 
