@@ -13,7 +13,7 @@ from benchmarks import report
 from jrlhf.cli import bench as bench_cli
 
 # options a benchmark requires besides --out (the trainer runs' folder)
-REQUIRED = {"algorithms": ["--runs", "{tmp}/runs"], "staleness": ["--runs", "{tmp}/runs"]}
+REQUIRED = {suite: ["--runs", "{tmp}/runs"] for suite in ("algorithms", "staleness", "lora")}
 
 
 @pytest.mark.parametrize("suite", bench_cli.SUITES)

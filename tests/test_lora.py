@@ -300,8 +300,8 @@ def test_lora_grpo_raises_heldout_exact_match_on_arithmetic(tmp_path):
         ["--run-dir", str(rl), "--quiet", *ARITHMETIC, "RunConfig.stages=('grpo',)",
          f"actor/RoleConfig.init='ckpt:{sft}/sft'", f"reference/RoleConfig.init='ckpt:{sft}/sft'",
          "actor/RoleConfig.lora_rank=8", "actor/RoleConfig.lora_alpha=16.0",
-         "actor/RoleConfig.learning_rate=3e-3", "RLConfig.iterations=30",
-         "RLConfig.checkpoint_every=30", "TaskConfig.num_heldout=128"],
+         "actor/RoleConfig.learning_rate=3e-3", "RLConfig.iterations=18",
+         "RLConfig.checkpoint_every=18", "TaskConfig.num_heldout=128"],
         ONE_DEVICE,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

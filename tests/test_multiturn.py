@@ -317,7 +317,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
 
     run = tmp_path / "calc"
     short = [
-        "SFTConfig.steps=150", "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
+        "SFTConfig.steps=40", "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
         "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16",
         "TaskConfig.num_sft_examples=2048", "RunConfig.tensorboard=False",
     ]  # fmt: skip
