@@ -1013,12 +1013,6 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     )
     rl_env = cfg.env.name and rl_stages
     _check(
-        not (rl_env and cfg.rl.max_staleness),
-        "EnvConfig.name",
-        "multi-turn episodes with RLConfig.max_staleness >= 1 are not built yet (batches in "
-        "flight would have to carry their episodes' masks and environment rewards)",
-    )
-    _check(
         not (rl_env and cfg.rl.partial_rollout_tokens),
         "EnvConfig.name",
         "multi-turn episodes with RLConfig.partial_rollout_tokens are not built yet (a pass "

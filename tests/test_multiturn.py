@@ -12,7 +12,7 @@ import pytest
 
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.decode.turns import Turns
-from jrlhf.envs import Step
+from jrlhf.envs import Step, env_metrics
 from tests.test_decode import _hf, _prompts, _trainer_logprobs
 
 ENGINE = EngineConfig(
@@ -220,7 +220,7 @@ def test_trained_tokens_masks_and_logprobs_are_the_generated_ones_turn_by_turn()
     batch = rollout(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)), meta=None)
     arrays, result = batch.arrays, batch.result
     trainer_lp = np.asarray(logprobs(params, arrays))
-    assert rollout.env_metrics["env/tool_calls"] > 0
+    assert env_metrics(arrays)["env/tool_calls"] > 0
     for i, (ids, mask) in enumerate(zip(result.completion_ids, result.policy_masks)):
         n = len(ids)
         np.testing.assert_array_equal(arrays["response_tokens"][i, :n], ids)
@@ -292,7 +292,7 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
     )  # fmt: skip
     rollout, params, _, _ = _rollout(env)
     batch = rollout(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
-    assert rollout.env_metrics["env/failed_episodes"] == 1.0
+    assert env_metrics(batch.arrays)["env/failed_episodes"] == 1.0
     assert not (~batch.result.policy_masks[0]).any()  # the failing episode got no observation
     assert (~batch.result.policy_masks[1]).any()
     strict = dataclasses.replace(env, failure_limit=0.0)
@@ -301,8 +301,8 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
         rollout(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
     slow = EnvSetup("sleeper", _Sleeper, max_turn_tokens=2, max_turns=2, timeout_s=0.3)
     rollout.env = slow
-    rollout(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
-    assert rollout.env_metrics["env/failed_episodes"] == 1.0  # prompt 0 slept past its deadline
+    batch = rollout(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
+    assert env_metrics(batch.arrays)["env/failed_episodes"] == 1.0  # prompt 0 slept too long
 
 
 def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
@@ -333,3 +333,52 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
     after = json.loads((run / "summary.json").read_text())["after"]
     for key in ("gt_score", "reward", "response_len"):
         np.testing.assert_allclose(report[key], after[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_episodes_cross_the_sample_channel_and_checkpoints_whole():
+    """A multi-turn round's policy masks and episode records survive the data plane's packing
+    and the checkpoint's JSON, and its samples' meta carries the environment's reward."""
+    from jrlhf.ppo.samples import pack_batch, unpack_batch
+    from jrlhf.ppo.staleness import GeneratedBatch
+
+    g = GeneratedBatch(
+        index=3, prompts=[[1, 2], [3]], meta=[{"a": 1}, {"a": 2}],
+        prompt_index=np.asarray([0, 0, 1]), completions=[[5, 6, 7], [8], [9, 9]],
+        raw_logprobs=[np.asarray([-1.0, 0.0, -2.0], np.float32), np.zeros(1, np.float32),
+                      np.asarray([-0.5, -0.25], np.float32)],
+        token_versions=[np.full(3, 2), np.full(1, 2), np.full(2, 2)],
+        policy_masks=[np.asarray([True, False, True]), np.asarray([True]),
+                      np.asarray([True, True])],
+        episodes={"env_reward": np.asarray([0.5, np.nan, 1.0]), "turns": np.asarray([2.0, 1, 1])},
+    )  # fmt: skip
+    for back in (unpack_batch(*pack_batch(g)), GeneratedBatch.from_json(g.to_json())):
+        for a, b in zip(back.policy_masks, g.policy_masks):
+            np.testing.assert_array_equal(a, b)
+        for k, v in g.episodes.items():
+            np.testing.assert_array_equal(back.episodes[k], v)
+        assert back.sample_meta == [
+            {"a": 1, "env_reward": 0.5},
+            {"a": 1},
+            {"a": 2, "env_reward": 1.0},
+        ]
+
+
+def test_calculator_with_bounded_staleness(tmp_path):
+    """Multi-turn episodes generated one policy version ahead (RLConfig.max_staleness=1): the
+    batches in flight carry their masks and records to the update; env/* metrics as in the
+    synchronous loop."""
+    from jrlhf import train
+    from tests.run_helpers import metric_rows
+
+    run = tmp_path / "calc_async"
+    args = [
+        "--config", "configs/calculator_grpo.gin", "--run-dir", str(run), "--quiet",
+        "RunConfig.stages=('grpo',)", "actor/RoleConfig.init='tiny'", "RLConfig.max_staleness=1",
+        "RLConfig.iterations=3", "RLConfig.prompts_per_iteration=8",
+        "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8",
+        "RunConfig.tensorboard=False",
+    ]  # fmt: skip
+    assert train.main(args) == 0
+    rows = [r for r in metric_rows(run, "grpo") if "env/turns" in r]
+    assert len(rows) == 3 and all(r["staleness/max"] <= 1 for r in rows)
+    assert all(r["env/policy_tokens"] > 0 for r in rows)

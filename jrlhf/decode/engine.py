@@ -216,8 +216,8 @@ class GenerationResult:
     the policy's log-probs (temperature 1, no filtering); ``sampling_logprobs`` those of the
     distribution actually sampled from. ``policy_masks`` (multi-turn only, else None): per
     completion, True at the tokens the policy sampled, False at observation tokens (whose
-    log-probs are 0). ``episode_meta`` (filled by jrlhf.ppo.rollout when an environment
-    answered, else None): per completion, what its episode adds to the reward's meta.
+    log-probs are 0). ``episodes`` (filled by jrlhf.ppo.rollout when an environment answered,
+    else None): per completion, what its episode recorded (jrlhf.envs.EPISODE_FIELDS).
     """
 
     completion_ids: list[list[int]]
@@ -226,7 +226,7 @@ class GenerationResult:
     prompt_index: np.ndarray
     stats: dict[str, Any]
     policy_masks: list[np.ndarray] | None = None
-    episode_meta: list[dict[str, Any]] | None = None
+    episodes: dict[str, np.ndarray] | None = None
 
     @property
     def lengths(self) -> np.ndarray:

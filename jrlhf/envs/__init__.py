@@ -16,16 +16,26 @@ from jrlhf.envs.base import (
     load_environment,
     register_environment,
 )
-from jrlhf.envs.runner import EnvSetup, EpisodeRunner, EpisodeStats
+from jrlhf.envs.runner import (
+    EPISODE_FIELDS,
+    EnvSetup,
+    EpisodeRunner,
+    EpisodeStats,
+    env_metrics,
+    episode_meta,
+)
 
 __all__ = [
     "ENVIRONMENTS",
+    "EPISODE_FIELDS",
     "Conversation",
     "EnvFailure",
     "EnvSetup",
     "EpisodeRunner",
     "EpisodeStats",
     "Step",
+    "env_metrics",
+    "episode_meta",
     "load_environment",
     "register_environment",
 ]

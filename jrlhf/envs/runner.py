@@ -24,10 +24,41 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns
 from jrlhf.envs.base import Conversation, EnvFailure, Step
+from jrlhf.meshes.batch import broadcast_from_first, host_group
+
+# What a batch carries per episode (EpisodeRunner.episode_arrays): its arrays' "episode/<field>"
+# rows, which the reward's meta (env_reward) and the iteration's env/* metrics read.
+EPISODE_FIELDS = ("env_reward", "turns", "tool_calls", "tool_errors", "failed")
+
+
+def episode_meta(episodes: Mapping[str, np.ndarray] | None, i: int) -> dict[str, Any]:
+    """What episode ``i`` adds to its sample's meta for the reward function: ``env_reward``
+    when the environment gave one."""
+    if episodes is None or np.isnan(episodes["env_reward"][i]):
+        return {}
+    return {"env_reward": float(episodes["env_reward"][i])}
+
+
+def env_metrics(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The ``env/*`` metrics of scored multi-turn arrays (none for single-turn ones): per
+    episode means of turns, tool calls, tool errors and tokens by source (the policy's, the
+    observations'), and the number of failed episodes."""
+    if "episode/turns" not in arrays:
+        return {}
+    n = max(len(arrays["episode/turns"]), 1)
+    policy = float(np.sum(arrays["loss_mask"]))
+    total = float(np.sum(arrays["mask"]))
+    return {
+        "env/turns": float(np.mean(arrays["episode/turns"])),
+        "env/tool_calls": float(np.mean(arrays["episode/tool_calls"])),
+        "env/tool_errors": float(np.mean(arrays["episode/tool_errors"])),
+        "env/failed_episodes": float(np.sum(arrays["episode/failed"])),
+        "env/policy_tokens": policy / n,
+        "env/observation_tokens": (total - policy) / n,
+    }
 
 
 @dataclasses.dataclass
@@ -108,7 +139,8 @@ class EpisodeRunner:
     def __call__(self, ends: Sequence[TurnEnd]) -> list[list[int] | None]:
         answers: list[list[int] | None] = [None] * len(ends)
         jobs: dict[int, Callable[[], Any]] = {}
-        many = jax.process_count() > 1
+        many = len(host_group()) > 1
+        first = jax.process_index() == min(host_group())
         for k, end in enumerate(ends):
             stats = self.stats.setdefault(end.index, EpisodeStats())
             stats.turns += 1
@@ -116,7 +148,7 @@ class EpisodeRunner:
                 continue
             if self.max_turns and stats.turns >= self.max_turns:
                 continue
-            if not many or jax.process_index() == 0:  # process 0 steps them (see _shared)
+            if first:  # the group's first process steps them (see _shared)
                 jobs[k] = self._job(end, stats.turns)
         outcomes = {k: self._outcome(ends[k], o) for k, o in self._run(jobs).items()}
         if many:
@@ -217,20 +249,22 @@ class EpisodeRunner:
         return outcome.ids
 
     def _shared(self, outcomes: dict[int, _Outcome], count: int) -> dict[int, _Outcome]:
-        """Process 0's outcomes on every process (a multi-controller job steps each episode's
-        environment once, on process 0, so that every process feeds the same observations):
-        one row per turn end, ``[kind, reward, error, length, ids...]``."""
-        width = 4 + max(1, self.max_observation_tokens)
-        rows = np.zeros((count, width), np.float64)
+        """The first process's outcomes on every process of the group generating (a
+        multi-controller job steps each episode's environment once, so that every process feeds
+        the same observations): per turn end, int32 ``[kind, error, length, ids...]`` and a
+        float32 reward (NaN: none)."""
+        width = 3 + max(1, self.max_observation_tokens)
+        rows = np.zeros((count, width), np.int32)
         rows[:, 0] = -1  # no step taken
-        if jax.process_index() == 0:
+        rewards = np.full((count,), np.nan, np.float32)
+        if jax.process_index() == min(host_group()):
             for k, o in outcomes.items():
                 ids = o.ids or []
                 kind = 2 if o.failure is not None else (1 if o.ids is not None else 0)
-                reward = np.nan if o.reward is None else o.reward
-                rows[k, :4] = (kind, reward, o.error, len(ids))
-                rows[k, 4 : 4 + len(ids)] = ids
-        rows = np.asarray(multihost_utils.broadcast_one_to_all(rows))
+                rows[k, :3] = (kind, o.error, len(ids))
+                rows[k, 3 : 3 + len(ids)] = ids
+                rewards[k] = np.nan if o.reward is None else o.reward
+        rows, rewards = broadcast_from_first(rows), broadcast_from_first(rewards)
         shared = {}
         for k, row in enumerate(rows):
             kind = int(row[0])
@@ -238,35 +272,26 @@ class EpisodeRunner:
                 continue
             if kind == 2:
                 mine = outcomes.get(k)
-                shared[k] = _Outcome(failure=mine.failure if mine else "see process 0")
+                shared[k] = _Outcome(failure=mine.failure if mine else "see the first process")
                 continue
-            reward = None if np.isnan(row[1]) else float(row[1])
-            ids = [int(t) for t in row[4 : 4 + int(row[3])]] if kind == 1 else None
-            shared[k] = _Outcome(ids, reward, bool(row[2]))
+            reward = None if np.isnan(rewards[k]) else float(rewards[k])
+            ids = [int(t) for t in row[3 : 3 + int(row[2])]] if kind == 1 else None
+            shared[k] = _Outcome(ids, reward, bool(row[1]))
         return shared
 
     # -- after the rollout -------------------------------------------------------------------------
-    def episode_meta(self, index: int) -> dict[str, Any]:
-        """What the reward function gets from the episode (``env_reward`` when there is one)."""
-        stats = self.stats.get(index)
-        if stats is None or stats.reward is None:
-            return {}
-        return {"env_reward": stats.reward}
-
-    def metrics(self, policy_masks: Sequence[np.ndarray]) -> dict[str, float]:
-        """Means per episode over the rollout: turns, tool calls, tool errors, failed episodes,
-        and tokens by source (the policy's, the observations')."""
-        n = max(len(policy_masks), 1)
-        stats = [self.stats.get(i, EpisodeStats(turns=1)) for i in range(len(policy_masks))]
-        policy = sum(int(np.sum(m)) for m in policy_masks)
-        total = sum(len(m) for m in policy_masks)
+    def episode_arrays(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """Per episode of ``indices`` (request indices), what the batch carries with it
+        (``EPISODE_FIELDS``): the environment's summed reward (NaN where it gave none), turns,
+        tool calls, tool errors, and whether a failure ended it."""
+        stats = [self.stats.get(int(i), EpisodeStats(turns=1)) for i in indices]
+        nan = float("nan")
         return {
-            "env/turns": sum(s.turns for s in stats) / n,
-            "env/tool_calls": sum(s.tool_calls for s in stats) / n,
-            "env/tool_errors": sum(s.tool_errors for s in stats) / n,
-            "env/failed_episodes": float(sum(s.failure is not None for s in stats)),
-            "env/policy_tokens": policy / n,
-            "env/observation_tokens": (total - policy) / n,
+            "env_reward": np.asarray([nan if s.reward is None else s.reward for s in stats]),
+            "turns": np.asarray([s.turns for s in stats], np.float64),
+            "tool_calls": np.asarray([s.tool_calls for s in stats], np.float64),
+            "tool_errors": np.asarray([s.tool_errors for s in stats], np.float64),
+            "failed": np.asarray([s.failure is not None for s in stats], np.float64),
         }
 
 

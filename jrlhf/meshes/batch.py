@@ -117,6 +117,24 @@ def _group_broadcast(value: np.ndarray | None, shape, dtype, source: int, group)
     return out.view(bool) if raw else out
 
 
+def host_group() -> frozenset[int]:
+    """The processes that run the host code here: the current :func:`process_group`, or every
+    process of the job."""
+    return _group if _group is not None else frozenset(range(jax.process_count()))
+
+
+def broadcast_from_first(value: np.ndarray) -> np.ndarray:
+    """``value`` of the first process of :func:`host_group` on every process of it (the others
+    pass an array of the same shape and dtype, whose contents are ignored): a collective of the
+    group's processes only; the value itself without one."""
+    group = host_group()
+    if len(group) == 1:
+        return value
+    source = min(group)
+    mine = value if jax.process_index() == source else None
+    return _group_broadcast(mine, value.shape, value.dtype, source, group)
+
+
 def _leaf_to_host_in_group(x: Any, group: frozenset[int]) -> Any:
     if not isinstance(x, jax.Array):
         return x

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.decode.engine import DecodeEngine, FinishedRow, GenerationResult, Migration
+from jrlhf.envs import episode_meta
 from jrlhf.meshes.batch import batch_sharding
 from jrlhf.meshes.mesh import replica_submesh
 from jrlhf.meshes.rules import Rules, axis_size, logical_to_spec
@@ -103,11 +104,12 @@ class FusedScoring:
         score_rows: int,
         prompts: Sequence[Sequence[int]],
         meta: Sequence[Mapping[str, Any]] | None = None,
-        episode_meta: Callable[[int], Mapping[str, Any]] | None = None,
+        episodes_of: Callable[[Sequence[int]], Mapping[str, np.ndarray]] | None = None,
     ):
         self.scorer, self.score_rows = scorer, score_rows
         self.prompts, self.meta = prompts, meta
-        self.episode_meta = episode_meta  # multi-turn: what a row's episode adds to its meta
+        # Multi-turn: the records of finished rows' episodes (final once a row has finished).
+        self.episodes_of = episodes_of
         self.pending: list[FinishedRow] = []
         self.chunks: list[tuple[np.ndarray, PendingScores]] = []
         self.calls = 0  # on_finished calls so far
@@ -124,10 +126,12 @@ class FusedScoring:
     def _dispatch(self, rows: list[FinishedRow]) -> None:
         prompts = [self.prompts[r.prompt_index] for r in rows]
         meta = None if self.meta is None else [self.meta[r.prompt_index] for r in rows]
-        if self.episode_meta is not None:
+        episodes = None
+        if self.episodes_of is not None:
+            episodes = self.episodes_of([r.index for r in rows])
             meta = [
-                {**(m or {}), **self.episode_meta(r.index)}
-                for m, r in zip(meta or [{}] * len(rows), rows)
+                {**(m or {}), **episode_meta(episodes, i)}
+                for i, m in enumerate(meta or [{}] * len(rows))
             ]
         policy = [r.policy_mask for r in rows] if rows[0].policy_mask is not None else None
         pending = self.scorer.dispatch(
@@ -137,6 +141,7 @@ class FusedScoring:
             meta=meta,
             pad_to=self.score_rows,
             policy_masks=policy,
+            episodes=episodes,
         )
         self.chunks.append((np.array([r.index for r in rows]), pending))
         self.dispatched_at.append(self.calls)

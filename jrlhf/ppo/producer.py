@@ -126,7 +126,7 @@ class Producer:
             fused = self.rollout(params, prompts, sampling, meta=meta)
             result, arrays = fused.result, fused.arrays
         else:
-            _, result = self.rollout.generate(params, prompts, sampling)
+            _, result = self.rollout.generate(params, prompts, sampling, meta)
         g = GeneratedBatch(
             index=index,
             prompts=[list(p) for p in prompts],
@@ -136,6 +136,8 @@ class Producer:
             raw_logprobs=result.raw_logprobs,
             token_versions=[np.full(len(c), version, np.int64) for c in result.completion_ids],
             round=round,
+            policy_masks=result.policy_masks,
+            episodes=result.episodes,
         )
         if arrays is not None:
             self._scored(g, arrays)
@@ -206,8 +208,9 @@ class Producer:
         with signal (dynamic sampling)."""
         if g.arrays is None:
             arrays = self.scorer(
-                g.sample_prompts, g.completions, g.raw_logprobs, meta=g.sample_meta
-            )
+                g.sample_prompts, g.completions, g.raw_logprobs, g.sample_meta, g.policy_masks,
+                g.episodes,
+            )  # fmt: skip
             self._scored(g, arrays)
 
     def _scored(self, g: GeneratedBatch, arrays: dict[str, np.ndarray]) -> None:

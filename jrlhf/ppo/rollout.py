@@ -95,7 +95,6 @@ class Rollout:
         self.migration = migration  # of fused rollouts' long tails (jrlhf.ppo.fusion)
         self.fusion_stats: dict[str, int] = {}  # of the last fused rollout
         self.env = env
-        self.env_metrics: dict[str, float] = {}  # of the last rollout with an environment
 
     @classmethod
     def build(
@@ -148,21 +147,19 @@ class Rollout:
     ) -> tuple[list[Sequence[int]], GenerationResult]:
         """Completions for ``prompts`` (episodes with the run's environment, whose resets get
         ``meta``), scored as they finish by ``fused`` if given; returns each sample's prompt and
-        the engine's result (with each episode's ``episode_meta``; the metrics in
-        ``env_metrics``)."""
+        the engine's result (with its episodes' records, ``episodes``)."""
         runner = turns = None
         if self.env is not None:
             episodes = len(prompts) * sampling.num_samples
             runner = self.env.runner(meta if meta is not None else [{}] * len(prompts), episodes)
             turns = self.env.turns(runner)
-            if fused is not None:  # a finished row's episode is final: its meta is known
-                fused.episode_meta = runner.episode_meta
+            if fused is not None:  # a finished row's episode is final: its record is known
+                fused.episodes_of = runner.episode_arrays
         result = self.engine.generate(
             params, prompts, sampling, on_finished=fused, migration=migration, turns=turns
         )
         if runner is not None:
-            result.episode_meta = [runner.episode_meta(i) for i in range(len(result.prompt_index))]
-            self.env_metrics = runner.metrics(result.policy_masks)
+            result.episodes = runner.episode_arrays(range(len(result.prompt_index)))
         return [prompts[int(i)] for i in result.prompt_index], result
 
     def __call__(
@@ -189,10 +186,11 @@ class Rollout:
                 self.fusion_stats[f"fusion/{k}"] = int(result.stats.get(k, 0))
         else:
             rep, result = self.generate(params, prompts, sampling, meta)
-            rep_meta = sample_meta(meta, result.prompt_index, result.episode_meta)
+            rep_meta = sample_meta(meta, result.prompt_index, result.episodes)
             arrays = self.scorer(
-                rep, result.completion_ids, result.raw_logprobs, rep_meta, result.policy_masks
-            )
+                rep, result.completion_ids, result.raw_logprobs, rep_meta, result.policy_masks,
+                result.episodes,
+            )  # fmt: skip
         return RolloutBatch(rep, result.completion_ids, result, arrays)
 
     def evaluate(

@@ -65,6 +65,10 @@ def pack_batch(batch: GeneratedBatch) -> tuple[dict[str, Any], np.ndarray]:
         fields["passes"] = np.asarray(batch.passes, np.int32)
     if batch.meta is not None:
         fields["meta"] = np.frombuffer(json.dumps([dict(m) for m in batch.meta]).encode(), np.uint8)
+    if batch.policy_masks is not None:  # multi-turn: the policy's tokens, the episodes' records
+        fields["policy_masks"] = _ragged(batch.policy_masks, np.uint8)[0]
+    for name, values in (batch.episodes or {}).items():
+        fields[f"episode/{name}"] = np.asarray(values, np.float64)
     layout, parts, offset = [], [], 0
     for name, a in fields.items():
         raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
@@ -95,6 +99,12 @@ def unpack_batch(header: dict[str, Any], data: np.ndarray) -> GeneratedBatch:
         finished=None if "finished" not in f else [bool(x) for x in f["finished"]],
         passes=None if "passes" not in f else [int(x) for x in f["passes"]],
         round=int(header.get("round", 0)),
+        policy_masks=(
+            None
+            if "policy_masks" not in f
+            else [m.astype(bool) for m in _unragged(f["policy_masks"], lengths)]
+        ),
+        episodes={k[8:]: v.copy() for k, v in f.items() if k.startswith("episode/")} or None,
     )
 
 

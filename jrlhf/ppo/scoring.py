@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.envs import episode_meta
 from jrlhf.meshes.batch import to_host
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.tasks.rewards import BatchReward, RewardBatch, RewardFn
@@ -28,14 +29,14 @@ GroundTruthFn = Callable[[Sequence[int], Sequence[int]], float]
 def sample_meta(
     meta: Sequence[Mapping[str, Any]] | None,
     prompt_index: Sequence[int],
-    episode_meta: Sequence[Mapping[str, Any]] | None = None,
+    episodes: Mapping[str, np.ndarray] | None = None,
 ) -> list[Mapping[str, Any]] | None:
     """Per-prompt meta repeated for each sample (``prompt_index[i]``: sample i's prompt), the
     form :meth:`Scorer.__call__` takes, with what each sample's episode adds (multi-turn:
-    ``episode_meta[i]``, e.g. the environment's reward); None stays None."""
-    if episode_meta is not None:
+    ``episodes``, per sample, e.g. the environment's reward); None stays None."""
+    if episodes is not None:
         base = meta if meta is not None else [{}] * (max(map(int, prompt_index), default=-1) + 1)
-        return [{**base[int(i)], **extra} for i, extra in zip(prompt_index, episode_meta)]
+        return [{**base[int(p)], **episode_meta(episodes, i)} for i, p in enumerate(prompt_index)]
     return None if meta is None else [meta[int(i)] for i in prompt_index]
 
 
@@ -97,6 +98,7 @@ class Scorer:
         rollout_logprobs: Sequence[np.ndarray],
         meta: Sequence[Mapping[str, Any]] | None = None,
         policy_masks: Sequence[np.ndarray] | None = None,
+        episodes: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """The packed batch plus ``old_logprobs`` (the rollout's), ``ref_logprobs`` (with a
         reference),
@@ -106,7 +108,7 @@ class Scorer:
         for each of its samples), handed to ``reward_fn``; None means ``{}`` for every row.
         """
         pending = self.dispatch(
-            prompts, responses, rollout_logprobs, meta, policy_masks=policy_masks
+            prompts, responses, rollout_logprobs, meta, policy_masks=policy_masks, episodes=episodes
         )
         return self.collect(pending)
 
@@ -118,6 +120,7 @@ class Scorer:
         meta: Sequence[Mapping[str, Any]] | None = None,
         pad_to: int = 0,
         policy_masks: Sequence[np.ndarray] | None = None,
+        episodes: Mapping[str, np.ndarray] | None = None,
     ) -> PendingScores:
         """The first half of :meth:`__call__`: pack the rows, dispatch every device call and run
         the reward function, without waiting for the devices. With ``pad_to`` > len(rows) the
@@ -125,7 +128,8 @@ class Scorer:
         chunk of jrlhf.ppo.fusion); the reward function sees only the real rows.
         ``policy_masks`` (multi-turn rollouts: per response, True at the tokens the policy
         sampled) add ``loss_mask``, the response mask without the observations' tokens, which
-        the losses, advantages and KL read instead of ``mask``."""
+        the losses, advantages and KL read instead of ``mask``; ``episodes`` (their per-sample
+        records, jrlhf.envs.EPISODE_FIELDS) ride along as ``episode/<field>`` rows."""
         if meta is not None and len(meta) != len(prompts):
             raise ValueError(f"{len(meta)} meta entries for {len(prompts)} rows")
         arrays = rl_batch.pack(prompts, responses, self.P, self.R, self.pad_id)
@@ -153,6 +157,8 @@ class Scorer:
             for i, m in enumerate(policy_masks):
                 policy[i, : len(m)] = m
             arrays["loss_mask"] = arrays["mask"] * policy
+        for k, v in (episodes or {}).items():
+            arrays[f"episode/{k}"] = np.asarray(v, np.float64)
         return PendingScores(arrays, ref_lp, values, scores)
 
     def collect(self, pending: PendingScores) -> dict[str, np.ndarray]:

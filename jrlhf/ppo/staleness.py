@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.envs import episode_meta
+
 
 class StalenessError(RuntimeError):
     """A batch would be trained on with a policy more than ``max_staleness`` versions newer
@@ -51,6 +53,8 @@ class GeneratedBatch:
     prompts while the batch holds too few groups with signal (``signal``: this round's count,
     once scored). ``arrays``: its scored arrays when scored before training (never saved:
     scoring is a pure function of the samples and the frozen models, so a resume rescores).
+    Multi-turn rounds (jrlhf.envs) carry, per sample, which tokens the policy sampled
+    (``policy_masks``) and what its episode recorded (``episodes``, jrlhf.envs.EPISODE_FIELDS).
     """
 
     index: int
@@ -66,6 +70,8 @@ class GeneratedBatch:
     passes: list[int] | None = None
     round: int = 0
     signal: int | None = None
+    policy_masks: list[np.ndarray] | None = None
+    episodes: dict[str, np.ndarray] | None = None
     arrays: dict[str, np.ndarray] | None = dataclasses.field(
         default=None, repr=False, compare=False
     )
@@ -82,7 +88,14 @@ class GeneratedBatch:
 
     @property
     def sample_meta(self) -> list[Mapping[str, Any]] | None:
-        return None if self.meta is None else [self.meta[int(i)] for i in self.prompt_index]
+        """Each sample's meta (its prompt's, with what its episode adds)."""
+        if self.episodes is None:
+            return None if self.meta is None else [self.meta[int(i)] for i in self.prompt_index]
+        meta = self.meta if self.meta is not None else [{}] * len(self.prompts)
+        return [
+            {**meta[int(p)], **episode_meta(self.episodes, i)}
+            for i, p in enumerate(self.prompt_index)
+        ]
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable form; float32 log-probs survive the round trip exactly (a float32
@@ -99,6 +112,16 @@ class GeneratedBatch:
             **({} if self.passes is None else {"passes": list(map(int, self.passes))}),
             **({"round": self.round} if self.round else {}),
             **({} if self.signal is None else {"signal": int(self.signal)}),
+            **(
+                {}
+                if self.policy_masks is None
+                else {"policy_masks": [np.asarray(m, bool).tolist() for m in self.policy_masks]}
+            ),
+            **(
+                {}
+                if self.episodes is None
+                else {"episodes": {k: np.asarray(v).tolist() for k, v in self.episodes.items()}}
+            ),
         }
 
     @classmethod
@@ -115,6 +138,16 @@ class GeneratedBatch:
             passes=None if "passes" not in d else [int(x) for x in d["passes"]],
             round=int(d.get("round", 0)),
             signal=None if d.get("signal") is None else int(d["signal"]),
+            policy_masks=(
+                None
+                if "policy_masks" not in d
+                else [np.asarray(m, bool) for m in d["policy_masks"]]
+            ),
+            episodes=(
+                None
+                if "episodes" not in d
+                else {k: np.asarray(v, np.float64) for k, v in d["episodes"].items()}
+            ),
         )
 
 

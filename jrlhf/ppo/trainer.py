@@ -28,7 +28,7 @@ import numpy as np
 
 from jrlhf import checkpoint
 from jrlhf.config import Config
-from jrlhf.envs import EnvSetup
+from jrlhf.envs import EnvSetup, env_metrics
 from jrlhf.meshes.mesh import mesh_devices
 from jrlhf.metrics import PhaseTimer
 from jrlhf.placement.plan import ExecutionPlan
@@ -285,8 +285,7 @@ class RLTrainer:
         metrics.update(update_metrics)
         if self.rollout.fusion_rows:  # RLConfig.fusion: chunks scored early, rows migrated
             metrics.update({k: float(v) for k, v in self.rollout.fusion_stats.items()})
-        if self.rollout.env is not None:  # multi-turn: turns, tool calls, tokens by source
-            metrics.update(self.rollout.env_metrics)
+        metrics.update(env_metrics(arrays))  # multi-turn: turns, tool calls, tokens by source
         return metrics
 
     # -- evaluation and checkpoints ------------------------------------------------------------

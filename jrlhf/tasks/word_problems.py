@@ -11,10 +11,11 @@ the files behind configs/gsm8k_grpo_tiny.gin, the CPU twin of configs/gsm8k_grpo
   user turn, ``answer`` the GSM8K-style solution ending in ``#### N``), ``sft.jsonl``
   (conversations whose assistant turn is a demonstration).
 
-A problem is one addition or subtraction of numbers below ``max_operand`` in one of a few
+A problem is one addition or subtraction of numbers below ``max_operand`` (10 by default:
+one-digit facts, which a small model learns in the minutes a CPU allows) in one of a few
 sentences. Demonstrations are right with probability ``demo_good_frac``; the others add or
-subtract digit by digit without carries or borrows, so SFT leaves headroom that a verifier reward
-can close (the built-in arithmetic task does the same with bare digits). Train and held-out
+subtract digit by digit without carries or borrows, so SFT leaves headroom that a verifier
+reward can close (the built-in arithmetic task does the same with bare digits). Train and held-out
 problems are disjoint: a CRC32 of the question decides the split.
 """
 
@@ -59,7 +60,7 @@ class WordProblems:
         self,
         seed: int = 0,
         *,
-        max_operand: int = 50,
+        max_operand: int = 10,
         demo_good_frac: float = 0.5,
         heldout_frac: float = 0.2,
     ):
@@ -206,7 +207,7 @@ def write_recipe_files(
     num_train: int = 4096,
     num_heldout: int = 256,
     num_sft: int = 8192,
-    max_operand: int = 50,
+    max_operand: int = 10,
     **model: Any,
 ) -> Path:
     """The checkpoint and data files of the GSM8K-shaped recipe under ``out`` (see the module
@@ -227,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--num-train", type=int, default=4096)
     parser.add_argument("--num-heldout", type=int, default=256)
     parser.add_argument("--num-sft", type=int, default=8192)
+    parser.add_argument("--max-operand", type=int, default=10, help="operands are below this")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if (out / "model").exists() and any((out / "model").iterdir()):
@@ -237,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         num_train=args.num_train,
         num_heldout=args.num_heldout,
         num_sft=args.num_sft,
+        max_operand=args.max_operand,
     )
     print(f"wrote {out / 'model'} and {out / 'data'}")
 

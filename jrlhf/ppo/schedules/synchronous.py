@@ -73,13 +73,14 @@ class Synchronous:
             with timer.phase("score"):
                 self.residency.enter("score")
                 if not self.rollout.fusion_rows:
-                    rep_meta = sample_meta(meta, result.prompt_index, result.episode_meta)
+                    rep_meta = sample_meta(meta, result.prompt_index, result.episodes)
                     arrays = self.scorer(
                         rep_prompts,
                         result.completion_ids,
                         result.raw_logprobs,
                         rep_meta,
                         result.policy_masks,
+                        result.episodes,
                     )
                 arrays["train_scores"] = shaped_scores(self.rl, self.R, arrays)
             rounds.append((rep_prompts, result.completion_ids, arrays))
