@@ -35,7 +35,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,58 +199,3 @@ def boxed_format(batch) -> list[float]:
     """1.0 for a response with exactly one ``\\boxed{...}`` final answer (the form math
     instruct recipes ask for: "put your final answer within \\boxed{}"), else 0.0."""
     return [float(len(_BOXED.findall(r)) == 1) for r in batch.responses]
-
-
-# ----------------------------------------------------------------------------- combinations
-_TERM = re.compile(
-    r"^\s*(?:(?P<w1>[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)\s*\*\s*)?(?P<name>[^*+\s][^*+]*?)"
-    r"(?:\s*\*\s*(?P<w2>[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?))?\s*$"
-)
-
-
-def is_combination(spec: str) -> bool:
-    """Whether ``TaskConfig.reward_fn`` names a weighted sum (``a + 0.1*b``)."""
-    return "+" in spec or "*" in spec
-
-
-def parse_combination(spec: str) -> list[tuple[float, str]]:
-    """``"math_verify + 0.1*boxed_format"`` -> ``[(1.0, "math_verify"), (0.1,
-    "boxed_format")]``; a weight may stand on either side of its name. One-line errors."""
-    terms = []
-    for part in spec.split("+"):
-        m = _TERM.match(part)
-        if not m or (m["w1"] and m["w2"]):
-            raise ValueError(
-                f"TaskConfig.reward_fn {spec!r}: cannot read the term {part.strip()!r} (write "
-                "a weighted sum like 'math_verify + 0.1*boxed_format', a negative weight as "
-                "'+ -0.5*name')"
-            )
-        weight = float(m["w1"] or m["w2"] or 1.0)
-        terms.append((weight, m["name"].strip()))
-    names = [n for _, n in terms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"TaskConfig.reward_fn {spec!r}: a reward appears twice")
-    return terms
-
-
-class WeightedSum:
-    """A batch reward: the weighted sum of ``terms`` ((weight, name, function) each, run with
-    :class:`~jrlhf.tasks.BatchReward` so per-sample and batch functions mix, and an error names
-    the term)."""
-
-    def __init__(self, spec: str, terms: Sequence[tuple[float, str, Callable[..., Any]]]):
-        from jrlhf.tasks.rewards import BatchReward  # noqa: PLC0415 - rewards imports this module
-
-        self.__name__ = spec
-        self.terms = [(w, BatchReward(fn, name)) for w, name, fn in terms]
-        needs: list[Any] = []
-        for _, _, fn in terms:
-            needs += [k for k in getattr(fn, "required_meta", ()) if k not in needs]
-        self.required_meta = tuple(needs)
-
-    def __call__(self, batch) -> list[float]:
-        total = None
-        for weight, reward in self.terms:
-            scores = weight * reward(batch)
-            total = scores if total is None else total + scores
-        return [float(s) for s in total]

@@ -23,6 +23,7 @@ import functools
 import importlib
 import inspect
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -158,14 +159,67 @@ def register_reward_fn(name: str, fn: Callable[..., float]) -> RewardFn:
     return REWARD_FNS[name]
 
 
+# ----------------------------------------------------------------------------- combinations
+_TERM = re.compile(
+    r"^\s*(?:(?P<w1>[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)\s*\*\s*)?(?P<name>[^*+\s][^*+]*?)"
+    r"(?:\s*\*\s*(?P<w2>[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?))?\s*$"
+)
+
+
+def is_combination(spec: str) -> bool:
+    """Whether ``TaskConfig.reward_fn`` names a weighted sum (``a + 0.1*b``)."""
+    return "+" in spec or "*" in spec
+
+
+def parse_combination(spec: str) -> list[tuple[float, str]]:
+    """``"math_verify + 0.1*boxed_format"`` -> ``[(1.0, "math_verify"), (0.1,
+    "boxed_format")]``; a weight may stand on either side of its name. One-line errors."""
+    terms = []
+    for part in spec.split("+"):
+        m = _TERM.match(part)
+        if not m or (m["w1"] and m["w2"]):
+            raise ValueError(
+                f"TaskConfig.reward_fn {spec!r}: cannot read the term {part.strip()!r} (write "
+                "a weighted sum like 'math_verify + 0.1*boxed_format', a negative weight as "
+                "'+ -0.5*name')"
+            )
+        weight = float(m["w1"] or m["w2"] or 1.0)
+        terms.append((weight, m["name"].strip()))
+    names = [n for _, n in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"TaskConfig.reward_fn {spec!r}: a reward appears twice")
+    return terms
+
+
+class WeightedSum:
+    """A batch reward: the weighted sum of ``terms`` ((weight, name, function) each, run with
+    :class:`BatchReward` so per-sample and batch functions mix, and an error names
+    the term)."""
+
+    def __init__(self, spec: str, terms: Sequence[tuple[float, str, Callable[..., Any]]]):
+        self.__name__ = spec
+        self.terms = [(w, BatchReward(fn, name)) for w, name, fn in terms]
+        needs: list[Any] = []
+        for _, _, fn in terms:
+            needs += [k for k in getattr(fn, "required_meta", ()) if k not in needs]
+        self.required_meta = tuple(needs)
+
+    def __call__(self, batch) -> list[float]:
+        total = None
+        for weight, reward in self.terms:
+            scores = weight * reward(batch)
+            total = scores if total is None else total + scores
+        return [float(s) for s in total]
+
+
 def get_reward_fn(name: str, task: Any = None) -> Callable[..., Any]:
     """The reward function ``name``: a registered name, ``module:function`` imported from the
     Python path, or a weighted sum of those (``"math_verify + 0.1*format"``). ``task`` (a
     TaskConfig) gives the ``format`` reward its ``format_pattern``. Errors are one line naming
     ``TaskConfig.reward_fn``."""
-    if math_rewards.is_combination(name):
-        terms = [(w, n, get_reward_fn(n, task)) for w, n in math_rewards.parse_combination(name)]
-        return math_rewards.WeightedSum(name, terms)
+    if is_combination(name):
+        terms = [(w, n, get_reward_fn(n, task)) for w, n in parse_combination(name)]
+        return WeightedSum(name, terms)
     pattern = getattr(task, "format_pattern", "")
     if name == "format" and pattern:
         return math_rewards.format_reward(pattern)
