@@ -112,6 +112,8 @@ def run(cfg: Config, run_dir: Path, quiet: bool = False) -> int:
         before, after = summary["before"], summary["after"]
         key = "gt_score" if "gt_score" in after else "reward"
         label = "ground-truth score" if key == "gt_score" else "reward-model score"
+        if key == "reward" and cfg.task.reward_fn:
+            label = f"reward ({cfg.task.reward_fn})"
         kl = f" (KL to reference {after['kl_to_ref']:.3f})" if "kl_to_ref" in after else ""
         print(
             f"held-out {label}: before RL {before[key]:.3f} -> after {summary['stage']} "
