@@ -202,7 +202,8 @@ class TaskConfig:
     """Where prompts, demonstrations and preferences come from.
 
     ``name="synthetic"``, ``"longtail"`` (long-tailed response lengths), ``"arithmetic"`` or
-    ``"calculator"`` (arithmetic with a calculator tool, jrlhf.tasks.calculator) uses a
+    ``"calculator"`` (arithmetic with a calculator tool, jrlhf.tasks.calculator) or
+    ``"guess_number"`` (a guessing game over several turns, jrlhf.tasks.guessing) uses a
     built-in task (jrlhf.tasks); ``name="files"`` reads JSONL/Parquet files tokenized with
     ``tokenizer`` (a directory or tokenizer.json path).
     """
@@ -234,9 +235,10 @@ class TaskConfig:
     def validate(self) -> None:
         check_types(self, "TaskConfig")
         _check(
-            self.name in ("synthetic", "longtail", "arithmetic", "calculator", "files"),
+            self.name
+            in ("synthetic", "longtail", "arithmetic", "calculator", "guess_number", "files"),
             "TaskConfig.name",
-            "use synthetic, longtail, arithmetic, calculator or files",
+            "use synthetic, longtail, arithmetic, calculator, guess_number or files",
         )
         if self.format_pattern:
             try:

@@ -382,3 +382,38 @@ def test_calculator_with_bounded_staleness(tmp_path):
     rows = [r for r in metric_rows(run, "grpo") if "env/turns" in r]
     assert len(rows) == 3 and all(r["staleness/max"] <= 1 for r in rows)
     assert all(r["env/policy_tokens"] > 0 for r in rows)
+
+
+def test_guessing_game_environment_keeps_its_state_over_turns():
+    """The stateful example (jrlhf.tasks.guessing): replaying SFT transcripts turn by turn, the
+    environment answers exactly what each transcript says, rewards only the first correct
+    guess, and flags a malformed turn as a tool error."""
+    from jrlhf.envs import Conversation, load_environment
+    from jrlhf.tasks.guessing import GuessTask
+
+    task = GuessTask(seed=3)
+    make = load_environment("guess_number")
+    for record in task.sft_examples(40):
+        pairs = list(zip(record.response_ids[0::3], record.response_ids[2::3]))
+        # The transcript's secret: the one digit consistent with every answer it shows (a
+        # transcript that ran out of turns may leave several: any of them answers alike).
+        secret = next(
+            s for s in range(10)
+            if all(task.reply(int(task.tokens[g]), s) == task.tokens[a] for g, a in pairs)
+        )  # fmt: skip
+        env = make()
+        env.reset({"secret": secret})
+        ids = list(record.response_ids)
+        rewards = []
+        for t in range(0, len(ids) - 2, 3):
+            turn = ids[t : t + 2]
+            mask = np.asarray([True] * (t + 2))
+            mask[2:t:3] = False
+            step = env.step(Conversation(task.prompt(), ids[: t + 2], mask, t // 3 + 1, {}))
+            assert step.observation == [ids[t + 2]], (turn, step)
+            rewards.append(step.reward)
+        assert rewards.count(1.0) == int(task.replies["correct"] in ids)
+    env = make()
+    env.reset({"secret": 4})
+    bad = env.step(Conversation(task.prompt(), [5, 5], np.ones(2, bool), 1, {}))
+    assert bad.error and bad.observation == [task.unk_id]

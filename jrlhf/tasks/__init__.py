@@ -3,6 +3,7 @@ long-tailed response lengths; arithmetic with exact answers) and verifiable rewa
 
 from jrlhf.tasks.arithmetic import ArithmeticTask
 from jrlhf.tasks.calculator import CalculatorEnv, CalculatorTask
+from jrlhf.tasks.guessing import GuessEnv, GuessTask
 from jrlhf.tasks.longtail import LongTailTask
 from jrlhf.tasks.rewards import (
     REWARD_FNS,
@@ -23,6 +24,7 @@ BUILTIN_TASKS = {
     "arithmetic": ArithmeticTask,
     "longtail": LongTailTask,
     "calculator": CalculatorTask,
+    "guess_number": GuessTask,
 }
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "BatchReward",
     "CalculatorEnv",
     "CalculatorTask",
+    "GuessEnv",
+    "GuessTask",
     "LongTailTask",
     "RewardBatch",
     "RewardError",
