@@ -167,7 +167,7 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
         "RLConfig.prompts_per_iteration=8",
         "RLConfig.minibatch_size=16",
         "RLConfig.iterations=2",
-        "TaskConfig.num_heldout=16",
+        "TaskConfig.num_heldout=8",
         "RunConfig.tensorboard=False",
         "RLConfig.fusion=True",
         "RLConfig.migrate_rows=24",

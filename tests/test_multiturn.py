@@ -306,9 +306,12 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
 
 
 def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
-    """configs/calculator_grpo.gin, shortened: SFT, then GRPO whose episodes call the
-    calculator (env/* metrics), the environment's tokens masked; `python -m jrlhf.evaluate` on
-    the final checkpoint reports the run's own held-out numbers (the same episodes)."""
+    """configs/calculator_grpo.gin, shortened, with episodes generated one policy version ahead
+    (RLConfig.max_staleness=1: the batches in flight carry their masks and episode records to
+    the update): SFT, then GRPO whose episodes call the calculator (env/* metrics), the
+    environment's tokens masked; `python -m jrlhf.evaluate` on the final checkpoint reports the
+    run's own held-out numbers (the same episodes). The synchronous loop runs it in
+    tests/test_multiprocess.py, against 2 processes."""
     import json
 
     from jrlhf import train
@@ -320,6 +323,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
         "SFTConfig.steps=40", "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
         "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16",
         "TaskConfig.num_sft_examples=2048", "RunConfig.tensorboard=False",
+        "RLConfig.max_staleness=1",
     ]  # fmt: skip
     args = ["--config", "configs/calculator_grpo.gin", "--run-dir", str(run), "--quiet", *short]
     assert train.main(args) == 0
@@ -327,6 +331,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
     assert len(rows) == 2
     assert all(r["env/tool_calls"] > 0 and r["env/observation_tokens"] > 0 for r in rows)
     assert all(r["env/failed_episodes"] == 0 for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0]
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", str(run), "--output", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -361,27 +366,6 @@ def test_episodes_cross_the_sample_channel_and_checkpoints_whole():
             {"a": 1},
             {"a": 2, "env_reward": 1.0},
         ]
-
-
-def test_calculator_with_bounded_staleness(tmp_path):
-    """Multi-turn episodes generated one policy version ahead (RLConfig.max_staleness=1): the
-    batches in flight carry their masks and records to the update; env/* metrics as in the
-    synchronous loop."""
-    from jrlhf import train
-    from tests.run_helpers import metric_rows
-
-    run = tmp_path / "calc_async"
-    args = [
-        "--config", "configs/calculator_grpo.gin", "--run-dir", str(run), "--quiet",
-        "RunConfig.stages=('grpo',)", "actor/RoleConfig.init='tiny'", "RLConfig.max_staleness=1",
-        "RLConfig.iterations=3", "RLConfig.prompts_per_iteration=8",
-        "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8",
-        "RunConfig.tensorboard=False",
-    ]  # fmt: skip
-    assert train.main(args) == 0
-    rows = [r for r in metric_rows(run, "grpo") if "env/turns" in r]
-    assert len(rows) == 3 and all(r["staleness/max"] <= 1 for r in rows)
-    assert all(r["env/policy_tokens"] > 0 for r in rows)
 
 
 def test_guessing_game_environment_keeps_its_state_over_turns():

@@ -75,7 +75,7 @@ def test_recipe_twin_end_to_end(files, tmp_path):
 
     run = tmp_path / "run"
     short = [
-        *_paths(files), "SFTConfig.steps=60", "RLConfig.iterations=2",
+        *_paths(files), "SFTConfig.steps=30", "RLConfig.iterations=2",
         "RLConfig.prompts_per_iteration=8", "RLConfig.samples_per_prompt=4",
         "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16", "RLConfig.checkpoint_every=1",
         "RunConfig.tensorboard=False",
