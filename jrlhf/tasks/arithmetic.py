@@ -35,7 +35,42 @@ OPS = ("+", "-")
 _STREAM_PROMPTS, _STREAM_SFT, _STREAM_PAIRS = 11, 12, 13
 
 
-class ArithmeticTask:
+class WordLevelVocab:
+    """The tokenizer of a built-in task whose vocabulary is ``self._id`` (token -> id, with
+    ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>`` among them): word-level over whitespace,
+    ``<bos>`` prepended to encoded text."""
+
+    _id: dict[str, int]
+    bos_id: int
+
+    def hf_tokenizer(self) -> HFTokenizer:
+        """Word-level over the vocabulary; ``<bos>`` prepended to encoded text."""
+        tok = HFTokenizer(models.WordLevel(dict(self._id), unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.add_special_tokens([PAD, BOS, EOS, UNK])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
+        )
+        return tok
+
+    def tokenizer(self) -> Tokenizer:
+        """The task's tokenizer as a :class:`jrlhf.data.Tokenizer`."""
+        config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
+        return Tokenizer(self.hf_tokenizer(), config)
+
+    def save_tokenizer(self, directory: str | Path) -> Path:
+        """Write tokenizer.json and tokenizer_config.json; returns the directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.hf_tokenizer().save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(
+            '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", '
+            '"eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}\n'
+        )
+        return directory
+
+
+class ArithmeticTask(WordLevelVocab):
     """Addition and subtraction of ``digits``-digit numbers (see the module docstring).
 
     Token ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, 4 ``=``, 5-14 the digits,
@@ -184,33 +219,6 @@ class ArithmeticTask:
         if self.eos_id not in r:
             return 0.0
         return float(r[: r.index(self.eos_id) + 1] == self.answer(prompt_ids))
-
-    # -- text and files ---------------------------------------------------------------------------
-    def hf_tokenizer(self) -> HFTokenizer:
-        """Word-level over the digits and signs; ``<bos>`` prepended to encoded text."""
-        tok = HFTokenizer(models.WordLevel(dict(self._id), unk_token=UNK))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.add_special_tokens([PAD, BOS, EOS, UNK])
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
-        )
-        return tok
-
-    def tokenizer(self) -> Tokenizer:
-        """The task's tokenizer as a :class:`jrlhf.data.Tokenizer`."""
-        config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
-        return Tokenizer(self.hf_tokenizer(), config)
-
-    def save_tokenizer(self, directory: str | Path) -> Path:
-        """Write tokenizer.json and tokenizer_config.json; returns the directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.hf_tokenizer().save(str(directory / "tokenizer.json"))
-        (directory / "tokenizer_config.json").write_text(
-            '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", '
-            '"eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}\n'
-        )
-        return directory
 
     def _text(self, ids: Sequence[int]) -> str:
         return " ".join(self.tokens[int(i)] for i in ids if int(i) != self.bos_id)

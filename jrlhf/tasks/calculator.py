@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, processors
 
 from jrlhf.data import SFTRecord
 from jrlhf.envs import Conversation, Step, register_environment
@@ -118,15 +116,6 @@ class CalculatorTask(ArithmeticTask):
         """1.0 when the final answer up to its first ``<eos>`` is right (the response must have
         ended), else 0.0."""
         return super().score(prompt_ids, self.final_answer(response_ids))
-
-    def hf_tokenizer(self) -> HFTokenizer:
-        tok = HFTokenizer(models.WordLevel(dict(self._id), unk_token=UNK))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.add_special_tokens([PAD, BOS, EOS, UNK])
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
-        )
-        return tok
 
 
 _TASK = CalculatorTask()  # the vocabulary the environment and the reward read (seed-free)

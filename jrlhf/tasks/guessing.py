@@ -16,15 +16,13 @@ sometimes run out of them: RL has room to make the search shorter and surer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, processors
 
-from jrlhf.data import SFTRecord, Tokenizer
+from jrlhf.data import SFTRecord
 from jrlhf.envs import Conversation, Step, register_environment
+from jrlhf.tasks.arithmetic import WordLevelVocab
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 DIGITS = tuple("0123456789")
@@ -33,7 +31,7 @@ HIGHER, LOWER, CORRECT = "higher", "lower", "correct"
 _STREAM_SECRETS, _STREAM_SFT = 41, 42
 
 
-class GuessTask:
+class GuessTask(WordLevelVocab):
     """The guessing game (see the module docstring); ``max_turns`` guesses at most."""
 
     def __init__(self, seed: int = 0, *, max_turns: int = 5, demo_good_frac: float = 0.5):
@@ -111,30 +109,6 @@ class GuessTask:
     def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """1.0 when the episode holds the environment's ``correct``, else 0.0."""
         return float(self.replies[CORRECT] in [int(t) for t in response_ids])
-
-    # -- text and files ---------------------------------------------------------------------------
-    def hf_tokenizer(self) -> HFTokenizer:
-        tok = HFTokenizer(models.WordLevel(dict(self._id), unk_token=UNK))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.add_special_tokens([PAD, BOS, EOS, UNK])
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
-        )
-        return tok
-
-    def tokenizer(self) -> Tokenizer:
-        config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
-        return Tokenizer(self.hf_tokenizer(), config)
-
-    def save_tokenizer(self, directory: str | Path) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.hf_tokenizer().save(str(directory / "tokenizer.json"))
-        (directory / "tokenizer_config.json").write_text(
-            '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", '
-            '"eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}\n'
-        )
-        return directory
 
 
 _TASK = GuessTask()  # the vocabulary the environment reads (seed-free)
