@@ -54,7 +54,12 @@ POSITIVE_SIZES = (
     "num_kv_heads",
     "max_position_embeddings",
 )
-NONNEGATIVE_SIZES = ("head_dim", "sliding_window", "query_pre_attn_scalar")
+NONNEGATIVE_SIZES = (
+    "head_dim",
+    "sliding_window",
+    "query_pre_attn_scalar",
+    "pipeline_microbatches",
+)
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
 # 0 means "off" (soft-capping) or "derived" (rope_local_theta: rope_theta)
 NONNEGATIVE_REALS = (
@@ -142,6 +147,11 @@ class ModelConfig:
     # with a 16-bit compute dtype, einsum otherwise (see fused_attention). Decode uses the
     # paged kernels whatever this says.
     attention: str = "auto"
+    # Pipeline parallelism (jrlhf.models.pipeline): when a pass's mesh and rules split the
+    # layers over a ``stage`` axis, its batch goes through the stages in this many
+    # micro-batches (rows padded up to a multiple); 0: as many as there are stages. More
+    # micro-batches shrink the bubble, (S-1)/(M+S-1) of the stage time.
+    pipeline_microbatches: int = 0
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrlhf.meshes.context import constrain
+from jrlhf.meshes.context import constrain, layer_stages
 from jrlhf.models import lora as lora_lib
+from jrlhf.models import pipeline
 from jrlhf.models.attention import (
     AttendFn,
     aligned_attend,
@@ -397,20 +398,42 @@ class Transformer(nnx.Module):
         scan's per-layer dynamic slice of every stacked weight is materialised as a copy before
         each matmul, doubling the weight traffic that bounds a decode step.
         """
-        tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         graphdef, state = nnx.split(self.layers)
         if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
+        x_bte, cache = self.layer_loop(
+            graphdef, state, x_bte, positions_bt, attend, cache, layer_params
+        )
+        return self.final_norm(x_bte), cache
+
+    def layer_loop(
+        self,
+        graphdef,
+        state,
+        x_bte,
+        positions_bt,
+        attend: AttendFn,
+        cache: Any = None,
+        layer_params: LayerWeights | None = None,
+        first_layer: Any = 0,
+    ):
+        """Run the stacked layers of ``state`` (all of the model's, or a pipeline stage's run of
+        consecutive ones starting at ``first_layer``: a traced index under the pipeline's
+        vmap over stages) unrolled over ``layer_params`` if given, else under ``lax.scan``;
+        the output before the final norm. See ``run_layers``."""
+        tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         if layer_params is not None:
             with _kernel_layout(layer_params.layout):
-                for idx, params in enumerate(layer_params.layers):
+                for k, params in enumerate(layer_params.layers):
+                    idx = first_layer + k
                     layer_state = jax.tree.map(lambda v: v, state, is_leaf=_is_variable)
                     nnx.replace_by_pure_dict(layer_state, params)
                     layer = nnx.merge(graphdef, layer_state)
-                    cos, sin = tables[kinds[idx]]
+                    options, which = layer_choice(kinds, idx)
+                    cos, sin = select_choice([tables[o] for o in options], which)
                     with lora_lib.layer(idx):
                         x_bte, cache = layer(x_bte, cos, sin, attend, idx, cache)
-            return self.final_norm(x_bte), cache
+            return x_bte, cache
 
         def body(carry, layer_state):
             x, cache, idx = carry
@@ -424,8 +447,9 @@ class Transformer(nnx.Module):
         policy = remat_policy(self.config.remat_policy)
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        (x_bte, cache, _), _ = jax.lax.scan(body, (x_bte, cache, jnp.int32(0)), state)
-        return self.final_norm(x_bte), cache
+        first = jnp.asarray(first_layer, jnp.int32)
+        (x_bte, cache, _), _ = jax.lax.scan(body, (x_bte, cache, first), state)
+        return x_bte, cache
 
     def logits(self, hidden_bte: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
         """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given),
@@ -469,6 +493,12 @@ class Transformer(nnx.Module):
             segment_ids_bt = jnp.ones_like(tokens_bt)
         cfg = self.config
         t = tokens_bt.shape[1]
+        stages = layer_stages()
+        if stages > 1:
+            # Layers split over pipeline stages: the masked form (equal for the real tokens)
+            # for every row layout, each micro-batch's masks built by the stage that holds it.
+            x = self.pipelined_layers(self.embed(tokens_bt), positions_bt, segment_ids_bt, stages)
+            return self.final_norm(x)
         if (
             one_segment
             and cfg.fused_attention
@@ -485,6 +515,43 @@ class Transformer(nnx.Module):
         )
         hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
         return hidden
+
+    def pipelined_layers(self, x_bte, positions_bt, segment_ids_bt, stages: int) -> jax.Array:
+        """The layers (before the final norm) of a full-sequence pass as a pipeline over
+        ``stages`` stages (jrlhf.models.pipeline): the rows in ``pipeline_microbatches``
+        micro-batches (default: one per stage), padded with empty rows to a multiple of it."""
+        cfg = self.config
+        micro = cfg.pipeline_microbatches or stages
+        rows = x_bte.shape[0]
+        padded = -(-rows // micro) * micro
+        xs, pos, seg = (
+            pipeline.to_microbatches(pipeline.pad_rows(a, padded), micro)
+            for a in (x_bte, positions_bt, segment_ids_bt)
+        )
+        graphdef, state = nnx.split(self.layers)
+        per_stage = cfg.num_layers // stages
+        windows = cfg.layer_windows
+
+        def stage_fn(stage_state, x, aux, stage):
+            positions, segments = aux
+            attend = dense_attend(
+                positions,
+                segments,
+                windows,
+                fused=cfg.fused_attention,
+                softcap=cfg.attn_logit_softcap,
+            )
+            params = None
+            if cfg.unroll_layers:
+                params = unstack_layers(nnx.to_pure_dict(stage_state))
+            out, _ = self.layer_loop(
+                graphdef, stage_state, x, positions, attend, None, params, stage * per_stage
+            )
+            return out
+
+        out = pipeline.gpipe(stage_fn, pipeline.split_stages(state, stages), xs, (pos, seg))
+        out = out.reshape(padded, *out.shape[2:])[:rows]
+        return constrain(out, ("batch", "length", "act_embed"))
 
     def _aligned_hidden(self, tokens_bt, segment_ids_bt):
         """``hidden`` of one-segment rows, each rotated left by its left padding so that its

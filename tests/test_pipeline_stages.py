@@ -1,0 +1,184 @@
+"""Pipeline parallelism (jrlhf.models.pipeline): a ``stage`` mesh axis splits the stacked layers,
+and full-sequence passes run their micro-batches through the stages on the GPipe schedule. The
+pipelined logits, values, log-probs, loss, gradient norm and parameters after an SGD step equal
+the unpipelined run's on 8 fake CPU devices (float32: 1e-5 absolute)."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from run_helpers import assert_rows_close, metric_rows, ppo_bindings
+
+from jrlhf.cli import train
+from jrlhf.config import ConfigError, RLConfig, RoleConfig
+from jrlhf.meshes import activation_sharding, make_mesh
+from jrlhf.meshes.rules import MeshLayoutError
+from jrlhf.models import ModelDef, tiny_config
+from jrlhf.models.pipeline import bubble_fraction
+from jrlhf.ppo.batch import response_logprobs
+from jrlhf.ppo.losses import actor_loss, critic_loss
+from jrlhf.runtime.steps import init_train_state, make_train_step
+
+TOL = 1e-5
+P, R = 4, 6
+REFERENCE_MESH = "fsdp=2,tensor=2"
+SGD = optax.sgd(0.5)
+
+
+def tiny(**overrides):
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
+    return tiny_config(vocab_size=64, **{**base, **overrides})
+
+
+def rl_batch(b=8, seed=0, vocab=64):
+    """A PPO minibatch: left-padded prompts (segment 0 before each row's start), ragged
+    responses (rows 0-1 empty)."""
+    rng = np.random.default_rng(seed)
+    t = P + R
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    segments = np.ones((b, t), np.int32)
+    segments[::3, :2] = 0
+    lengths = np.array([0, 0, 1, 1, 6, 3, 5, 2])[:b]
+    mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.float32)
+    old_lp = np.log(rng.uniform(0.01, 0.2, (b, R))).astype(np.float32)
+    normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    return {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "segment_ids": segments,
+        "response_tokens": tokens[:, P:],
+        "mask": mask,
+        "old_logprobs": old_lp,
+        "advantages": normal(b, R),
+        "ref_logprobs": (old_lp + 0.3 * normal(b, R)).astype(np.float32),
+        "kl_coef": np.full((b,), 0.1, np.float32),
+        "old_values": normal(b, R),
+        "returns": normal(b, R),
+    }
+
+
+def forward(model, params, mesh_spec, batch):
+    """(logits or values, response log-probs for an LM) of ``batch`` on ``mesh_spec``."""
+    mesh = make_mesh(mesh_spec)
+    params = jax.device_put(params, model.shardings(mesh, "fsdp_tp"))
+
+    def run(params, batch):
+        with activation_sharding(mesh, "fsdp_tp"):
+            module = model.bind(params)
+            out = module(batch["tokens"], batch["positions"], batch["segment_ids"])
+            logp = response_logprobs(module, batch, P) if model.head == "lm" else out
+            return out, logp
+
+    return jax.tree.map(np.asarray, jax.jit(run)(params, batch))
+
+
+def train_step(model, mesh_spec, loss_fn, microbatches=1):
+    mesh = make_mesh(mesh_spec)
+    state = init_train_state(model, SGD, mesh, "fsdp_tp", seed=0)
+    step = make_train_step(model, SGD, loss_fn, mesh, "fsdp_tp", microbatches=microbatches)
+    state, metrics = step(state, rl_batch())
+    return (float(metrics["loss"]), float(metrics["grad_norm"])), state.params
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The unpipelined forward passes and train steps every pipelined case is compared with."""
+    rl = RLConfig(entropy_coef=0.01, kl_in_loss=True)
+    out = {}
+    for head in ("lm", "value"):
+        model = ModelDef(tiny(), head=head)
+        params = model.init_sharded(make_mesh(REFERENCE_MESH), "fsdp_tp")
+        loss = actor_loss(P, rl, kl_in_loss=True) if head == "lm" else critic_loss(P, rl)
+        out[head] = dict(
+            params=params,
+            forward=forward(model, params, REFERENCE_MESH, rl_batch()),
+            loss_fn=loss,
+            step=train_step(model, REFERENCE_MESH, loss),
+        )
+    return out
+
+
+def assert_step_close(got, want):
+    np.testing.assert_allclose(got[0], want[0], atol=TOL, rtol=0)
+    chex.assert_trees_all_close(got[1], want[1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec,overrides",
+    [
+        ("stage=2,fsdp=2,tensor=2", {}),  # 2 micro-batches (one per stage), 4 layers a stage
+        ("stage=4,fsdp=2", dict(pipeline_microbatches=3)),  # 8 rows padded to 9: 3 of 3
+        ("stage=2,fsdp=2,tensor=2", dict(pipeline_microbatches=8, remat_policy="full")),
+    ],
+)
+def test_pipelined_actor_equals_unpipelined(reference, mesh_spec, overrides):
+    """Logits, response log-probs, and the loss, gradient norm and parameters after one PPO
+    actor step (GRPO's KL-in-loss form)."""
+    ref = reference["lm"]
+    model = ModelDef(tiny(**overrides))
+    logits, logp = forward(model, ref["params"], mesh_spec, rl_batch())
+    np.testing.assert_allclose(logits, ref["forward"][0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logp, ref["forward"][1], atol=TOL, rtol=0)
+    assert_step_close(train_step(model, mesh_spec, ref["loss_fn"]), ref["step"])
+
+
+def test_pipelined_critic_equals_unpipelined(reference):
+    """Values and a critic step at stage=2, within gradient-accumulation micro-batches."""
+    ref = reference["value"]
+    model = ModelDef(tiny(pipeline_microbatches=2), head="value")
+    mesh_spec = "stage=2,fsdp=2,tensor=2"
+    values, _ = forward(model, ref["params"], mesh_spec, rl_batch())
+    np.testing.assert_allclose(values, ref["forward"][0], atol=TOL, rtol=0)
+    step = train_step(model, mesh_spec, ref["loss_fn"], microbatches=2)
+    assert_step_close(step, ref["step"])
+
+
+def test_the_schedule_shifts_stages_by_collective_permutes(reference):
+    """Each device holds its stage's layers only, and the in-flight micro-batches move between
+    stages by collective permutes."""
+    model = ModelDef(tiny())
+    mesh = make_mesh("stage=4,fsdp=2")
+    params = jax.device_put(reference["lm"]["params"], model.shardings(mesh, "fsdp_tp"))
+    kernel = params["layers"]["mlp"]["up_kernel"]
+    assert kernel.addressable_shards[0].data.shape[0] == 1  # 4 layers over 4 stages
+    batch = rl_batch()
+
+    def run(params, tokens):
+        with activation_sharding(mesh, "fsdp_tp"):
+            return model.apply(params, tokens)
+
+    hlo = jax.jit(run).lower(params, batch["tokens"]).compile().as_text()
+    assert "collective-permute" in hlo
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
+def test_stage_settings_fail_in_one_line():
+    model = ModelDef(tiny(num_layers=3))
+    with pytest.raises(MeshLayoutError, match="3 layers do not split over 'stage' of size 2"):
+        model.shardings(make_mesh("stage=2,fsdp=4"), "fsdp_tp")
+    with pytest.raises(ConfigError, match="actor/RoleConfig.pipeline_microbatches: must be >= 0"):
+        RoleConfig(pipeline_microbatches=-1).validate("actor")
+    with pytest.raises(ConfigError, match="actor/RoleConfig.generate_mesh: a stage axis"):
+        RoleConfig(generate_mesh="stage=2,tensor=4").validate("actor")
+    with pytest.raises(ValueError, match="pipeline_microbatches must be an integer >= 0"):
+        tiny(pipeline_microbatches=-2)
+
+
+def test_ppo_run_with_pipelined_actor_and_critic_scoring_equals_the_colocated_run(
+    base_run, colocated_run, tmp_path
+):
+    """The session's PPO run (conftest.colocated_run) again with the actor trained over 2
+    pipeline stages and the critic scoring over 2: the same metrics, row for row, within the
+    placement tests' tolerances (run_helpers.assert_rows_close)."""
+    run_dir = tmp_path / "staged"
+    bindings = ppo_bindings(
+        base_run,
+        "actor/RoleConfig.train_mesh='stage=2,fsdp=2,tensor=2'",
+        "critic/RoleConfig.infer_mesh='stage=2,fsdp=4'",
+    )
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
+    assert "actor/RoleConfig.train_mesh = 'stage=2,fsdp=2,tensor=2'" in (
+        (run_dir / "plan.gin").read_text()
+    )
+    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
