@@ -10,12 +10,17 @@ import optax
 import pytest
 from run_helpers import assert_rows_close, metric_rows, ppo_bindings
 
+from benchmarks import fsdp_memory as fm
 from jrlhf.cli import train
 from jrlhf.config import ConfigError, RLConfig, RoleConfig
 from jrlhf.meshes import activation_sharding, make_mesh
 from jrlhf.meshes.rules import MeshLayoutError
 from jrlhf.models import ModelDef, tiny_config
 from jrlhf.models.pipeline import bubble_fraction
+from jrlhf.placement import estimator as est
+from jrlhf.placement.plan import CallPlacement
+from jrlhf.placement.profile import DeviceProfile
+from jrlhf.placement.workload import Workload
 from jrlhf.ppo.batch import response_logprobs
 from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import init_train_state, make_train_step
@@ -182,3 +187,56 @@ def test_ppo_run_with_pipelined_actor_and_critic_scoring_equals_the_colocated_ru
         (run_dir / "plan.gin").read_text()
     )
     assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
+
+
+def test_the_estimator_prices_the_bubble_the_sends_and_the_memory_of_stages():
+    """jrlhf.placement.estimator on a stage mesh: on a compute-only profile a pipelined train
+    step costs (M + S - 1) / M of the unpipelined one on the same 8 devices (the bubble), the
+    stage sends add time on finite links, and the working memory of a compiled pipelined train
+    step and scoring call is XLA's within the estimator tests' bound (XLA_WORKING_BOUND)."""
+
+    def workload(cfg, rows=16):
+        return Workload(
+            actor=cfg,
+            critic=None,
+            reference=cfg,
+            reward=None,
+            prompts=rows,
+            samples_per_prompt=1,
+            prompt_len=fm.P,
+            gen_len=fm.R,
+            epochs=1,
+            minibatch_size=rows,
+        )
+
+    h100 = DeviceProfile.load("h100")
+    compute_only = h100.replace(
+        call_overhead_s=0.0,
+        train_step_overhead_s=0.0,
+        train_layer_overhead_s=0.0,
+        train_layer_overhead_once_s=0.0,
+        collective_latency_s=0.0,
+        intra_node_bandwidth=1e30,
+        inter_node_bandwidth=1e30,
+        memory_bandwidth=1e30,
+    )
+    flat, staged = CallPlacement("fsdp=8", "fsdp_tp"), CallPlacement("stage=2,fsdp=4", "fsdp_tp")
+    plain = workload(fm.model_config(4))
+    for micro in (2, 8):
+        piped = workload(fm.model_config(4, pipeline_microbatches=micro))
+        ratio = est.train_seconds(piped, "actor", staged, compute_only) / est.train_seconds(
+            plain, "actor", flat, compute_only
+        )
+        assert ratio == pytest.approx((micro + 1) / micro)
+        assert est.pipeline_send_seconds(piped.actor, 8, fm.P + fm.R, est._geometry(
+            staged, h100), 2, h100) > 0  # fmt: skip
+    cpu = DeviceProfile.load("cpu")
+    cases = [  # (mesh, micro-batches, call, compiled program)
+        ("stage=2,fsdp=2,tensor=2", 4, "actor_train", fm.train_analysis),
+        ("stage=2,fsdp=4", 2, "reference_infer", fm.infer_analysis),
+    ]
+    for mesh, micro, call, analysis in cases:
+        cfg = fm.model_config(4, pipeline_microbatches=micro)
+        xla = analysis(cfg, mesh, 16).temp_size_in_bytes
+        want = est._working_bytes(workload(cfg), call, CallPlacement(mesh, "fsdp_tp"), cpu)
+        assert abs(want / xla - 1) < 0.35, (mesh, want, xla)
