@@ -16,6 +16,7 @@ from jrlhf.config import ConfigError, RLConfig, RoleConfig
 from jrlhf.meshes import activation_sharding, make_mesh
 from jrlhf.meshes.rules import MeshLayoutError
 from jrlhf.models import ModelDef, tiny_config
+from jrlhf.models.lora import LoraConfig
 from jrlhf.models.pipeline import bubble_fraction
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement
@@ -240,3 +241,31 @@ def test_the_estimator_prices_the_bubble_the_sends_and_the_memory_of_stages():
         xla = analysis(cfg, mesh, 16).temp_size_in_bytes
         want = est._working_bytes(workload(cfg), call, CallPlacement(mesh, "fsdp_tp"), cpu)
         assert abs(want / xla - 1) < 0.35, (mesh, want, xla)
+
+
+def test_per_layer_choices_and_lora_adapters_follow_their_layers_through_the_stages():
+    """A Gemma-3-like model (sliding and full layers alternating, a local RoPE base, q/k
+    norms, post-norms, soft-capped scores: per-layer choices taken from the layer index, traced
+    under the vmap over stages) with LoRA adapters on every projection (stacked like the
+    layers): stage=2 logits equal the unpipelined ones, with scanned and unrolled layers."""
+    kinds = ("sliding_attention",) * 2 + ("full_attention",) * 2  # stage 0 | stage 1
+    for loop in ("scan", "unroll"):
+        cfg = tiny(
+            layer_types=kinds,
+            sliding_window=3,
+            rope_local_theta=100.0,
+            qk_norm=True,
+            post_norms=True,
+            norm_unit_offset=True,
+            attn_logit_softcap=20.0,
+            layer_loop=loop,
+        )
+        model = ModelDef(cfg, lora=LoraConfig(rank=2))
+        params = model.init_sharded(make_mesh(REFERENCE_MESH), "fsdp_tp", seed=1)
+        # adapters start at zero (B = 0): make them count
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params
+        )
+        want, _ = forward(model, params, REFERENCE_MESH, rl_batch())
+        got, _ = forward(model, params, "stage=2,fsdp=2,tensor=2", rl_batch())
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=loop)
