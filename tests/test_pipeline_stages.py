@@ -247,25 +247,37 @@ def test_per_layer_choices_and_lora_adapters_follow_their_layers_through_the_sta
     """A Gemma-3-like model (sliding and full layers alternating, a local RoPE base, q/k
     norms, post-norms, soft-capped scores: per-layer choices taken from the layer index, traced
     under the vmap over stages) with LoRA adapters on every projection (stacked like the
-    layers): stage=2 logits equal the unpipelined ones, with scanned and unrolled layers."""
+    layers): stage=2 logits equal the unpipelined ones (scanned layers; the unrolled loop takes
+    the same traced index, and the other tests run it)."""
     kinds = ("sliding_attention",) * 2 + ("full_attention",) * 2  # stage 0 | stage 1
-    for loop in ("scan", "unroll"):
-        cfg = tiny(
-            layer_types=kinds,
-            sliding_window=3,
-            rope_local_theta=100.0,
-            qk_norm=True,
-            post_norms=True,
-            norm_unit_offset=True,
-            attn_logit_softcap=20.0,
-            layer_loop=loop,
-        )
-        model = ModelDef(cfg, lora=LoraConfig(rank=2))
-        params = model.init_sharded(make_mesh(REFERENCE_MESH), "fsdp_tp", seed=1)
-        # adapters start at zero (B = 0): make them count
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params
-        )
-        want, _ = forward(model, params, REFERENCE_MESH, rl_batch())
-        got, _ = forward(model, params, "stage=2,fsdp=2,tensor=2", rl_batch())
-        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=loop)
+    cfg = tiny(
+        layer_types=kinds,
+        sliding_window=3,
+        rope_local_theta=100.0,
+        qk_norm=True,
+        post_norms=True,
+        norm_unit_offset=True,
+        attn_logit_softcap=20.0,
+        layer_loop="scan",
+    )
+    model = ModelDef(cfg, lora=LoraConfig(rank=2))
+    params = model.init_sharded(make_mesh(REFERENCE_MESH), "fsdp_tp", seed=1)
+    # adapters start at zero (B = 0): make them count
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params
+    )
+    want, _ = forward(model, params, REFERENCE_MESH, rl_batch())
+    got, _ = forward(model, params, "stage=2,fsdp=2,tensor=2", rl_batch())
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+def test_a_stage_count_the_layers_do_not_divide_fails_the_run_in_one_line(tmp_path, capsys):
+    rc = train.main([
+        "--run-dir", str(tmp_path / "r"), "--quiet", "RunConfig.stages=('grpo',)",
+        "actor/RoleConfig.init='tiny'", "reference/RoleConfig.init='tiny'",
+        "RLConfig.samples_per_prompt=2", "actor/RoleConfig.train_mesh='stage=4,fsdp=2'",
+    ])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc != 0
+    assert err.startswith("error: actor/RoleConfig.train_mesh stage=4,fsdp=2"), err
+    assert "2 layers do not split over 'stage' of size 4" in err
