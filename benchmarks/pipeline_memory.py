@@ -1,10 +1,11 @@
-"""Peak activation memory of pipelined train steps (jrlhf.models.pipeline, GPipe) against the
-unpipelined step on the same 8 devices.
+"""Peak activation memory of pipelined train steps (jrlhf.models.pipeline: GPipe and 1F1B)
+against the unpipelined step on the same 8 devices.
 
 Compiles the trainer's real SFT train step (``make_train_step``, scanned layers) for abstract
 state on fake CPU devices and prints XLA's memory analysis per device (temp: activations,
-gradients, gathered weights; args: the state's shard), for stage counts 1, 2, 4 and several
-pipeline micro-batch counts, with and without remat, one JSON object a line. Nothing runs.
+gradients, gathered weights; args: the state's shard), for stage counts 1, 2, 4, several
+pipeline micro-batch counts and both schedules, with and without remat, one JSON object a
+line. Nothing runs.
 
     python -m benchmarks.pipeline_memory            # (sets 8 fake CPU devices itself)
 """
@@ -39,8 +40,9 @@ CASES = (
 )
 
 
-def model_config(remat: str, micro: int):
+def model_config(remat: str, micro: int, schedule: str = "gpipe"):
     return tiny_config(
+        pipeline_schedule=schedule,
         vocab_size=512,
         hidden_size=256,
         intermediate_size=1024,
@@ -57,17 +59,24 @@ def main():
     for remat in ("none", "full"):
         for mesh, micro in CASES:
             stages = MeshSpec.parse(mesh).shape.get("stage", 1)
-            analysis = train_compiled(model_config(remat, micro), mesh, ROWS).memory_analysis()
-            row = dict(
-                mesh=mesh,
-                rows=ROWS,
-                remat=remat,
-                pipeline_microbatches=micro if stages > 1 else None,
-                bubble=round(bubble_fraction(stages, micro or 1), 3),
-                temp_mib=round(analysis.temp_size_in_bytes / 2**20, 2),
-                args_mib=round(analysis.argument_size_in_bytes / 2**20, 2),
-            )
-            print(json.dumps(row), flush=True)
+            for schedule in ("gpipe", "1f1b") if stages > 1 else ("-",):
+                measure(mesh, micro, stages, remat, schedule)
+
+
+def measure(mesh: str, micro: int, stages: int, remat: str, schedule: str):
+    cfg = model_config(remat, micro, "gpipe" if schedule == "-" else schedule)
+    analysis = train_compiled(cfg, mesh, ROWS).memory_analysis()
+    row = dict(
+        mesh=mesh,
+        rows=ROWS,
+        remat=remat,
+        schedule=schedule,
+        pipeline_microbatches=micro if stages > 1 else None,
+        bubble=round(bubble_fraction(stages, micro or 1, schedule), 3),
+        temp_mib=round(analysis.temp_size_in_bytes / 2**20, 2),
+        args_mib=round(analysis.argument_size_in_bytes / 2**20, 2),
+    )
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,13 @@ import gin
 
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
-from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
+from jrlhf.models.config import (
+    DTYPES,
+    PIPELINE_SCHEDULES,
+    REMAT_POLICIES,
+    ModelConfig,
+    value_problem,
+)
 from jrlhf.models.lora import ALL_TARGETS as LORA_TARGETS
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.lora import config_problem as lora_problem
@@ -305,6 +311,9 @@ class RoleConfig:
     # micro-batch, a scoring call) then runs its rows through the stages in this many pipeline
     # micro-batches (GPipe); 0: S of them.
     pipeline_microbatches: int = 0
+    # How this role's train steps schedule the pipeline micro-batches: "gpipe" or "1f1b"
+    # (jrlhf.models.config.PIPELINE_SCHEDULES; docs/pipelines.md).
+    pipeline_schedule: str = "gpipe"
     # LoRA (jrlhf.models.lora): lora_rank > 0 trains low-rank adapters on the lora_targets
     # projections (of q, k, v, o, gate, up, down) of this role's model, its base frozen; the
     # update is scaled by lora_alpha / lora_rank, and lora_dropout drops the adapters' input
@@ -378,6 +387,11 @@ class RoleConfig:
             self.pipeline_microbatches >= 0,
             f"{f}.pipeline_microbatches",
             "must be >= 0 (0: one per pipeline stage)",
+        )
+        _check(
+            self.pipeline_schedule in PIPELINE_SCHEDULES,
+            f"{f}.pipeline_schedule",
+            f"{self.pipeline_schedule!r} unknown (use one of {PIPELINE_SCHEDULES})",
         )
         if self.generate_mesh:
             _check(

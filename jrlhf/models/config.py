@@ -25,6 +25,7 @@ FUSED_ATTENTION_DTYPES = ("bfloat16", "float16")
 # layer_loop="auto" unrolls models up to this deep on CPU (compile time grows with the depth)
 AUTO_UNROLL_LAYERS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,11 @@ class ModelConfig:
     # micro-batches (rows padded up to a multiple); 0: as many as there are stages. More
     # micro-batches shrink the bubble, (S-1)/(M+S-1) of the stage time.
     pipeline_microbatches: int = 0
+    # How train steps schedule them (PIPELINE_SCHEDULES): "gpipe" (autodiff through all the
+    # forwards, then all the backwards: every micro-batch's activations kept), "1f1b" (each
+    # micro-batch's backward right after its forward leaves the last stage, at most 2S - 1 in
+    # flight a stage; its rows must split evenly). Scoring passes are forwards only: GPipe.
+    pipeline_schedule: str = "gpipe"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -188,6 +194,11 @@ class ModelConfig:
             raise ValueError(
                 f"layer_loop 'unroll' runs without remat; remat_policy {self.remat_policy!r} "
                 "needs layer_loop 'scan'"
+            )
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule {self.pipeline_schedule!r} unknown "
+                f"(use one of {PIPELINE_SCHEDULES})"
             )
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} unknown (use one of {ATTENTION_IMPLS})")

@@ -30,15 +30,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jrlhf.meshes.context import constrain, current_mesh, current_rules
 from jrlhf.meshes.rules import logical_to_spec
 
-SCHEDULES = ("gpipe",)
-
 # stage_fn(stage_state, x_bte, aux, stage_index) -> x_bte: one stage's layers on one micro-batch;
 # ``aux`` is a tree of the micro-batch's per-row inputs (positions, segment ids).
 StageFn = Callable[[Any, jax.Array, Any, jax.Array], jax.Array]
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The share of stage-iterations a GPipe schedule spends on filler: (S-1)/(M+S-1)."""
+def bubble_fraction(stages: int, microbatches: int, schedule: str = "gpipe") -> float:
+    """The share of stage-iterations a schedule spends on filler: GPipe (S-1)/(M+S-1); 1F1B as
+    built here, (2S-1)/(M+2S-1): every stage runs a forward and a backward at each of its
+    M+2S-1 ticks in lockstep (one SPMD program), so the warm-up's backward slots and the
+    drain's forward slots idle too."""
+    if schedule == "1f1b":
+        return (2 * stages - 1) / (microbatches + 2 * stages - 1) if stages > 1 else 0.0
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -117,3 +120,88 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
     if not extra:
         return x
     return jnp.concatenate([x, jnp.zeros((extra, *x.shape[1:]), x.dtype)])
+
+
+def one_f_one_b(
+    stage_fn: StageFn,
+    stage_params: Any,
+    aux_m: Any,
+    micro: int,
+    embed: Callable[[jax.Array], jax.Array],
+    embed_grads: Callable[[jax.Array, jax.Array], Any],
+    head: Callable[[jax.Array, jax.Array], tuple[jax.Array, Any, Any]],
+) -> tuple[Any, Any, Any]:
+    """Forward and backward of ``micro`` micro-batches through the stages of ``stage_params``
+    (a pure tree, leaves (S, K, ...)) on the 1F1B schedule, gradients by hand (no autodiff
+    through the schedule): (the stage parameters' gradients (S, K, ...), the sum of ``head``'s
+    and ``embed_grads``' gradients, the sum of ``head``'s statistics).
+
+    At tick ``t`` stage ``s`` runs the forward of micro-batch ``t - s`` and the backward of
+    micro-batch ``t - (2S - 1 - s)``, so the last stage starts a micro-batch's backward the tick
+    after its forward and a stage holds at most ``2S - 1`` micro-batches in flight, against
+    GPipe's all ``M``: the stage keeps only each in-flight micro-batch's input (a ring of 2S)
+    and recomputes its layers' forward inside the backward (``jax.vjp`` at the saved input).
+    ``M + 2S - 1`` ticks; activations move one stage on and gradients one stage back per tick
+    (collective permutes).
+
+    ``embed(m)``: stage 0's input for micro-batch ``m`` (a traced index); ``embed_grads(m, dx)``:
+    the gradients that input's cotangent ``dx`` gives (embedding); ``head(m, y)``: for the last
+    stage's output ``y`` of micro-batch ``m``, (dy, the gradients of the parameters outside the
+    stages, statistics) of the micro-batch's weighted loss.
+    """
+    stages = jax.tree.leaves(stage_params)[0].shape[0]
+    ring = 2 * stages
+    ticks = micro + 2 * stages - 1
+    stage_ids = jnp.arange(stages, dtype=jnp.int32)
+    in_flight = ("act_stage", "batch", "length", "act_embed")
+    x0 = embed(jnp.int32(0))
+    zeros = constrain(jnp.zeros((stages, *x0.shape), x0.dtype), in_flight)
+    saved = jnp.zeros((stages, ring, *x0.shape), x0.dtype)
+    saved = constrain(saved, ("act_stage", None, "batch", "length", "act_embed"))
+    _, head_grads, stats = jax.eval_shape(head, jnp.int32(0), x0)
+    zero = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    totals = (jax.tree.map(jnp.zeros_like, stage_params), zero(head_grads), zero(stats))
+
+    def per_stage(params, x, buf, cot, aux_f, aux_b, stage, f_slot, b_slot, f_ok, b_ok):
+        y = stage_fn(params, x, aux_f, stage)
+        buf = buf.at[f_slot].set(jnp.where(f_ok, x, buf[f_slot]))
+        _, vjp = jax.vjp(lambda p, xb: stage_fn(p, xb, aux_b, stage), params, buf[b_slot])
+        d_params, dx = vjp(cot)
+        keep = lambda g: jnp.where(b_ok, g, jnp.zeros_like(g))  # noqa: E731
+        return y, buf, keep(dx), jax.tree.map(keep, d_params)
+
+    run_stages = jax.vmap(per_stage, spmd_axis_name=_stage_axis())
+
+    def valid(i):
+        return (i >= 0) & (i < micro), jnp.clip(i, 0, micro - 1)
+
+    def tick(carry, t):
+        fwd, bwd, saved, (g_stages, g_outer, sums) = carry
+        f_ok, f = valid(t - stage_ids)
+        b_ok, b = valid(t - (2 * stages - 1 - stage_ids))
+        first = stage_ids[:, None, None, None] == 0
+        fwd = jnp.where(first, embed(jnp.clip(t, 0, micro - 1))[None], fwd)
+        aux_f, aux_b = (jax.tree.map(lambda a, i=i: a[i], aux_m) for i in (f, b))
+        y, saved, dx, d_params = run_stages(
+            stage_params, fwd, saved, bwd, aux_f, aux_b, stage_ids, f % ring, b % ring, f_ok, b_ok
+        )
+        y, dx = constrain(y, in_flight), constrain(dx, in_flight)
+        g_stages = jax.tree.map(jnp.add, g_stages, d_params)
+        # the last stage has just finished micro-batch t - (S - 1): its loss and the gradient
+        # its backward starts from at the next tick
+        m_ok, m = valid(t - (stages - 1))
+        dy, head_g, stats = head(m, y[stages - 1])
+        take = lambda g, ok: jnp.where(ok, g, jnp.zeros_like(g))  # noqa: E731
+        g_outer = jax.tree.map(lambda a, g: a + take(g, m_ok), g_outer, head_g)
+        sums = jax.tree.map(lambda a, g: a + take(g, m_ok), sums, stats)
+        # stage 0 has just finished the backward of micro-batch t - (2S - 1): its embedding
+        e_ok, e = valid(t - (2 * stages - 1))
+        g_outer = jax.tree.map(lambda a, g: a + take(g, e_ok), g_outer, embed_grads(e, dx[0]))
+        last = stage_ids[:, None, None, None] == stages - 1
+        fwd = constrain(jnp.roll(y, 1, axis=0), in_flight)
+        bwd = jnp.where(last, take(dy, m_ok)[None], jnp.roll(dx, -1, axis=0))
+        return (fwd, constrain(bwd, in_flight), saved, (g_stages, g_outer, sums)), None
+
+    carry = (zeros, zeros, saved, totals)
+    (_, _, _, totals), _ = jax.lax.scan(tick, carry, jnp.arange(ticks, dtype=jnp.int32))
+    return totals

@@ -116,6 +116,22 @@ WEIGHT_LAYOUTS = ("in_major", "out_major", "panels")
 # The layout of the projection kernels the layers being traced read (see LayerWeights).
 _LAYOUT = contextvars.ContextVar("jrlhf_kernel_layout", default="in_major")
 
+# The layers' output (before the final norm) that ``Transformer.hidden`` returns instead of
+# running the layers (see ``layers_output``).
+_LAYERS_OUTPUT = contextvars.ContextVar("jrlhf_layers_output", default=None)
+
+
+@contextlib.contextmanager
+def layers_output(x_bte: jax.Array) -> Iterator[None]:
+    """Inside, ``Transformer.hidden`` skips the embedding and the layers and returns
+    ``final_norm(x_bte)``: a schedule that runs the layers itself (the 1F1B pipeline step,
+    jrlhf.runtime.pipeline_step) differentiates the caller's loss from the layers' output on."""
+    token = _LAYERS_OUTPUT.set(x_bte)
+    try:
+        yield
+    finally:
+        _LAYERS_OUTPUT.reset(token)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +509,9 @@ class Transformer(nnx.Module):
             segment_ids_bt = jnp.ones_like(tokens_bt)
         cfg = self.config
         t = tokens_bt.shape[1]
+        injected = _LAYERS_OUTPUT.get()
+        if injected is not None:
+            return self.final_norm(injected)
         stages = layer_stages()
         if stages > 1:
             # Layers split over pipeline stages: the masked form (equal for the real tokens)
@@ -528,11 +547,31 @@ class Transformer(nnx.Module):
             pipeline.to_microbatches(pipeline.pad_rows(a, padded), micro)
             for a in (x_bte, positions_bt, segment_ids_bt)
         )
-        graphdef, state = nnx.split(self.layers)
+        _, state = nnx.split(self.layers)
+        stage_fn = self.stage_function(stages)
+        out = pipeline.gpipe(stage_fn, pipeline.split_stages(state, stages), xs, (pos, seg))
+        out = out.reshape(padded, *out.shape[2:])[:rows]
+        return constrain(out, ("batch", "length", "act_embed"))
+
+    def stage_function(self, stages: int):
+        """``stage_fn(stage_state, x_bte, (positions_bt, segment_ids_bt), stage)``: one pipeline
+        stage's ``num_layers / stages`` layers (``stage_state``: their stacked state, as nnx
+        variables or a pure dict of arrays with a leading axis of that many layers) on one
+        micro-batch, its masks and RoPE tables built from that micro-batch's positions and
+        segment ids; ``stage`` may be traced (the layer index for per-layer choices is
+        ``stage * num_layers / stages + k``)."""
+        cfg = self.config
+        graphdef, template = nnx.split(self.layers)
         per_stage = cfg.num_layers // stages
         windows = cfg.layer_windows
 
         def stage_fn(stage_state, x, aux, stage):
+            if not isinstance(stage_state, nnx.State):
+                pure, stage_state = (
+                    stage_state,
+                    jax.tree.map(lambda v: v, template, is_leaf=_is_variable),
+                )
+                nnx.replace_by_pure_dict(stage_state, pure)
             positions, segments = aux
             attend = dense_attend(
                 positions,
@@ -549,9 +588,7 @@ class Transformer(nnx.Module):
             )
             return out
 
-        out = pipeline.gpipe(stage_fn, pipeline.split_stages(state, stages), xs, (pos, seg))
-        out = out.reshape(padded, *out.shape[2:])[:rows]
-        return constrain(out, ("batch", "length", "act_embed"))
+        return stage_fn
 
     def _aligned_hidden(self, tokens_bt, segment_ids_bt):
         """``hidden`` of one-segment rows, each rotated left by its left padding so that its

@@ -30,7 +30,13 @@ from jrlhf.models.presets import get_preset
 
 # The training stage that produces each stage:NAME source, and the role it trains.
 STAGE_ROLES = {"sft": "actor", "rm": "reward", "dpo": "actor"}
-_ROLE_MODEL_FIELDS = ("param_dtype", "dtype", "remat_policy", "pipeline_microbatches")
+_ROLE_MODEL_FIELDS = (
+    "param_dtype",
+    "dtype",
+    "remat_policy",
+    "pipeline_microbatches",
+    "pipeline_schedule",
+)
 
 
 @dataclasses.dataclass(frozen=True)
