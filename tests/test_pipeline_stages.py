@@ -233,15 +233,20 @@ def test_the_estimator_prices_the_bubble_the_sends_and_the_memory_of_stages():
             plain, "actor", flat, compute_only
         )
         assert ratio == pytest.approx((micro + 1) / micro)
+        # 1F1B: a longer lockstep bubble and a recompute of every stage's forward
+        one_f = workload(fm.model_config(4, pipeline_microbatches=micro, pipeline_schedule="1f1b"))
+        t_1f1b = est.train_seconds(one_f, "actor", staged, compute_only)
+        assert t_1f1b > est.train_seconds(piped, "actor", staged, compute_only)
         assert est.pipeline_send_seconds(piped.actor, 8, fm.P + fm.R, est._geometry(
             staged, h100), 2, h100) > 0  # fmt: skip
     cpu = DeviceProfile.load("cpu")
-    cases = [  # (mesh, micro-batches, call, compiled program)
-        ("stage=2,fsdp=2,tensor=2", 4, "actor_train", fm.train_analysis),
-        ("stage=2,fsdp=4", 2, "reference_infer", fm.infer_analysis),
+    cases = [  # (mesh, micro-batches, schedule, call, compiled program)
+        ("stage=2,fsdp=2,tensor=2", 4, "gpipe", "actor_train", fm.train_analysis),
+        ("stage=2,fsdp=2,tensor=2", 4, "1f1b", "actor_train", fm.train_analysis),
+        ("stage=2,fsdp=4", 2, "gpipe", "reference_infer", fm.infer_analysis),
     ]
-    for mesh, micro, call, analysis in cases:
-        cfg = fm.model_config(4, pipeline_microbatches=micro)
+    for mesh, micro, schedule, call, analysis in cases:
+        cfg = fm.model_config(4, pipeline_microbatches=micro, pipeline_schedule=schedule)
         xla = analysis(cfg, mesh, 16).temp_size_in_bytes
         want = est._working_bytes(workload(cfg), call, CallPlacement(mesh, "fsdp_tp"), cpu)
         assert abs(want / xla - 1) < 0.35, (mesh, want, xla)

@@ -359,17 +359,20 @@ def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
 
 @dataclasses.dataclass(frozen=True)
 class _Pipeline:
-    """A full-sequence pass's GPipe schedule on a call's devices (jrlhf.models.pipeline): each
-    pass's rows in ``micro`` micro-batches through ``stages`` stages, ``micro + stages - 1``
-    iterations, each device running its ``num_layers / stages`` layers once per iteration.
-    Without stages: one micro-batch through one stage (every factor 1)."""
+    """A full-sequence pass's pipeline schedule on a call's devices (jrlhf.models.pipeline):
+    each pass's rows in ``micro`` micro-batches through ``stages`` stages; GPipe runs
+    ``micro + stages - 1`` iterations, 1F1B (train steps only) ``micro + 2 stages - 1`` ticks of
+    a forward and a backward each, each device running its ``num_layers / stages`` layers once
+    per iteration. Without stages: one micro-batch through one stage (every factor 1)."""
 
     stages: int
     micro: int
+    schedule: str = "gpipe"
 
     @property
     def iterations(self) -> int:
-        return self.micro + self.stages - 1
+        extra = 2 * self.stages - 1 if self.schedule == "1f1b" else self.stages - 1
+        return self.micro + extra
 
     @property
     def bubble(self) -> float:
@@ -390,10 +393,13 @@ class _Pipeline:
         return self.iterations / self.stages
 
 
-def _pipeline(cfg: ModelConfig, g: _Geometry) -> _Pipeline:
+def _pipeline(cfg: ModelConfig, g: _Geometry, train: bool = False) -> _Pipeline:
+    """The schedule of a call's passes: a train step's is the model's ``pipeline_schedule``,
+    a scoring call's the GPipe forward."""
     if g.stages <= 1:
         return _Pipeline(1, 1)
-    return _Pipeline(g.stages, cfg.pipeline_microbatches or g.stages)
+    schedule = cfg.pipeline_schedule if train else "gpipe"
+    return _Pipeline(g.stages, cfg.pipeline_microbatches or g.stages, schedule)
 
 
 def pipeline_send_seconds(
@@ -403,7 +409,7 @@ def pipeline_send_seconds(
     at every iteration each stage's micro-batch output moves one stage on (a collective
     permute) and the last stage's goes to every stage (the schedule's output), in the forward
     and, for ``passes`` 2, again as gradients in the backward. 0 without stages."""
-    pipe = _pipeline(cfg, g)
+    pipe = _pipeline(cfg, g, train=passes > 1)
     if pipe.stages <= 1:
         return 0.0
     micro_bytes = -(-rows // pipe.micro) * seq * cfg.hidden_size * itemsize(cfg.dtype)
@@ -1010,8 +1016,11 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     )
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     # With pipeline stages (_Pipeline): the bubble's filler on the layer work, each iteration
-    # launching (and, scanned, gathering) its stage's layers again, and the stage sends.
-    pipe = _pipeline(cfg, g)
+    # launching (and, scanned, gathering) its stage's layers again, and the stage sends; 1F1B
+    # recomputes each stage's forward in its backward.
+    pipe = _pipeline(cfg, g, train=True)
+    if pipe.schedule == "1f1b":
+        flops += forward_flops(cfg, mb, seq, head, 0)
     runs = cfg.num_layers * pipe.layer_runs
     step = _fixed_s(
         profile.call_overhead_s
@@ -1335,9 +1344,20 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     )
     # With stages a device keeps its L / S layers' residuals of every iteration until the
     # backward (autodiff through the GPipe schedule), the bubble's filler included; a layer's
-    # recompute under remat is one pipeline micro-batch's.
+    # recompute under remat is one pipeline micro-batch's. 1F1B keeps a ring of 2S micro-batch
+    # inputs a stage and one micro-batch's residuals of its stage (the backward's recompute),
+    # and runs the head on one micro-batch at a time.
+    pipe = _pipeline(cfg, g, train=True)
     layers = cfg.num_layers * pipe.layer_work / pipe.stages
     recompute = tokens / pipe.micro * saved_layer
+    if pipe.schedule == "1f1b":
+        micro_tokens = tokens / pipe.micro
+        held = cfg.num_layers / pipe.stages * micro_tokens * saved_layer
+        ring = 2 * pipe.stages * micro_tokens * cfg.hidden_size * a
+        logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
+        logits /= pipe.micro
+        gathered = _gather_buffer_bytes(cfg, head, p, profile, train=True)
+        return grads * 2 + held + ring + logits + gathered
     if cfg.remat_policy == "none":
         act = layers * tokens * saved_layer
     elif cfg.remat_policy == "full":
