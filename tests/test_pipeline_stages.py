@@ -130,15 +130,13 @@ def test_pipelined_actor_equals_unpipelined(reference, mesh_spec, overrides):
     assert_step_close(train_step(model, mesh_spec, ref["loss_fn"]), ref["step"])
 
 
-def test_pipelined_critic_equals_unpipelined(reference):
-    """Values and a critic step at stage=2, within gradient-accumulation micro-batches."""
+def test_pipelined_critic_values_equal_unpipelined(reference):
+    """Critic values at stage=2 (its GPipe train step runs in the PPO run below, its 1F1B step
+    in test_1f1b_train_step_equals_unpipelined)."""
     ref = reference["value"]
     model = ModelDef(tiny(pipeline_microbatches=2), head="value")
-    mesh_spec = "stage=2,fsdp=2,tensor=2"
-    values, _ = forward(model, ref["params"], mesh_spec, rl_batch())
+    values, _ = forward(model, ref["params"], "stage=2,fsdp=2,tensor=2", rl_batch())
     np.testing.assert_allclose(values, ref["forward"][0], atol=TOL, rtol=0)
-    step = train_step(model, mesh_spec, ref["loss_fn"], microbatches=2)
-    assert_step_close(step, ref["step"])
 
 
 def test_the_schedule_shifts_stages_by_collective_permutes(reference):
