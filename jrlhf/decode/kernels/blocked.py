@@ -5,7 +5,7 @@ context 70 of a 192-token engine reads (and materialises) as much K/V as one at 
 walks the table in blocks of about ``BLOCK_TOKENS`` positions under a ``while`` loop that stops
 after the last block any sequence of the batch still needs, combining blocks with an online
 softmax (flash-decoding). One compile for every context length; results match the reference to
-float rounding (``tests/test_decode_kernels.py``).
+float rounding (``tests/decode/test_decode_kernels.py``).
 
 Why this shape, measured on the 2-core CPU machine (BUILD.md, "Benchmarks": decode attention):
 

@@ -234,7 +234,7 @@ def test_generation_with_replicated_kv_heads_runs_in_the_trainer(plain_rows, tmp
     """The 405B plans' generation layout (jrlhf.placement.candidates: query heads over a tensor
     size above the KV heads' split, KV heads replicated) in the trainer, on 8 CPU devices: it
     reshards into it and generates, and its first iteration is the plain run's.
-    tests/test_decode.py checks the engine with fewer KV heads than tensor shards."""
+    tests/decode/test_decode.py checks the engine with fewer KV heads than tensor shards."""
     bindings = [
         "actor/RoleConfig.generate_mesh='data=1,tensor=8'",
         "actor/RoleConfig.generate_rules='dp_tp_kv_replicated'",

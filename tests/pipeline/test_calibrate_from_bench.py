@@ -20,7 +20,7 @@ from jrlhf.placement.plan import CallPlacement
 from jrlhf.placement.profile import PROFILE_DIR, DeviceProfile
 from jrlhf.placement.workload import Workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the reports the built-in GPU profiles were fitted to (docs/gpu.md says how they were taken)
 PROFILE_REPORTS = {
     "h100": [

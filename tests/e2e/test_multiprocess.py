@@ -22,7 +22,7 @@ from jrlhf.pipeline.run_lock import LOCK_FILE
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The default pipeline's stages, small: SFT, reward model, PPO with a checkpoint every iteration.
 PIPELINE = [
     "SFTConfig.steps=8",
