@@ -145,6 +145,8 @@ def test_docs_name_what_exists():
     for doc in [README, *DOCS]:
         text = doc.read_text()
         for module in re.findall(r"python3? -m ((?:jrlhf|benchmarks)(?:\.\w+)*)", text):
+            if module.rsplit(".", 1)[-1].isupper():  # a placeholder: python -m jrlhf.X
+                continue
             assert importlib.util.find_spec(module) is not None, f"{doc.name}: no module {module}"
         for suite in re.findall(r"jrlhf\.bench (\w+)", text):
             if suite != "SUITE":
