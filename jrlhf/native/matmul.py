@@ -6,7 +6,7 @@ one contiguous run; ``panel_matmul`` streams them once, front to back, on XLA's 
 threads, each thread prefetching the next block of panels while it multiplies one;
 ``panel_matmuls`` multiplies several weights that read the same rows in one call. At 16 rows of
 the bench model's MLP shape (16 x 512 x 1408) it took 141 us a product against XLA's 316 us,
-with the weights streamed from memory as in a decode step (BUILD.md, "Benchmarks"). The
+with the weights streamed from memory as in a decode step (docs/performance.md). The
 kernel's register blocking is written for AVX-512 (``fast_here``); it builds and is correct
 elsewhere too.
 
