@@ -87,7 +87,7 @@ def masked_attention(
     tiled over the groups. On XLA:CPU the forward and backward of the ``bench rl`` model's
     attention ran about 30% faster than in the 5-D (batch, kv head, group, T, S) form, whose
     softmax reductions and operand transposes are slower, and its GRPO train phase 4% faster
-    (BUILD.md, "Benchmarks").
+    (docs/performance.md).
 
     Where the backend registers a ``masked_attention`` kernel (jrlhf.kernels; on CPU the native
     one, forward and backward, 1.3x the train step's speed there) and it fits

@@ -7,7 +7,7 @@ after the last block any sequence of the batch still needs, combining blocks wit
 softmax (flash-decoding). One compile for every context length; results match the reference to
 float rounding (``tests/decode/test_decode_kernels.py``).
 
-Why this shape, measured on the 2-core CPU machine (BUILD.md, "Benchmarks": decode attention):
+Why this shape, measured on the 2-core CPU machine (docs/performance.md, CPU defaults):
 
 * Each block's pages are taken as whole rows of the pool viewed as ``(layers * pages,
   page_size * kv_heads * head_dim)``: one contiguous row per page, a cheaper gather on XLA:CPU
