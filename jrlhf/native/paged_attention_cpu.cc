@@ -1,4 +1,4 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI (jrlhf/decode/kernels/native_cpu.py
+// Paged decode attention for XLA:CPU, called through the XLA FFI (jrlhf/native/paged_attention.py
 // has jrlhf/native/build.py compile this file on first use and registers the handler).
 //
 // Why a compiled kernel on CPU: written in JAX, one decode step's attention is a while loop of page
