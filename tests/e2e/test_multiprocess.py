@@ -44,7 +44,8 @@ SKIP = ("time", "tokens_per_sec", "sft/steps_per_s", "rm/steps_per_s", "samples/
 
 def launch(processes: int, devices: int, entry: str, *args: str, env_extra=None, timeout=900):
     """``python -m jrlhf.launch`` with the given command; returns the CompletedProcess."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The session's XLA_FLAGS (fast compilation; the launcher sets each process's device count)
+    env = dict(os.environ)
     env.update(env_extra or {})
     cmd = [
         sys.executable, "-m", "jrlhf.launch", "--processes", str(processes),
