@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jrlhf.kernels.panels import fits, panel_matmul, panel_matmuls, to_panels
 from jrlhf.meshes.context import constrain, layer_stages
 from jrlhf.models import lora as lora_lib
 from jrlhf.models import pipeline
@@ -33,7 +34,6 @@ from jrlhf.models.attention import (
 )
 from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.rope import apply_rope, rope_kinds, rope_tables
-from jrlhf.native.matmul import fits, panel_matmul, panel_matmuls, to_panels
 
 HEADS = ("lm", "value")
 
@@ -58,7 +58,7 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
     """``x``'s last axis contracted with ``kernel``'s ``n_in`` input axes (merged), the output's
     last axis the kernel's output axes merged. The kernel is input-major as the modules store it,
     or in the layout of the unrolled ``LayerWeights`` being run (decode on CPU): output-major, or
-    packed panels (``jrlhf.native.matmul``)."""
+    packed panels (``jrlhf.kernels.panels``)."""
     layout = _LAYOUT.get()
     if isinstance(kernel, lora_lib.Adapted):
         # LoRA (jrlhf.models.lora): the base product plus the thin low-rank one. Decode runs
@@ -145,7 +145,7 @@ class LayerWeights:
       operand. XLA:CPU packs a product's right operand, so ``x @ W`` with a few token rows (a
       decode step) repacks the whole weight at every call; ``W_out_major @ x.T`` streams it
       instead (the decode step's matmuls at 16 rows of the bench model: 11 ms against 20 ms);
-    * ``panels``: packed for the native few-row matmul (``jrlhf.native.matmul.to_panels``),
+    * ``panels``: packed for the few-row matmul kernel (``jrlhf.kernels.panels.to_panels``),
       which streams each weight once (float32 on a single-device CPU mesh: it is one custom
       call, which XLA does not partition).
 

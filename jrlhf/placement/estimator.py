@@ -35,10 +35,10 @@ one call leaves the cores idle, ``call_core_share``); on shared devices they run
 
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
 and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
-exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
-against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between disjoint
-device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout onto
-the target devices (so only the source's bytes cross the links between the two sets), then the
+exist here (128 H100s) are priced too; ``tests/placement/test_plan_estimator.py`` checks the
+arithmetic against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between
+disjoint device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout
+onto the target devices (so only the source's bytes cross the links between the two sets), then the
 same-devices reshard there. Between the same layouts the resharder aliases the source: no time,
 and no generation copy in memory.
 
@@ -48,8 +48,8 @@ them off the devices outside their phases, as ``jrlhf.ppo.residency`` does) plus
 running call needs transiently (gradients, activations under the remat policy, FSDP-gathered
 weights of one scanned layer at a time, or of every layer where they run unrolled, plus the
 embedding and head, logits);
-``tests/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis of the
-trainer's compiled steps. A plan fits when every call's peak is within the profile's
+``tests/placement/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis
+of the trainer's compiled steps. A plan fits when every call's peak is within the profile's
 ``usable_bytes`` (its memory less the reserve).
 
 Memory knobs (``tune_batches`` chooses them per plan with the batch knobs): the remat policy of
@@ -1048,8 +1048,8 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         # unrolled layers: XLA gathers each weight once per step, and the forward's gathered
         # copy serves the backward; the gathers do not depend on the micro-batch, so they are
         # hoisted out of the accumulation loop (loop-invariant code motion: the compiled step's
-        # loop body holds none, tests/test_plan_estimator.py). Each micro-batch reduce-scatters
-        # its gradients.
+        # loop body holds none, tests/placement/test_plan_estimator.py). Each micro-batch
+        # reduce-scatters its gradients.
         step += _comm_s(gathered, cfg.num_layers, g, profile)
         step += m * _comm_s(gathered, cfg.num_layers, g, profile)
     else:
