@@ -327,3 +327,15 @@ def test_1f1b_refuses_rows_that_do_not_split_in_one_line(reference):
     model = ModelDef(tiny(pipeline_schedule="1f1b", pipeline_microbatches=3))
     with pytest.raises(ValueError, match="8 rows does not split into pipeline_microbatches=3"):
         train_step(model, "stage=2,fsdp=2,tensor=2", reference["lm"]["loss_fn"])
+
+
+def test_check_refuses_1f1b_micro_batches_the_step_rows_do_not_make(tmp_path, capsys):
+    rc = train.main([
+        "--check", "--run-dir", str(tmp_path / "r"), "RunConfig.stages=('grpo',)",
+        "actor/RoleConfig.init='tiny'", "reference/RoleConfig.init='tiny'",
+        "RLConfig.samples_per_prompt=2", "actor/RoleConfig.train_mesh='stage=2,fsdp=4'",
+        "actor/RoleConfig.pipeline_schedule='1f1b'", "actor/RoleConfig.pipeline_microbatches=3",
+    ])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc != 0
+    assert err.startswith("error: actor/RoleConfig.pipeline_microbatches: the 1f1b schedule"), err
