@@ -12,9 +12,11 @@ donated program and its gradients are autodiff through the schedule (the backwar
 iterations in reverse, the permutes reversed). Everything on the other mesh axes (fsdp, tensor,
 data) composes unchanged: inside the vmap the layers see an ordinary (micro-)batch.
 
-Schedule: GPipe. ``M`` micro-batches through ``S`` stages take ``M + S - 1`` iterations; in the
-first and last ``S - 1`` some stages run on filler (zeros) whose results are dropped: the bubble,
-``(S - 1) / (M + S - 1)`` of the stage-iterations (``bubble_fraction``).
+Schedules: ``gpipe``: ``M`` micro-batches through ``S`` stages take ``M + S - 1`` iterations; in
+the first and last ``S - 1`` some stages run on filler (zeros) whose results are dropped: the
+bubble, ``(S - 1) / (M + S - 1)`` of the stage-iterations (``bubble_fraction``). ``one_f_one_b``
+(train steps, jrlhf.runtime.pipeline_step): each micro-batch's backward right after its
+forward, gradients by hand, at most ``2S - 1`` micro-batches in flight a stage.
 """
 
 from __future__ import annotations
