@@ -502,6 +502,10 @@ class Transformer(nnx.Module):
         cuDNN's own causal mask instead of a bias built from the (position, segment) mask
         (``aligned_causal_attention``); the hidden states come back in the rows' own columns.
         The real tokens' states are those of the masked form.
+
+        Under an activation-sharding context whose rules split the layers over a ``stage``
+        axis, the layers run as a pipeline (``pipelined_layers``, docs/pipelines.md); inside
+        ``layers_output(x)`` the layers do not run at all and this is ``final_norm(x)``.
         """
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
