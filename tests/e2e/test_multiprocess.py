@@ -228,6 +228,32 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     assert g2 == g1 and len(g1) == 6
 
 
+# configs/ppo_tiny.gin's PPO stage from tiny random models, the actor and the critic trained over
+# two pipeline stages (jrlhf.models.pipeline): on 2 processes x 4 devices, one stage a process.
+STAGES = [
+    "--config", "configs/ppo_tiny.gin",
+    "RunConfig.stages=('ppo',)",
+    *[f"{role}/RoleConfig.init='tiny'" for role in ("actor", "reference", "reward", "critic")],
+    *PIPELINE[4:8],
+    "RLConfig.iterations=2",
+    "RunConfig.tensorboard=False",
+    *[f"{role}/RoleConfig.train_mesh='stage=2,fsdp=2,tensor=2'" for role in ("actor", "critic")],
+]  # fmt: skip
+
+
+def test_pipeline_stages_on_a_process_each_equal_one_process(tmp_path):
+    """The actor and the critic train over 2 pipeline stages, each stage the 4 devices of one
+    process (the activations cross processes by collective permutes): every metric equals the
+    one-process run of the same plan."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train.main(["--run-dir", str(one), "--quiet", *STAGES]) == 0
+    out = launch(2, 4, "train", "--run-dir", str(two), "--quiet", *STAGES)
+    assert out.returncode == 0, why(out)
+    assert "train: {'stage': 2, 'fsdp': 2, 'tensor': 2} [0, 1, 2, 3, 2048" in out.stderr
+    assert_same_metrics(one, two, stages=("ppo",))
+    assert len([r for r in rows(two, "ppo") if "reward" in r]) == 2
+
+
 SEPARATE = [*PIPELINE, "RunConfig.placement='separate'"]
 
 
