@@ -47,3 +47,18 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
 def current_mesh() -> Mesh | None:
     current = _CURRENT.get()
     return None if current is None else current[0]
+
+
+def shard_count(logical: str) -> int:
+    """Over how many devices the current rule set splits the logical axis ``logical`` (1
+    outside ``activation_sharding``, or where its mesh axes are absent)."""
+    current = _CURRENT.get()
+    if current is None:
+        return 1
+    mesh, rules = current
+    return axis_size(mesh, logical_to_spec((logical,), mesh, rules)[0])
+
+
+def current_layout() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing ``activation_sharding``, or None outside one."""
+    return _CURRENT.get()

@@ -90,6 +90,7 @@ from jrlhf.placement.workload import (
     head_params,
     itemsize,
     kv_bytes_per_token,
+    mlp_width,
     num_params,
 )
 from jrlhf.reshard.layout import moved_elements
@@ -1244,7 +1245,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     elif cfg.remat_policy == "full":
         act = cfg.num_layers * tokens * cfg.hidden_size * a + tokens * saved_layer
     else:  # dots policies keep the matmul outputs, not the attention probabilities
-        dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * cfg.intermediate_size
+        dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * mlp_width(cfg)
         act = (
             cfg.num_layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + tokens * saved_layer
         )
