@@ -27,21 +27,31 @@ __all__ = [
 ]
 
 
-def response_hidden(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:
-    """Hidden states (B, R, E) at the columns that predict each response token.
+def response_hidden(
+    module: Transformer, batch: dict, max_prompt_len: int, with_stats: bool = False
+):
+    """Hidden states (B, R, E) at the columns that predict each response token; with
+    ``with_stats`` also a routed model's per-layer routing stats over the whole rows
+    (``Transformer.hidden``: (L, B, T, ...), the rows' own layout even when packed).
 
     A packed batch (``pack_index``, jrlhf.data.batch.pack_segments: several samples per row, no
     padding between them) is read at the packed positions, gathered back into the (B, R)
     response-aligned order, so everything downstream is the same as for the padded layout.
     """
     packed = "pack_index" in batch
-    hidden = module.hidden(
-        batch["tokens"], batch["positions"], batch["segment_ids"], one_segment=not packed
+    hidden, stats = module.hidden(
+        batch["tokens"],
+        batch["positions"],
+        batch["segment_ids"],
+        one_segment=not packed,
+        with_stats=True,
     )
     if packed:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return jnp.take(flat, batch["pack_index"], axis=0)
-    return hidden[:, max_prompt_len - 1 : -1]
+        hidden = jnp.take(flat, batch["pack_index"], axis=0)
+    else:
+        hidden = hidden[:, max_prompt_len - 1 : -1]
+    return (hidden, stats) if with_stats else hidden
 
 
 def response_logprobs(
@@ -57,12 +67,17 @@ def response_logprobs(
     chunked_logprobs): never more than (chunk, vocab) logits at once, forward or backward.
     """
     hidden = response_hidden(module, batch, max_prompt_len)
+    return hidden_logprobs(module, hidden, batch["response_tokens"], with_entropy, chunk)
+
+
+def hidden_logprobs(
+    module: Transformer, hidden: jax.Array, targets: jax.Array, with_entropy=False, chunk=0
+):
+    """:func:`response_logprobs` from the response hidden states (:func:`response_hidden`)."""
     if chunk:
-        return chunked_logprobs(
-            module.logits, hidden, batch["response_tokens"], chunk, with_entropy
-        )
+        return chunked_logprobs(module.logits, hidden, targets, chunk, with_entropy)
     logits = module.logits(hidden)
-    logp = token_logprobs(logits, batch["response_tokens"])
+    logp = token_logprobs(logits, targets)
     if with_entropy:
         return logp, entropy_from_logits(logits)
     return logp
