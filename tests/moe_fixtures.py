@@ -1,4 +1,5 @@
-"""Small random Qwen3-MoE and Mixtral checkpoints built with transformers (the reference)."""
+"""Small random Qwen3-MoE, Mixtral and Qwen2-MoE checkpoints built with transformers (the
+reference)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def _build(kind: str, directory: Path) -> Path:
     import torch
     import transformers as tf
 
-    torch.manual_seed({"qwen3_moe": 11, "mixtral": 12}[kind])
+    torch.manual_seed({"qwen3_moe": 11, "mixtral": 12, "qwen2_moe": 13}[kind])
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -34,6 +35,14 @@ def _build(kind: str, directory: Path) -> Path:
             **common, num_experts=4, intermediate_size=48, moe_intermediate_size=24
         )
         cfg.norm_topk_prob = False
+    elif kind == "qwen2_moe":  # q/k/v biases and a shared expert behind a sigmoid gate
+        cfg = tf.Qwen2MoeConfig(
+            **common,
+            num_experts=4,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        )
     else:
         cfg = tf.MixtralConfig(**common, num_local_experts=4, intermediate_size=24)
     model = tf.AutoModelForCausalLM.from_config(cfg)
@@ -42,6 +51,8 @@ def _build(kind: str, directory: Path) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("gate.weight"):
                 p.copy_(0.5 * torch.randn_like(p))
             else:
@@ -53,7 +64,7 @@ def _build(kind: str, directory: Path) -> Path:
 
 @functools.cache
 def moe_checkpoint(kind: str) -> Path:
-    """Path of a cached random checkpoint: 'qwen3_moe' or 'mixtral' (2 layers, hidden 32,
-    4 experts, top-2)."""
+    """Path of a cached random checkpoint: 'qwen3_moe', 'mixtral' or 'qwen2_moe' (2 layers,
+    hidden 32, 4 experts, top-2; Qwen2-MoE with a shared expert)."""
     root = Path(tempfile.mkdtemp(prefix=f"jrlhf-{kind}-"))
     return _build(kind, root / kind)

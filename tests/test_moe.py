@@ -19,7 +19,7 @@ from jrlhf.models.presets import get_preset
 from jrlhf.models.safetensors_io import CheckpointError
 from tests.hf_fixtures import torch_logits
 
-KINDS = ("qwen3_moe", "mixtral")
+KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
 # (mesh, layer loop, expert computation): the experts whole on one device, split 4 ways with
 # the tensor axis splitting each expert's width (expert-parallel ragged under shard_map), and
 # split 4 ways under FSDP (auto: the dense form)
@@ -99,6 +99,10 @@ def test_configs_read_and_routing_normalization(refs):
     )
     assert q.qk_norm and not m.qk_norm
     assert (m.num_experts, m.expert_size, m.norm_topk_prob) == (4, 24, True)
+    w, _ = hf.read_hf_config(refs["qwen2_moe"][0])
+    assert (w.shared_expert_size, w.qkv_bias, w.qk_norm) == (40, True, False)
+    for cfg in (q, m, w):  # the counting formulas against the parameter tree
+        assert ModelDef(cfg, "lm").num_params() == cfg.num_params(), cfg.architecture
     logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
     w, e = route(logits, 2, normalize=False)
     p = np.exp([2.0, 1.0, 0.0, -1.0]) / np.exp([2.0, 1.0, 0.0, -1.0]).sum()

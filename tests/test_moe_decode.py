@@ -105,15 +105,17 @@ def _train_pass(model, params, prompts, completions):
     )
 
 
-def test_greedy_equals_transformers_with_routes_recorded():
-    """Qwen3-MoE on one device, recording routes: transformers' greedy tokens, and the
-    rollout's routes and log-probs are the training pass's (float32)."""
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_greedy_equals_transformers_with_routes_recorded(kind):
+    """Qwen3-MoE and Qwen2-MoE (its shared expert) on one device, recording routes:
+    transformers' greedy tokens, and the rollout's routes and log-probs are the training
+    pass's (float32)."""
     mesh = make_mesh(MeshSpec.parse("fsdp=1"))
-    model, params = hf.load_hf(moe_checkpoint("qwen3_moe"), mesh, "dp_tp")
+    model, params = hf.load_hf(moe_checkpoint(kind), mesh, "dp_tp")
     prompts = _prompts()
     engine = DecodeEngine(model, mesh, "dp_tp", RECORDING)
     got = engine.generate(params, prompts, SamplingParams(greedy=True, stop_ids=(2,)))
-    assert got.completion_ids == _hf_greedy("qwen3_moe", prompts, ENGINE.max_new_tokens)
+    assert got.completion_ids == _hf_greedy(kind, prompts, ENGINE.max_new_tokens)
     cfg = model.config
     assert [r.shape for r in got.routes] == [
         (len(c), cfg.num_layers, cfg.num_experts_per_tok) for c in got.completion_ids
@@ -123,7 +125,9 @@ def test_greedy_equals_transformers_with_routes_recorded():
     assert mismatch == {"layer_mismatch": 0.0, "token_mismatch": 0.0}
     assert np.abs(np.concatenate(got.raw_logprobs) - np.concatenate(lps)).max() < 1e-4
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        dense = cfg.replace(num_experts=0, num_experts_per_tok=0, architecture="qwen3")
+        dense = cfg.replace(
+            num_experts=0, num_experts_per_tok=0, shared_expert_size=0, architecture="qwen3"
+        )
         DecodeEngine(ModelDef(dense, "lm"), mesh, "dp_tp", RECORDING)
 
 

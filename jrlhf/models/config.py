@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3",
     "qwen3_moe",
     "mixtral",
+    "qwen2_moe",
 )
 # How a mixture-of-experts layer runs its experts (jrlhf.models.moe): "ragged" (tokens sorted by
 # expert, grouped matmuls jax.lax.ragged_dot), "dense" (every expert on every token, combined by
@@ -32,7 +33,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # ModelConfig.layer_types entries (HF's names): a sliding layer attends over the last
 # ``sliding_window`` positions, a full one over all of them.
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
@@ -76,6 +77,7 @@ NONNEGATIVE_SIZES = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_size",
 )
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
 # 0 means "off" (soft-capping) or "derived" (rope_local_theta: rope_theta)
@@ -175,6 +177,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # A shared expert every token runs through besides its routed ones, this wide, its output
+    # scaled by sigmoid(x @ shared_expert_gate) (Qwen2-MoE); 0: none (Qwen3-MoE, Mixtral).
+    shared_expert_size: int = 0
     moe_impl: str = "auto"  # MOE_IMPLS
     # Training options (the actor's loss adds them, its metrics report them): the load-balancing
     # loss (Switch Transformer: num_experts * sum_e tokens_fraction_e * mean_prob_e, averaged
@@ -255,10 +260,15 @@ class ModelConfig:
                     f"num_experts_per_tok must be in 1..num_experts={self.num_experts} "
                     f"(got {self.num_experts_per_tok})"
                 )
-        elif self.num_experts_per_tok or self.router_aux_loss_coef or self.router_z_loss_coef:
+        elif (
+            self.num_experts_per_tok
+            or self.shared_expert_size
+            or self.router_aux_loss_coef
+            or self.router_z_loss_coef
+        ):
             raise ValueError(
-                "num_experts is 0 (a dense model) but num_experts_per_tok or a router loss "
-                "coefficient is set"
+                "num_experts is 0 (a dense model) but num_experts_per_tok, shared_expert_size "
+                "or a router loss coefficient is set"
             )
         if self.architecture in MOE_ARCHITECTURES and not self.num_experts:
             raise ValueError(f"architecture {self.architecture!r} needs num_experts >= 1")
@@ -350,6 +360,8 @@ class ModelConfig:
         norms = (4 if self.post_norms else 2) * e + (2 * d if self.qk_norm else 0)
         if self.num_experts:
             mlp = self.num_experts * 3 * e * self.expert_size + e * self.num_experts
+            if self.shared_expert_size:  # its three kernels and its gate's one column
+                mlp += 3 * e * self.shared_expert_size + e
         else:
             mlp = 3 * e * f
         per_layer = attn + mlp + norms

@@ -40,6 +40,7 @@ _ARCH_CLASS = {
     "gemma3": "Gemma3",
     "qwen3_moe": "Qwen3Moe",
     "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
 }
 # HF model_type of each architecture where the two differ (Gemma 3's text model), and back.
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
@@ -134,6 +135,8 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
     moe = _moe_fields(hf, arch, source)
     if model_type == "qwen2":
         qkv_bias = True
+    elif model_type == "qwen2_moe":  # q/k/v biases by default, as Qwen2
+        qkv_bias = bool(hf.get("qkv_bias", True))
     else:
         if hf.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true (o_proj bias) is not supported")
@@ -168,10 +171,13 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     sliding = hf.get("sliding_window") or 0
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+    if model_type in qwen and not hf.get("use_sliding_window", False):
         sliding = 0
-    if model_type == "qwen3_moe" and sliding:
-        raise CheckpointError(f"{source}: qwen3_moe with use_sliding_window=true is not supported")
+    if model_type in ("qwen3_moe", "qwen2_moe") and sliding:
+        raise CheckpointError(
+            f"{source}: {model_type} with use_sliding_window=true is not supported"
+        )
     layer_types = hf.get("layer_types")
     num_layers = hf.get("num_hidden_layers")
     if layer_types is None and sliding and model_type in ("qwen2", "qwen3"):
@@ -241,24 +247,26 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
 
 
 def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The ModelConfig mixture-of-experts fields of a qwen3_moe or mixtral config ({} for the
-    dense families); a layout we cannot represent fails with one line."""
-    if arch not in ("qwen3_moe", "mixtral"):
+    """The ModelConfig mixture-of-experts fields of a qwen3_moe, qwen2_moe or mixtral config
+    ({} for the dense families); a layout we cannot represent fails with one line."""
+    if arch not in ("qwen3_moe", "mixtral", "qwen2_moe"):
         return {}
     num = hf.get("num_local_experts", hf.get("num_experts", 8 if arch == "mixtral" else 128))
     fields = dict(num_experts=num, num_experts_per_tok=hf.get("num_experts_per_tok", 2))
     if arch == "mixtral":  # the experts are intermediate_size wide; top-k always renormalized
         return dict(fields, norm_topk_prob=True)
-    # Qwen3-MoE: every layer routed (dense layers in between are not supported)
+    # Qwen3-MoE, Qwen2-MoE: every layer routed (dense layers in between are not supported)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise CheckpointError(
-            f"{source}: qwen3_moe with dense layers (mlp_only_layers "
+            f"{source}: {arch} with dense layers (mlp_only_layers "
             f"{hf.get('mlp_only_layers')}, decoder_sparse_step {hf.get('decoder_sparse_step')}) "
             "is not supported"
         )
+    if arch == "qwen2_moe":  # and its shared expert
+        fields["shared_expert_size"] = hf.get("shared_expert_intermediate_size", 5632)
     return dict(
         fields,
-        moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 768 if arch == "qwen3_moe" else 1408),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
 
@@ -320,7 +328,13 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
             router_aux_loss_coef=cfg.router_aux_loss_coef,
             output_router_logits=False,
         )
-    if cfg.architecture == "qwen3_moe":
+    if cfg.architecture == "qwen2_moe":
+        out.update(
+            shared_expert_intermediate_size=cfg.shared_expert_size,
+            qkv_bias=cfg.qkv_bias,
+            max_window_layers=cfg.num_layers,
+        )
+    if cfg.architecture in ("qwen3_moe", "qwen2_moe"):
         out.update(
             num_experts=cfg.num_experts,
             moe_intermediate_size=cfg.expert_size,
@@ -329,8 +343,9 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
             mlp_only_layers=[],
             use_sliding_window=False,
             sliding_window=None,
-            attention_bias=False,
         )
+        if cfg.architecture == "qwen3_moe":
+            out["attention_bias"] = False
     if cfg.architecture == "mixtral":
         out["intermediate_size"] = cfg.expert_size
     if cfg.architecture in ("qwen2", "qwen3"):
@@ -463,6 +478,21 @@ def weight_map(cfg: ModelConfig, head: str, prefix: str = "model.") -> list[_Ten
             _Tensor(("layers", "mlp", f"{w}_experts"), M + f"experts.{{j}}.{w}_proj.weight", _t, _t)
             for w in ("gate", "up", "down")
         ]
+        if cfg.shared_expert_size:  # Qwen2-MoE
+            entries += [
+                _Tensor(
+                    ("layers", "mlp", f"shared_{w}_kernel"),
+                    M + f"shared_expert.{w}_proj.weight",
+                    _t,
+                    _t,
+                )
+                for w in ("gate", "up", "down")
+            ]
+            entries.append(
+                _Tensor(
+                    ("layers", "mlp", "shared_expert_gate"), M + "shared_expert_gate.weight", _t, _t
+                )
+            )
     else:
         entries += [
             _Tensor(("layers", "mlp", f"{w}_kernel"), L + f"mlp.{w}_proj.weight", _t, _t)

@@ -206,6 +206,13 @@ class MoE(nnx.Module):
         self.gate_experts = _param(rngs, cfg, (x, e, f), ("experts", "embed", "expert_mlp"))
         self.up_experts = _param(rngs, cfg, (x, e, f), ("experts", "embed", "expert_mlp"))
         self.down_experts = _param(rngs, cfg, (x, f, e), ("experts", "expert_mlp", "embed"))
+        self.shared = cfg.shared_expert_size
+        if self.shared:  # Qwen2-MoE's shared expert: a dense SwiGLU MLP and a sigmoid gate
+            s = cfg.shared_expert_size
+            self.shared_gate_kernel = _param(rngs, cfg, (e, s), ("embed", "mlp"))
+            self.shared_up_kernel = _param(rngs, cfg, (e, s), ("embed", "mlp"))
+            self.shared_down_kernel = _param(rngs, cfg, (s, e), ("mlp", "embed"))
+            self.shared_expert_gate = _param(rngs, cfg, (e, 1), ("embed", None))
 
     def __call__(self, x_bte: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         dt = self.dtype
@@ -237,6 +244,15 @@ class MoE(nnx.Module):
         else:
             run = experts_ragged if impl == "ragged" else experts_dense
             out_ne = run(x_ne, weights_nk, experts_nk, *weights, self.hidden_act)
+        if self.shared:
+            hidden = _swiglu(
+                jnp.matmul(x_ne, self.shared_gate_kernel[...].astype(dt)),
+                jnp.matmul(x_ne, self.shared_up_kernel[...].astype(dt)),
+                self.hidden_act,
+            )
+            shared = jnp.matmul(hidden, self.shared_down_kernel[...].astype(dt))
+            gate = jax.nn.sigmoid(jnp.matmul(x_ne, self.shared_expert_gate[...].astype(dt)))
+            out_ne = out_ne.astype(dt) + gate * shared
         stats = {
             ROUTER_LOGITS: logits_nx.reshape(*lead, -1),
             EXPERTS: experts_nk.reshape(*lead, -1),

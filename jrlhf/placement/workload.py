@@ -238,9 +238,10 @@ def itemsize(dtype: str) -> int:
 
 def mlp_width(cfg: ModelConfig) -> int:
     """The MLP width one token runs through: intermediate_size, or for a mixture of experts
-    its chosen experts' widths together (num_experts_per_tok x the expert width)."""
+    its chosen experts' widths together (num_experts_per_tok x the expert width) and the shared
+    expert's."""
     if cfg.is_moe:
-        return cfg.num_experts_per_tok * cfg.expert_size
+        return cfg.num_experts_per_tok * cfg.expert_size + cfg.shared_expert_size
     return cfg.intermediate_size
 
 
@@ -249,7 +250,7 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
     mixture of experts the router and the chosen experts only: FLOPs follow the active
     parameters, memory the total, ``num_params``)."""
     e, d = cfg.hidden_size, cfg.head_dim
-    router = e * cfg.num_experts
+    router = e * cfg.num_experts + (e if cfg.shared_expert_size else 0)  # and the shared gate
     return e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * mlp_width(cfg) + router
 
 
