@@ -216,3 +216,20 @@ def test_planner_counts_active_flops_and_total_memory():
     matmul = cfg.num_layers * layer_matmul_params(cfg) + head_params(cfg, "lm")
     assert matmul == cfg.num_active_params() - cfg.vocab_size * e - cfg.num_layers * norms - e
     assert num_params(cfg, "lm") == cfg.num_params()
+
+
+def test_record_routes_with_a_dense_actor_is_refused_by_the_check(capsys, monkeypatch):
+    from pathlib import Path
+
+    from jrlhf import train
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    args = ["--check", "--config", "configs/grpo_tiny.gin", "DecodeConfig.record_routes=True"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "DecodeConfig.record_routes" in err and "\n" not in err
+    moe_actor = (
+        "actor/RoleConfig.model_overrides=(('architecture','qwen3_moe'),('num_experts',4),"
+        "('num_experts_per_tok',2))"
+    )
+    assert train.main([*args, moe_actor]) == 0

@@ -13,7 +13,9 @@ from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.meshes import MeshSpec, make_mesh
 from jrlhf.models import ModelDef, hf
 from jrlhf.models.logprobs import token_logprobs
-from jrlhf.models.moe import EXPERTS, routing_mismatch
+from jrlhf.models.moe import EXPERTS, rollout_routing_metrics, routing_mismatch
+from jrlhf.ppo.batch import pack, response_routes
+from jrlhf.ppo.rollout import padded_routes
 from jrlhf.reshard import Resharder
 from jrlhf.reshard import layout as reshard_layout
 
@@ -124,11 +126,52 @@ def test_greedy_equals_transformers_with_routes_recorded(kind):
     mismatch = routing_mismatch(np.concatenate(got.routes), np.concatenate(train_routes))
     assert mismatch == {"layer_mismatch": 0.0, "token_mismatch": 0.0}
     assert np.abs(np.concatenate(got.raw_logprobs) - np.concatenate(lps)).max() < 1e-4
+    # the trainer's probe (DecodeConfig.record_routes) on the padded batch layout agrees
+    R = ENGINE.max_new_tokens
+    batch = pack(prompts, got.completion_ids, ENGINE.max_prompt_len, R)
+    probe = jax.jit(lambda p, b: response_routes(model.bind(p), b, ENGINE.max_prompt_len))
+    out = np.asarray(
+        probe(
+            params, {k: batch[k] for k in ("tokens", "positions", "segment_ids", "response_tokens")}
+        )
+    )
+    routes = padded_routes(got.routes, R)
+    assert out.shape == (len(prompts), R, 1 + cfg.num_layers * cfg.num_experts_per_tok)
+    train = out[..., 1:].astype(np.int32).reshape(routes.shape)
+    rollout_lp = np.zeros((len(prompts), R), np.float32)
+    for i, lp in enumerate(got.raw_logprobs):
+        rollout_lp[i, : len(lp)] = lp
+    metrics = rollout_routing_metrics(routes, train, rollout_lp, out[..., 0], batch["mask"])
+    assert metrics["moe/layer_mismatch"] == metrics["moe/token_mismatch"] == 0.0
+    assert metrics["moe/logprob_gap"] < 1e-5 and "moe/logprob_gap_rerouted" not in metrics
     with pytest.raises(ValueError, match="mixture-of-experts"):
         dense = cfg.replace(
             num_experts=0, num_experts_per_tok=0, shared_expert_size=0, architecture="qwen3"
         )
         DecodeEngine(ModelDef(dense, "lm"), mesh, "dp_tp", RECORDING)
+
+
+def test_rollout_routing_metrics_against_numpy():
+    rng = np.random.default_rng(0)
+    rollout = rng.integers(0, 4, (3, 5, 2, 2))
+    train = rollout.copy()
+    train[0, 1, 1] = [7, 8]  # row 0 token 1: layer 1 differs
+    train[2, 4, 0] = [7, 8]  # past row 2's end: not counted
+    mask = np.ones((3, 5))
+    mask[2, 3:] = 0
+    lp_a, lp_b = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+    got = rollout_routing_metrics(rollout, train, lp_a, lp_b, mask)
+    gap = np.abs(lp_a - lp_b)
+    real = mask > 0
+    assert got["moe/token_mismatch"] == pytest.approx(1 / real.sum())
+    assert got["moe/layer_mismatch"] == pytest.approx(1 / (2 * real.sum()))
+    assert got["moe/logprob_gap"] == pytest.approx(gap[real].mean())
+    assert got["moe/logprob_gap_rerouted"] == pytest.approx(gap[0, 1])
+    same = real.copy()
+    same[0, 1] = False
+    assert got["moe/logprob_gap_same_routes"] == pytest.approx(gap[same].mean())
+    routes = padded_routes([np.ones((2, 2, 2)), np.ones((0, 2, 2))], 3)
+    assert routes.shape == (2, 3, 2, 2) and (routes[0, 2] == -1).all() and (routes[1] == -1).all()
 
 
 def test_routing_mismatch_counts_sets_not_order():

@@ -304,3 +304,21 @@ def routing_mismatch(rollout: np.ndarray, train: np.ndarray) -> dict[str, float]
         "layer_mismatch": float(differ.mean()),
         "token_mismatch": float(differ.any(axis=-1).mean()),
     }
+
+
+def rollout_routing_metrics(
+    rollout_brlk, train_brlk, rollout_lp_br, train_lp_br, mask_br
+) -> dict[str, float]:
+    """The ``moe/*`` metrics of a training batch: ``routing_mismatch`` of the rollout's
+    recorded routes against the training pass's over the real response tokens (``mask_br``),
+    and the mean ``|rollout log-prob - training log-prob|`` over all of them, over those routed
+    differently in some layer and over the rest (each left out when it has no tokens)."""
+    real = np.asarray(mask_br, bool)
+    rollout, train = np.asarray(rollout_brlk)[real], np.asarray(train_brlk)[real]
+    gap = np.abs(np.asarray(rollout_lp_br, np.float64) - np.asarray(train_lp_br))[real]
+    rerouted = np.any(np.sort(rollout, -1) != np.sort(train, -1), axis=(-1, -2))
+    out = {f"moe/{k}": v for k, v in routing_mismatch(rollout, train).items()}
+    for name, tokens in (("", gap), ("_rerouted", gap[rerouted]), ("_same_routes", gap[~rerouted])):
+        if tokens.size:
+            out[f"moe/logprob_gap{name}"] = float(tokens.mean())
+    return out

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jrlhf.data.batch import pack, pack_segments
 from jrlhf.models.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
+from jrlhf.models.moe import EXPERTS
 from jrlhf.models.transformer import Transformer
 from jrlhf.runtime.shared_programs import shared_program
 
@@ -95,6 +96,26 @@ def sequence_scores(module: Transformer, batch: dict) -> jax.Array:
     )
     last = jnp.take_along_axis(hidden, batch["last_index"][:, None, None], axis=1)[:, 0]
     return module.values(last)
+
+
+def response_routes(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:
+    """A routed model's response log-probs and chosen experts in one float32 array
+    (B, R, 1 + layers * top_k): ``[..., 0]`` the log-probs, ``[..., 1:]`` the experts chosen at
+    the columns that predict each response token (exact as float32), layer-major; padded
+    (unpacked) rows only. One array so that chunked inference calls join it like any other."""
+    hidden, stats = response_hidden(module, batch, max_prompt_len, with_stats=True)
+    logp = hidden_logprobs(module, hidden, batch["response_tokens"])
+    experts = stats[EXPERTS][:, :, max_prompt_len - 1 : -1]  # (L, B, R, k)
+    b, r = logp.shape
+    experts = jnp.transpose(experts, (1, 2, 0, 3)).reshape(b, r, -1).astype(jnp.float32)
+    return jnp.concatenate([logp[..., None], experts], axis=-1)
+
+
+@shared_program()
+def routes_fn(max_prompt_len: int):
+    """``(module, batch) -> response_routes(module, batch, max_prompt_len)``, one object per
+    prompt length (see :func:`logprobs_fn`)."""
+    return lambda module, batch: response_routes(module, batch, max_prompt_len)
 
 
 @shared_program()
