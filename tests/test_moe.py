@@ -216,6 +216,13 @@ def test_planner_counts_active_flops_and_total_memory():
     matmul = cfg.num_layers * layer_matmul_params(cfg) + head_params(cfg, "lm")
     assert matmul == cfg.num_active_params() - cfg.vocab_size * e - cfg.num_layers * norms - e
     assert num_params(cfg, "lm") == cfg.num_params()
+    # expert parallelism: each device's tokens gathered over 4 expert shards (3/4 of the group's
+    # 4 x 100 bytes arrive) and the outputs reduce-scattered back: 2 x 300 bytes a layer
+    from jrlhf.placement.estimator import moe_dispatch_bytes
+
+    assert moe_dispatch_bytes(cfg, 100.0, 4) == 600.0
+    assert moe_dispatch_bytes(cfg, 100.0, 1) == 0.0
+    assert moe_dispatch_bytes(get_preset("qwen3_8b"), 100.0, 4) == 0.0
 
 
 def test_record_routes_with_a_dense_actor_is_refused_by_the_check(capsys, monkeypatch):

@@ -335,6 +335,7 @@ class _Geometry:
     kv_tensor: int  # ways kv heads are split (activations / KV cache)
     devices: frozenset[int]
     nodes: int
+    experts: int = 1  # ways a mixture of experts' experts are split (the expert axis)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -346,7 +347,15 @@ def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
 
     devices = p.devices
     nodes = len({d // profile.devices_per_node for d in devices})
-    return _Geometry(spec.size, ways("batch"), ways("heads"), ways("act_kv_heads"), devices, nodes)
+    return _Geometry(
+        spec.size,
+        ways("batch"),
+        ways("heads"),
+        ways("act_kv_heads"),
+        devices,
+        nodes,
+        ways("experts"),
+    )
 
 
 def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile) -> float:
@@ -406,6 +415,17 @@ def _comm_s(bytes_per_device: float, count: int, g: _Geometry, profile: DevicePr
 def _ring(bytes_total: float, k: int) -> float:
     """Bytes into each device for an all-gather / reduce-scatter of ``bytes_total`` over k."""
     return bytes_total * (k - 1) / k if k > 1 else 0.0
+
+
+def moe_dispatch_bytes(cfg: ModelConfig, act_bytes: float, experts: int) -> float:
+    """Bytes into each device for one pass of a mixture of experts' token dispatch and combine
+    over ``experts`` expert shards, per layer: the expert group's tokens gathered (each device
+    holds ``act_bytes`` of them) and the outputs reduce-scattered back, a ring each
+    (jrlhf.models.moe: the expert-parallel form; GSPMD's dense form moves the same). 0 for a
+    dense model or unsplit experts."""
+    if not cfg.is_moe or experts <= 1:
+        return 0.0
+    return 2 * _ring(act_bytes * experts, experts)
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -912,6 +932,8 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         t += _weight_pass_s(cfg, head, p, g, profile.forward_gather_efficiency, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
         t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
+        dispatch = moe_dispatch_bytes(cfg, act, g.experts)  # expert parallelism, per layer
+        t += _comm_s(cfg.num_layers * dispatch, 2 * cfg.num_layers, g, profile)
     return t
 
 
@@ -961,6 +983,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     act = -(-micro // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
     tp = _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
     step += m * tp
+    # expert parallelism: dispatch and combine in the forward, their transposes in the backward
+    dispatch = moe_dispatch_bytes(cfg, act, g.experts)
+    step += m * _comm_s(2 * cfg.num_layers * dispatch, 4 * cfg.num_layers, g, profile)
     # the gradients of weights replicated over the batch's axes: XLA combines them into one
     # all-reduce per micro-batch (inside the accumulation loop, in the compiled step's HLO)
     step += m * _comm_s(_replicated_grad_bytes(cfg, head, p), 1, g, profile)
