@@ -375,8 +375,8 @@ def _matmul_bound(model_def, batch: int, layout: str, steps: int = 64, repeats: 
     import jax
     import jax.numpy as jnp
 
+    from jrlhf.kernels.panels import fits, panel_matmul, to_panels
     from jrlhf.models.transformer import left_matmul
-    from jrlhf.native.matmul import fits, panel_matmul, to_panels
 
     c = model_def.config
     e, q, kv, f = (

@@ -205,7 +205,7 @@ def kernel(args, bandwidth: dict) -> dict:
 
     names = list(args.kernels)
     out: dict = {}
-    # The unit test's case (tests/test_decode_kernels.py): float32, an out-of-range page id.
+    # The unit test's case (tests/decode/test_decode_kernels.py): float32, an out-of-range page id.
     ks = jax.random.split(jax.random.key(0), 3)
     small = (
         jax.random.normal(ks[2], (3, 4, 32)),

@@ -18,7 +18,7 @@ estimated seconds and the relative error per phase and for the iteration. ``resu
 details (each iteration's phase times, the placements, the estimate's per-call seconds).
 
 Held-out check: by default the profile is calibrated in this process (microbenchmarks plus two
-small models, ``jrlhf.pipeline.calibrate.CALIBRATION_MODELS``); the model evaluated here has a
+small models, ``jrlhf.calibration.measure.CALIBRATION_MODELS``); the model evaluated here has a
 different size (``--hidden``/``--layers``), so the error is not fitted to the test. The
 calibration models are timed first (the search uses that profile), then once more before each
 round of trainer iterations; the errors come from the profile fitted to those later rounds, which
@@ -253,7 +253,7 @@ def _speed_probe() -> Callable[[], float]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jrlhf.pipeline.calibrate import measure_interleaved
+    from jrlhf.calibration.measure import measure_interleaved
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("d",))
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile = DeviceProfile.load(args.profile)
     else:
-        from jrlhf.pipeline import calibrate as cal
+        from jrlhf.calibration import measure as cal
 
         base = cal.measure_base("cpu" if jax.devices()[0].platform == "cpu" else None, quick=True)
         timings = cal.ModelTimings(cal.model_runs(), cal.compute_dtype())
@@ -534,7 +534,7 @@ def _report_profile(profiles: dict, key: str, where: str):
     """The profile a report stored under ``profiles[key]``: refitted with this code's fit from
     its calibration rounds (in the dtype they computed in) where the run calibrated it, as
     stored where it was given. A malformed one is refused in one line."""
-    from jrlhf.pipeline import calibrate as cal
+    from jrlhf.calibration import measure as cal
     from jrlhf.placement.profile import DeviceProfile
 
     at = f"{where}: profiles.{key}"
@@ -677,7 +677,7 @@ def _compare(setups: dict, measured_all: dict, profile) -> tuple[list[dict], dic
     the same way, so both sides describe the machine without another process's bursts (a burst
     during one of five iterations of a 10 ms reshard can double it). The plain medians' errors
     are kept in the summary (``plain_median``)."""
-    from jrlhf.pipeline.calibrate import robust_seconds
+    from jrlhf.calibration.measure import robust_seconds
     from jrlhf.placement.estimator import estimate
 
     results, errors, plain_errors, plain_iteration_errors = [], [], [], []

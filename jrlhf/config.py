@@ -22,7 +22,13 @@ import gin
 
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
-from jrlhf.models.config import DTYPES, REMAT_POLICIES, ModelConfig, value_problem
+from jrlhf.models.config import (
+    DTYPES,
+    PIPELINE_SCHEDULES,
+    REMAT_POLICIES,
+    ModelConfig,
+    value_problem,
+)
 from jrlhf.models.lora import ALL_TARGETS as LORA_TARGETS
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.lora import config_problem as lora_problem
@@ -300,6 +306,14 @@ class RoleConfig:
     # micro-batches than a full-length one; each count compiles once. Exclusive with
     # microbatches > 1; 0 (default) uses microbatches.
     microbatch_tokens: int = 0
+    # Pipeline parallelism (docs/pipelines.md): a ``stage=S`` axis in this role's train or
+    # infer mesh splits its layers over S stages; each full-sequence pass (a train step's
+    # micro-batch, a scoring call) then runs its rows through the stages in this many pipeline
+    # micro-batches (GPipe); 0: S of them.
+    pipeline_microbatches: int = 0
+    # How this role's train steps schedule the pipeline micro-batches: "gpipe" or "1f1b"
+    # (jrlhf.models.config.PIPELINE_SCHEDULES; docs/pipelines.md).
+    pipeline_schedule: str = "gpipe"
     # LoRA (jrlhf.models.lora): lora_rank > 0 trains low-rank adapters on the lora_targets
     # projections (of q, k, v, o, gate, up, down) of this role's model, its base frozen; the
     # update is scaled by lora_alpha / lora_rank, and lora_dropout drops the adapters' input
@@ -369,6 +383,23 @@ class RoleConfig:
         _check(self.grad_clip >= 0, f"{f}.grad_clip", "must be >= 0 (0 disables clipping)")
         _check(self.microbatches >= 1, f"{f}.microbatches", "must be >= 1")
         _check(self.microbatch_tokens >= 0, f"{f}.microbatch_tokens", "must be >= 0")
+        _check(
+            self.pipeline_microbatches >= 0,
+            f"{f}.pipeline_microbatches",
+            "must be >= 0 (0: one per pipeline stage)",
+        )
+        _check(
+            self.pipeline_schedule in PIPELINE_SCHEDULES,
+            f"{f}.pipeline_schedule",
+            f"{self.pipeline_schedule!r} unknown (use one of {PIPELINE_SCHEDULES})",
+        )
+        if self.generate_mesh:
+            _check(
+                "stage" not in MeshSpec.parse(self.generate_mesh).names,
+                f"{f}.generate_mesh",
+                "a stage axis pipelines training and scoring only; pipelined decode is not "
+                "built (issue #63, part 3): give generation a mesh without one",
+            )
         _check(
             not (self.microbatch_tokens and self.microbatches > 1),
             f"{f}.microbatch_tokens",

@@ -14,12 +14,12 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # The test programs are tiny, so on CPU XLA spends far longer in LLVM's optimization passes than
 # in running them: without those passes they compile about 4x faster and run somewhat slower, and
-# the SFT + reward-model run of tests/test_trainer.py takes half as long end to end. Every program
-# in a session (the trainer subprocesses inherit XLA_FLAGS too) is compiled the same way.
+# the SFT + reward-model run of tests/e2e/test_trainer.py takes half as long end to end. Every
+# program in a session (the trainer subprocesses inherit XLA_FLAGS too) is compiled the same way.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # XLA's older CPU fusion emitters compile these programs about twice as fast again (a PPO run of
-# tests/test_trainer.py: 29 s -> 20 s). XLA aborts on a flag it does not know, so only on the
+# tests/e2e/test_trainer.py: 29 s -> 20 s). XLA aborts on a flag it does not know, so only on the
 # jaxlib this was measured on; on another, check that the flag exists and widen the test.
 _known = version("jaxlib").startswith("0.10.")
 if _known and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:

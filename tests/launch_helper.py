@@ -1,4 +1,4 @@
-"""A tiny multi-process program for tests/test_distributed.py, started by jrlhf.launch.
+"""A tiny multi-process program for tests/runtime/test_distributed.py, started by jrlhf.launch.
 
     python -m jrlhf.launch --processes 2 --devices-per-process 2 -- tests.launch_helper MODE
 

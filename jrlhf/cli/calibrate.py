@@ -1,9 +1,9 @@
 """``python -m jrlhf.plan.calibrate --out PATH [--device-kind NAME]``: measure a device profile.
 
-See jrlhf.pipeline.calibrate for what is measured and how it is fitted. On an accelerator, fit
+See jrlhf.calibration.measure for what is measured and how it is fitted. On an accelerator, fit
 the profile to ``python -m jrlhf.bench gpu`` reports instead (real model shapes; the small
 calibration models measure kernel launches there): ``--from-bench-gpu REPORT.json ...
---device-kind h100`` (jrlhf.pipeline.calibrate_from_bench; the built-in profile of that name, or
+--device-kind h100`` (jrlhf.calibration.from_bench; the built-in profile of that name, or
 ``--template``, gives what one device cannot measure).
 """
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return distributed.end_process(2)
     # After the device flag: XLA reads it when JAX's backends start.
-    from jrlhf.pipeline.calibrate import calibrate  # noqa: PLC0415
+    from jrlhf.calibration.measure import calibrate  # noqa: PLC0415
 
     profile = calibrate(args.device_kind, quick=args.quick)
     profile.save(args.out)
@@ -67,7 +67,7 @@ def _from_bench(p: argparse.ArgumentParser, args) -> int:
     """Fit a profile to bench gpu reports (no devices used)."""
     # imported here like the calibration below: the module imports JAX, which this entry point
     # leaves alone until the device flag is applied
-    from jrlhf.pipeline.calibrate_from_bench import (  # noqa: PLC0415
+    from jrlhf.calibration.from_bench import (  # noqa: PLC0415
         BenchReportError,
         profile_from_bench,
         score_profile,

@@ -40,10 +40,12 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jrlhf import kernels
 from jrlhf.decode.kernels import KERNELS, select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
 from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, end_reason
+from jrlhf.kernels import panels
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
@@ -57,8 +59,6 @@ from jrlhf.models.attention import (
 )
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
-from jrlhf.native import matmul as native_matmul
-from jrlhf.native import token_pick
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -80,7 +80,7 @@ class EngineConfig:
 
     ``weight_layout`` is how those per-layer copies store every projection kernel
     (``jrlhf.models.transformer.WEIGHT_LAYOUTS``, see ``LayerWeights``): ``"panels"`` packs them
-    for the native few-row matmul (``jrlhf.native.matmul``), which streams each weight once;
+    for the few-row matmul kernel (``jrlhf.kernels.panels``), which streams each weight once;
     ``"out_major"`` stores them output-major, which XLA:CPU multiplies by a few token rows
     almost twice as fast as input-major. None: on CPU panels where they apply (a float32 model
     whose projections pack, on a one-device mesh, on a host with AVX-512 where the kernel
@@ -447,11 +447,10 @@ class DecodeEngine:
                     f"with KV groups of {group} heads"
                 )
         self._weight_layout = self._choose_layout()
-        # The token choice in one native call (jrlhf.native.token_pick): a custom call, which
-        # XLA does not partition, so one device only
-        self._native_pick = (
-            jax.default_backend() == "cpu" and mesh.devices.size == 1 and token_pick.available()
-        )
+        # The token choice in one kernel call where the backend registers one (jrlhf.kernels;
+        # on CPU the native token pick): a custom call, which XLA does not partition, so one
+        # device only
+        self._kernel_pick = mesh.devices.size == 1 and kernels.usable("token_pick") is not None
         self.pages_per_shard = ec.total_pages // self.num_shards
         self.slots_per_shard = ec.num_slots // self.num_shards
         self.state_shardings = jax.tree.map(
@@ -529,7 +528,7 @@ class DecodeEngine:
         return (ec.num_slots, 1, 1, 1)
 
     def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
-        """``sample_tokens`` of one step, with the native token pick where it applies."""
+        """``sample_tokens`` of one step, with the token-pick kernel where it applies."""
         return sample_tokens(
             logits,
             step_keys,
@@ -538,7 +537,7 @@ class DecodeEngine:
             top_p,
             greedy=greedy,
             filtered=filtered,
-            native=self._native_pick,
+            kernel_pick=self._kernel_pick,
         )
 
     def _is_stop(self, tok, stop_ids):
@@ -883,17 +882,17 @@ class DecodeEngine:
         elif jnp.dtype(self.cfg.jnp_dtype) != jnp.float32:
             why = f"multiplies float32, not the model's {self.cfg.dtype}"
         elif not panels_fit(self.cfg):
-            why = f"needs every projection's outputs a multiple of {native_matmul.LANES}"
+            why = f"needs every projection's outputs a multiple of {panels.LANES}"
         elif self.mesh.devices.size != 1:
             why = f"runs on a one-device mesh, not {dict(self.mesh.shape)}"
-        elif not native_matmul.available():
-            why = native_matmul.unavailable_reason()
+        elif kernels.usable("few_row_matmul") is None:
+            why = kernels.why_unusable("few_row_matmul")
         wanted = self.config.weight_layout
         if wanted == "panels" and why is not None:
-            raise ValueError(f"EngineConfig.weight_layout 'panels': the native matmul {why}")
+            raise ValueError(f"EngineConfig.weight_layout 'panels': the few-row matmul {why}")
         if wanted is not None:
             return wanted
-        if why is None and native_matmul.fast_here():
+        if why is None and kernels.lookup("few_row_matmul").queries["fast_here"]():
             return "panels"
         return "out_major" if cpu else "in_major"
 

@@ -12,8 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jrlhf import kernels
 from jrlhf.models.logprobs import token_logprobs
-from jrlhf.native import token_pick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,24 +104,24 @@ def sample_tokens(
     *,
     greedy: bool,
     filtered: bool,
-    native: bool = False,
+    kernel_pick: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, sampling log-probs, raw log-probs), each (batch,), for one step.
 
     ``keys_b2`` are raw uint32 PRNG keys, one per row; ``greedy``/``filtered`` are static so the
-    sort only exists in programs that need it. ``native`` (static) takes the choice and the
-    log-probs without filtering in one native CPU call (``jrlhf.native.token_pick``: the same
-    tokens from the same noise, log-probs within float32 rounding); the caller decides where
-    it applies (XLA:CPU, one device, the kernel built).
+    sort only exists in programs that need it. ``kernel_pick`` (static) takes the choice and
+    the log-probs without filtering in one call of the backend's ``token_pick`` kernel
+    (jrlhf.kernels; on CPU the native one: the same tokens from the same noise, log-probs within
+    float32 rounding); the caller decides where it applies (one device, the kernel usable).
     """
     logits_bv = logits_bv.astype(jnp.float32)
-    if native and not filtered:
+    if kernel_pick and not filtered:
         noise = None
         if not greedy:
             noise = jax.vmap(lambda key, row: jax.random.gumbel(key, row.shape, row.dtype))(
                 keys_b2, logits_bv
             )
-        return token_pick.pick_tokens(logits_bv, noise, temperature)
+        return kernels.usable("token_pick").fn(logits_bv, noise, temperature)
     if greedy:
         tokens = first_argmax(logits_bv)
         sampling_lp = jnp.zeros(tokens.shape, jnp.float32)

@@ -44,6 +44,22 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def layer_stages() -> int:
+    """How many pipeline stages the current rules split the stacked layer axis over (the size of
+    the mesh axes ``layers`` maps to; 1 outside ``activation_sharding`` or without a stage
+    axis). Full-sequence passes pipeline their layers when it is above 1."""
+    current = _CURRENT.get()
+    if current is None:
+        return 1
+    mesh, rules = current
+    return axis_size(mesh, logical_to_spec(("layers",), mesh, rules)[0])
+
+
+def current_rules() -> Rules | None:
+    current = _CURRENT.get()
+    return None if current is None else current[1]
+
+
 def current_mesh() -> Mesh | None:
     current = _CURRENT.get()
     return None if current is None else current[0]

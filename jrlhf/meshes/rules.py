@@ -41,7 +41,10 @@ FSDP_TP: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("layers", None),
+    # The stacked layer axis over pipeline stages: stage s holds layers [s*L/S, (s+1)*L/S)
+    # (jrlhf.models.pipeline runs them as a pipeline); without a ``stage`` axis, every layer
+    # everywhere.
+    ("layers", "stage"),
     ("norm", None),
     ("lora_rank", None),  # LoRA adapters' inner axis (jrlhf.models.lora): a few dozen wide
     # mixture of experts (jrlhf.models.moe): experts split over the expert mesh axis, each
@@ -57,6 +60,8 @@ FSDP_TP: Rules = (
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
     ("act_experts", "expert"),
+    # the stage dimension of a pipeline's in-flight activations (one micro-batch per stage)
+    ("act_stage", "stage"),
     # decode state: slots (sequences in flight) split like the batch; each shard owns its slots'
     # KV pages, so a page pool is split the same way
     ("slots", ("data", "fsdp", "expert")),
@@ -152,6 +157,11 @@ def named_sharding(
     spec = logical_to_spec(logical, mesh, rules)
     for dim, (size, part, name) in enumerate(zip(shape, spec, logical)):
         n = axis_size(mesh, part)
+        if n > 1 and size % n and name == "layers":
+            raise MeshLayoutError(
+                f"{what}: {size} layers do not split over {part!r} of size {n} (pipeline "
+                f"stages need a number of layers divisible by the stage count)"
+            )
         if n > 1 and size % n:
             raise MeshLayoutError(
                 f"{what} with shape {tuple(shape)}: dim {dim} ({name!r}, size {size}) is not "

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jrlhf import kernels
 from jrlhf.meshes.context import current_mesh
-from jrlhf.native import attention as native_attention
 
 # A large finite negative instead of -inf, so a row with nothing to attend to yields a uniform
 # softmax rather than NaN (such rows are padding and their outputs are never used).
@@ -87,15 +87,17 @@ def masked_attention(
     tiled over the groups. On XLA:CPU the forward and backward of the ``bench rl`` model's
     attention ran about 30% faster than in the 5-D (batch, kv head, group, T, S) form, whose
     softmax reductions and operand transposes are slower, and its GRPO train phase 4% faster
-    (BUILD.md, "Benchmarks").
+    (docs/performance.md).
 
-    On CPU, for float32 on one device (``native_fits``), the native kernel computes the same
-    (``jrlhf.native.attention``: forward and backward, 1.3x the train step's speed there).
-    It has no soft-capping: ``softcap`` (``softcap_scores`` of the scaled scores, before the
+    Where the backend registers a ``masked_attention`` kernel (jrlhf.kernels; on CPU the native
+    one, forward and backward, 1.3x the train step's speed there) and it fits
+    (``kernel_fits``: float32 on one device), that kernel computes the same. It has no
+    soft-capping: ``softcap`` (``softcap_scores`` of the scaled scores, before the
     mask) takes the XLA form.
     """
-    if not softcap and native_fits(q_bthd, k_bskd, v_bskd):
-        return native_attention.masked_attention(q_bthd, k_bskd, v_bskd, mask_bts, MASK_VALUE)
+    if not softcap and kernel_fits(q_bthd, k_bskd, v_bskd):
+        kernel = kernels.usable("masked_attention")
+        return kernel.fn(q_bthd, k_bskd, v_bskd, mask_bts, MASK_VALUE)
     b, t, h, d = q_bthd.shape
     kv_heads = k_bskd.shape[2]
     groups = h // kv_heads
@@ -141,23 +143,23 @@ def aligned_causal_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.A
     )
 
 
-# Whether masked_attention may take the native CPU kernel where it fits (tests turn it off to
-# run the XLA form on CPU).
-NATIVE_ON_CPU = True
+# Whether masked_attention may take a registered kernel where it fits (tests turn it off to run
+# the XLA form).
+USE_KERNEL = True
 
 
-def native_fits(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array) -> bool:
-    """Whether ``masked_attention`` runs the native CPU kernel: float32 operands on XLA:CPU,
-    traced on one device (no mesh, or a one-device one: XLA does not partition the custom
-    call), where the kernel builds."""
-    if not NATIVE_ON_CPU or jax.default_backend() != "cpu":
+def kernel_fits(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array) -> bool:
+    """Whether ``masked_attention`` runs the backend's registered kernel (jrlhf.kernels; on
+    XLA:CPU the native one): float32 operands traced on one device (no mesh, or a one-device
+    one: XLA does not partition the custom call), where the kernel builds."""
+    if not USE_KERNEL:
         return False
     if any(x.dtype != jnp.float32 for x in (q_bthd, k_bskd, v_bskd)):
         return False
     mesh = current_mesh()
     if mesh is not None and mesh.devices.size != 1:
         return False
-    return native_attention.available()
+    return kernels.usable("masked_attention") is not None
 
 
 def fused_attention_fits(t: int, s: int, head_dim: int) -> bool:

@@ -41,6 +41,7 @@ FUSED_ATTENTION_DTYPES = ("bfloat16", "float16")
 # layer_loop="auto" unrolls models up to this deep on CPU (compile time grows with the depth)
 AUTO_UNROLL_LAYERS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ NONNEGATIVE_SIZES = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "shared_expert_size",
+    "pipeline_microbatches",
 )
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
 # 0 means "off" (soft-capping) or "derived" (rope_local_theta: rope_theta)
@@ -186,6 +188,16 @@ class ModelConfig:
     # over layers) and the router z-loss (mean logsumexp(router logits)^2, ST-MoE).
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # Pipeline parallelism (jrlhf.models.pipeline): when a pass's mesh and rules split the
+    # layers over a ``stage`` axis, its batch goes through the stages in this many
+    # micro-batches (rows padded up to a multiple); 0: as many as there are stages. More
+    # micro-batches shrink the bubble, (S-1)/(M+S-1) of the stage time.
+    pipeline_microbatches: int = 0
+    # How train steps schedule them (PIPELINE_SCHEDULES): "gpipe" (autodiff through all the
+    # forwards, then all the backwards: every micro-batch's activations kept), "1f1b" (each
+    # micro-batch's backward right after its forward leaves the last stage, at most 2S - 1 in
+    # flight a stage; its rows must split evenly). Scoring passes are forwards only: GPipe.
+    pipeline_schedule: str = "gpipe"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -222,6 +234,11 @@ class ModelConfig:
             raise ValueError(
                 f"layer_loop 'unroll' runs without remat; remat_policy {self.remat_policy!r} "
                 "needs layer_loop 'scan'"
+            )
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule {self.pipeline_schedule!r} unknown "
+                f"(use one of {PIPELINE_SCHEDULES})"
             )
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} unknown (use one of {ATTENTION_IMPLS})")

@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrlhf.meshes.context import constrain
+from jrlhf.kernels.panels import fits, panel_matmul, panel_matmuls, to_panels
+from jrlhf.meshes.context import constrain, layer_stages
 from jrlhf.models import lora as lora_lib
+from jrlhf.models import pipeline
 from jrlhf.models.attention import (
     AttendFn,
     aligned_attend,
@@ -33,7 +35,6 @@ from jrlhf.models.attention import (
 from jrlhf.models.config import ModelConfig, remat_policy
 from jrlhf.models.moe import MoE
 from jrlhf.models.rope import apply_rope, rope_kinds, rope_tables
-from jrlhf.native.matmul import fits, panel_matmul, panel_matmuls, to_panels
 
 HEADS = ("lm", "value")
 
@@ -58,7 +59,7 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
     """``x``'s last axis contracted with ``kernel``'s ``n_in`` input axes (merged), the output's
     last axis the kernel's output axes merged. The kernel is input-major as the modules store it,
     or in the layout of the unrolled ``LayerWeights`` being run (decode on CPU): output-major, or
-    packed panels (``jrlhf.native.matmul``)."""
+    packed panels (``jrlhf.kernels.panels``)."""
     layout = _LAYOUT.get()
     if isinstance(kernel, lora_lib.Adapted):
         # LoRA (jrlhf.models.lora): the base product plus the thin low-rank one. Decode runs
@@ -116,6 +117,22 @@ WEIGHT_LAYOUTS = ("in_major", "out_major", "panels")
 # The layout of the projection kernels the layers being traced read (see LayerWeights).
 _LAYOUT = contextvars.ContextVar("jrlhf_kernel_layout", default="in_major")
 
+# The layers' output (before the final norm) that ``Transformer.hidden`` returns instead of
+# running the layers (see ``layers_output``).
+_LAYERS_OUTPUT = contextvars.ContextVar("jrlhf_layers_output", default=None)
+
+
+@contextlib.contextmanager
+def layers_output(x_bte: jax.Array) -> Iterator[None]:
+    """Inside, ``Transformer.hidden`` skips the embedding and the layers and returns
+    ``final_norm(x_bte)``: a schedule that runs the layers itself (the 1F1B pipeline step,
+    jrlhf.runtime.pipeline_step) differentiates the caller's loss from the layers' output on."""
+    token = _LAYERS_OUTPUT.set(x_bte)
+    try:
+        yield
+    finally:
+        _LAYERS_OUTPUT.reset(token)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +146,7 @@ class LayerWeights:
       operand. XLA:CPU packs a product's right operand, so ``x @ W`` with a few token rows (a
       decode step) repacks the whole weight at every call; ``W_out_major @ x.T`` streams it
       instead (the decode step's matmuls at 16 rows of the bench model: 11 ms against 20 ms);
-    * ``panels``: packed for the native few-row matmul (``jrlhf.native.matmul.to_panels``),
+    * ``panels``: packed for the few-row matmul kernel (``jrlhf.kernels.panels.to_panels``),
       which streams each weight once (float32 on a single-device CPU mesh: it is one custom
       call, which XLA does not partition).
 
@@ -409,24 +426,46 @@ class Transformer(nnx.Module):
         Returns (final normed hidden, cache), and with ``with_stats`` a third item: the routed
         layers' stats (jrlhf.models.moe) stacked over layers, {} for a dense model.
         """
-        tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         graphdef, state = nnx.split(self.layers)
         if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
+        x_bte, cache, stacked = self.layer_loop(
+            graphdef, state, x_bte, positions_bt, attend, cache, layer_params
+        )
+        out = self.final_norm(x_bte), cache
+        return (*out, stacked) if with_stats else out
+
+    def layer_loop(
+        self,
+        graphdef,
+        state,
+        x_bte,
+        positions_bt,
+        attend: AttendFn,
+        cache: Any = None,
+        layer_params: LayerWeights | None = None,
+        first_layer: Any = 0,
+    ):
+        """Run the stacked layers of ``state`` (all of the model's, or a pipeline stage's run of
+        consecutive ones starting at ``first_layer``: a traced index under the pipeline's
+        vmap over stages) unrolled over ``layer_params`` if given, else under ``lax.scan``;
+        (the output before the final norm, cache, the routing stats stacked over the layers).
+        See ``run_layers``."""
+        tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         if layer_params is not None:
             per_layer = []
             with _kernel_layout(layer_params.layout):
-                for idx, params in enumerate(layer_params.layers):
+                for k, params in enumerate(layer_params.layers):
+                    idx = first_layer + k
                     layer_state = jax.tree.map(lambda v: v, state, is_leaf=_is_variable)
                     nnx.replace_by_pure_dict(layer_state, params)
                     layer = nnx.merge(graphdef, layer_state)
-                    cos, sin = tables[kinds[idx]]
+                    options, which = layer_choice(kinds, idx)
+                    cos, sin = select_choice([tables[o] for o in options], which)
                     with lora_lib.layer(idx):
                         x_bte, cache, stats = layer(x_bte, cos, sin, attend, idx, cache)
                     per_layer.append(stats)
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-            out = self.final_norm(x_bte), cache
-            return (*out, stacked) if with_stats else out
+            return x_bte, cache, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
         def body(carry, layer_state):
             x, cache, idx = carry
@@ -440,9 +479,9 @@ class Transformer(nnx.Module):
         policy = remat_policy(self.config.remat_policy)
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        (x_bte, cache, _), stacked = jax.lax.scan(body, (x_bte, cache, jnp.int32(0)), state)
-        out = self.final_norm(x_bte), cache
-        return (*out, stacked) if with_stats else out
+        first = jnp.asarray(first_layer, jnp.int32)
+        (x_bte, cache, _), stacked = jax.lax.scan(body, (x_bte, cache, first), state)
+        return x_bte, cache, stacked
 
     def logits(self, hidden_bte: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
         """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given),
@@ -488,6 +527,10 @@ class Transformer(nnx.Module):
         cuDNN's own causal mask instead of a bias built from the (position, segment) mask
         (``aligned_causal_attention``); the hidden states come back in the rows' own columns.
         The real tokens' states are those of the masked form.
+
+        Under an activation-sharding context whose rules split the layers over a ``stage``
+        axis, the layers run as a pipeline (``pipelined_layers``, docs/pipelines.md); inside
+        ``layers_output(x)`` the layers do not run at all and this is ``final_norm(x)``.
         """
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -495,6 +538,23 @@ class Transformer(nnx.Module):
             segment_ids_bt = jnp.ones_like(tokens_bt)
         cfg = self.config
         t = tokens_bt.shape[1]
+        injected = _LAYERS_OUTPUT.get()
+        stages = layer_stages()
+        if with_stats and cfg.is_moe and (injected is not None or stages > 1):
+            # the stages' loops run apart: nothing gathers their routing stats
+            raise ValueError(
+                "a mixture-of-experts model's routing stats (router losses, "
+                "routes) are not collected through pipeline stages"
+            )
+        if injected is not None:
+            out = self.final_norm(injected)
+            return (out, {}) if with_stats else out
+        if stages > 1:
+            # Layers split over pipeline stages: the masked form (equal for the real tokens)
+            # for every row layout, each micro-batch's masks built by the stage that holds it.
+            x = self.pipelined_layers(self.embed(tokens_bt), positions_bt, segment_ids_bt, stages)
+            out = self.final_norm(x)
+            return (out, {}) if with_stats else out
         if (
             one_segment
             and cfg.fused_attention
@@ -513,6 +573,63 @@ class Transformer(nnx.Module):
             self.embed(tokens_bt), positions_bt, attend, with_stats=True
         )
         return (hidden, stats) if with_stats else hidden
+
+    def pipelined_layers(self, x_bte, positions_bt, segment_ids_bt, stages: int) -> jax.Array:
+        """The layers (before the final norm) of a full-sequence pass as a pipeline over
+        ``stages`` stages (jrlhf.models.pipeline): the rows in ``pipeline_microbatches``
+        micro-batches (default: one per stage), padded with empty rows to a multiple of it."""
+        cfg = self.config
+        micro = cfg.pipeline_microbatches or stages
+        rows = x_bte.shape[0]
+        padded = -(-rows // micro) * micro
+        xs, pos, seg = (
+            pipeline.to_microbatches(pipeline.pad_rows(a, padded), micro)
+            for a in (x_bte, positions_bt, segment_ids_bt)
+        )
+        _, state = nnx.split(self.layers)
+        stage_fn = self.stage_function(stages)
+        out = pipeline.gpipe(stage_fn, pipeline.split_stages(state, stages), xs, (pos, seg))
+        out = out.reshape(padded, *out.shape[2:])[:rows]
+        return constrain(out, ("batch", "length", "act_embed"))
+
+    def stage_function(self, stages: int):
+        """``stage_fn(stage_state, x_bte, (positions_bt, segment_ids_bt), stage)``: one pipeline
+        stage's ``num_layers / stages`` layers (``stage_state``: their stacked state, as nnx
+        variables or a pure dict of arrays with a leading axis of that many layers) on one
+        micro-batch, its masks and RoPE tables built from that micro-batch's positions and
+        segment ids; ``stage`` may be traced (the layer index for per-layer choices is
+        ``stage * num_layers / stages + k``)."""
+        cfg = self.config
+        graphdef, template = nnx.split(self.layers)
+        per_stage = cfg.num_layers // stages
+        windows = cfg.layer_windows
+
+        def stage_fn(stage_state, x, aux, stage):
+            if not isinstance(stage_state, nnx.State):
+                pure, stage_state = (
+                    stage_state,
+                    jax.tree.map(lambda v: v, template, is_leaf=_is_variable),
+                )
+                nnx.replace_by_pure_dict(stage_state, pure)
+            positions, segments = aux
+            attend = dense_attend(
+                positions,
+                segments,
+                windows,
+                fused=cfg.fused_attention,
+                softcap=cfg.attn_logit_softcap,
+            )
+            params = None
+            if cfg.unroll_layers:
+                params = unstack_layers(nnx.to_pure_dict(stage_state))
+            # (a pipeline stage's routing stats are not collected: with_stats needs the whole
+            # model's layers in one loop)
+            out, _, _ = self.layer_loop(
+                graphdef, stage_state, x, positions, attend, None, params, stage * per_stage
+            )
+            return out
+
+        return stage_fn
 
     def _aligned_hidden(self, tokens_bt, segment_ids_bt, with_stats=False):
         """``hidden`` of one-segment rows, each rotated left by its left padding so that its

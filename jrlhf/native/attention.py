@@ -5,7 +5,7 @@
 is the kernel's too: the forward saves each query row's score maximum and reciprocal sum (two
 floats a row, not the (B, H, T, S) probabilities), and the backward recomputes the same
 probabilities from them. In the ``bench rl`` GRPO model's train step the reference's attention
-forward and backward took about a quarter of the step (BUILD.md, "Benchmarks").
+forward and backward took about a quarter of the step (docs/performance.md).
 
 It is one custom call, which XLA does not partition: ``jrlhf.models.attention`` calls it on CPU
 for float32 on a one-device mesh (or none), where ``available()``; elsewhere the reference runs.

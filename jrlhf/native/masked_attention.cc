@@ -10,7 +10,7 @@
 // Why: on XLA:CPU the reference's products are batched over (batch, KV head) with a contraction
 // of head_dim (16 in the `bench rl` model) and scores of tens of keys, which XLA runs as many
 // small dots plus a softmax and its backward fused around them; together they took about a
-// quarter of a GRPO train step (BUILD.md, "Benchmarks"). Here one work item is a (sequence, KV
+// quarter of a GRPO train step (docs/performance.md). Here one work item is a (sequence, KV
 // head): its K and V are copied once into both row- and column-major scratch, so every loop
 // below runs over a contiguous axis (keys or head_dim) and vectorizes, and the items are shared
 // out over XLA's intra-op threads. The forward saves each query row's score maximum and the

@@ -1,10 +1,10 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI (jrlhf/decode/kernels/native_cpu.py
+// Paged decode attention for XLA:CPU, called through the XLA FFI (jrlhf/native/paged_attention.py
 // has jrlhf/native/build.py compile this file on first use and registers the handler).
 //
 // Why a compiled kernel on CPU: written in JAX, one decode step's attention is a while loop of page
 // gathers (copies of every page read, transposed for the contractions) and small batched products,
 // which XLA:CPU runs as many short ops; together they took about 40% of a decode call of the bench
-// model (BUILD.md, "Benchmarks"). Here each sequence reads its own pages in place, once for the
+// model (docs/performance.md). Here each sequence reads its own pages in place, once for the
 // scores and once for the values, with no copies: the work is the K/V bytes read.
 //
 // Semantics are those of paged_attention_reference (jrlhf/decode/kernels/reference.py): one query

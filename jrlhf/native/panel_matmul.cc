@@ -5,8 +5,8 @@
 // and a weight stored as panels of 16 output columns: panels[p, k, j] = w[k, 16 p + j].
 //
 // Why: XLA:CPU's dots reach a third of this machine's matmul rate at a decode step's few rows
-// (they pack the weight for every call, or stream it output-major at 9-13 GB/s: BUILD.md,
-// "Benchmarks"), and the weights are what a decode step reads. Here each panel is one
+// (they pack the weight for every call, or stream it output-major at 9-13 GB/s:
+// docs/performance.md), and the weights are what a decode step reads. Here each panel is one
 // contiguous run of memory, read once, front to back: for each k its 16 columns are one vector,
 // multiplied by 8 rows' x[m, k] at a time into 8 x 3 vector accumulators (3 panels at once, so
 // the multiply-adds outnumber the loads), and the panels are shared out over XLA's intra-op
@@ -92,7 +92,7 @@ void Block(const float* x, int64_t k, const float* panels, float* out, int64_t n
 // the chunk's lines from memory (prefetched kAhead k-steps before) and the others from L1, so
 // the weights stream at one steady rate instead of in bursts a pass apart, with more of them in
 // flight (on a 2-core AMD EPYC, bench decode's steps 1.17x faster, paired over 8 alternations;
-// BUILD.md, "Stop 56"). Each output is still one sum over k in order.
+// BUILD.md's journal, stop 56, in git history). Each output is still one sum over k in order.
 template <int P>
 void AllRows(int64_t rows, const float* x, int64_t k, const float* panels, float* out, int64_t n,
              int64_t n0, const float* ahead, int64_t ahead_panels) {

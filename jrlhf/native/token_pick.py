@@ -6,7 +6,7 @@ computes without top-k/top-p filtering: for each row the first maximum of the lo
 log-prob under ``logits / temperature`` (0 for greedy) and under the raw logits. XLA runs that
 as several reductions over the (rows, vocab) logits, each its own pass and program step; the
 kernel reads a row once for its maximum and again from cache for each exp-sum (16 rows of 8192:
-see BUILD.md, "Benchmarks").
+see docs/performance.md).
 
 It is one custom call, which XLA does not partition: the decode engine takes it on CPU on a
 one-device mesh where ``available()``. Without a compiler ``available()`` is False (said once in

@@ -24,6 +24,7 @@ import jax
 from jrlhf.config import Config, ConfigError
 from jrlhf.meshes.batch import batch_shards
 from jrlhf.meshes.mesh import blame_setting
+from jrlhf.meshes.rules import axis_size, logical_to_spec
 from jrlhf.pipeline.task_data import build_task_data
 from jrlhf.placement import ExecutionPlan, effective_plan
 from jrlhf.placement.estimator import estimate
@@ -86,6 +87,19 @@ def check_train_batch(cfg: Config, plan: ExecutionPlan, setup: RoleSetup, settin
             f"{setting}: {rows} rows do not split into {role}/RoleConfig.microbatches={m} "
             f"micro-batch(es) over the {shards} batch shards of {mesh}"
         )
+    # The 1F1B pipeline step cuts each step's rows into its micro-batches without padding
+    # (jrlhf.runtime.pipeline_step); with a token budget the split is chosen per step.
+    mesh, rules = setup.meshes["train"], setup.rules["train"]
+    stages = axis_size(mesh, logical_to_spec(("layers",), mesh, rules)[0])
+    model = setup.model.config
+    if stages > 1 and model.pipeline_schedule == "1f1b" and not rc.microbatch_tokens:
+        micro = model.pipeline_microbatches or stages
+        if (rows // m) % micro:
+            raise ConfigError(
+                f"{role}/RoleConfig.pipeline_microbatches: the 1f1b schedule cuts each step's "
+                f"{rows // m} rows ({setting}, {role}/RoleConfig.microbatches={m}) into {micro} "
+                "equal micro-batches, which they do not make"
+            )
 
 
 def check_infer_batch(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSetup]) -> None:

@@ -35,10 +35,10 @@ one call leaves the cores idle, ``call_core_share``); on shared devices they run
 
 Reshard bytes come from the shardings themselves, computed arithmetically from the ``MeshSpec``
 and rule set (the same partitioning ``NamedSharding`` uses), so plans over devices that do not
-exist here (128 H100s) are priced too; ``tests/test_plan_estimator.py`` checks the arithmetic
-against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between disjoint
-device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout onto
-the target devices (so only the source's bytes cross the links between the two sets), then the
+exist here (128 H100s) are priced too; ``tests/placement/test_plan_estimator.py`` checks the
+arithmetic against ``jrlhf.reshard.layout.bytes_moved`` on real (fake CPU) devices. A move between
+disjoint device sets is priced as the resharder runs it: a shard-for-shard copy of the source layout
+onto the target devices (so only the source's bytes cross the links between the two sets), then the
 same-devices reshard there. Between the same layouts the resharder aliases the source: no time,
 and no generation copy in memory.
 
@@ -48,8 +48,8 @@ them off the devices outside their phases, as ``jrlhf.ppo.residency`` does) plus
 running call needs transiently (gradients, activations under the remat policy, FSDP-gathered
 weights of one scanned layer at a time, or of every layer where they run unrolled, plus the
 embedding and head, logits);
-``tests/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis of the
-trainer's compiled steps. A plan fits when every call's peak is within the profile's
+``tests/placement/test_plan_estimator.py`` compares the transient bytes with XLA's memory analysis
+of the trainer's compiled steps. A plan fits when every call's peak is within the profile's
 ``usable_bytes`` (its memory less the reserve).
 
 Memory knobs (``tune_batches`` chooses them per plan with the batch knobs): the remat policy of
@@ -335,6 +335,7 @@ class _Geometry:
     kv_tensor: int  # ways kv heads are split (activations / KV cache)
     devices: frozenset[int]
     nodes: int
+    stages: int = 1  # pipeline stages the layers are split over (jrlhf.models.pipeline)
     experts: int = 1  # ways a mixture of experts' experts are split (the expert axis)
 
 
@@ -354,8 +355,69 @@ def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
         ways("act_kv_heads"),
         devices,
         nodes,
+        ways("layers"),
         ways("experts"),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipeline:
+    """A full-sequence pass's pipeline schedule on a call's devices (jrlhf.models.pipeline):
+    each pass's rows in ``micro`` micro-batches through ``stages`` stages; GPipe runs
+    ``micro + stages - 1`` iterations, 1F1B (train steps only) ``micro + 2 stages - 1`` ticks of
+    a forward and a backward each, each device running its ``num_layers / stages`` layers once
+    per iteration. Without stages: one micro-batch through one stage (every factor 1)."""
+
+    stages: int
+    micro: int
+    schedule: str = "gpipe"
+
+    @property
+    def iterations(self) -> int:
+        extra = 2 * self.stages - 1 if self.schedule == "1f1b" else self.stages - 1
+        return self.micro + extra
+
+    @property
+    def bubble(self) -> float:
+        """The share of stage-iterations spent on filler: (S - 1) / (M + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    @property
+    def layer_work(self) -> float:
+        """A device's layer work (FLOPs, activation passes, tensor-parallel traffic) per pass
+        over the unpipelined model's on the same devices' share: the bubble's filler on top,
+        ``(M + S - 1) / M``; FLOPs per device already divide by every device, stages too."""
+        return self.iterations / self.micro
+
+    @property
+    def layer_runs(self) -> float:
+        """Layer invocations a device runs per pass, over the model's layer count: (M + S - 1)
+        iterations of ``L / S`` layers each (per-layer launches, scanned FSDP gathers)."""
+        return self.iterations / self.stages
+
+
+def _pipeline(cfg: ModelConfig, g: _Geometry, train: bool = False) -> _Pipeline:
+    """The schedule of a call's passes: a train step's is the model's ``pipeline_schedule``,
+    a scoring call's the GPipe forward."""
+    if g.stages <= 1:
+        return _Pipeline(1, 1)
+    schedule = cfg.pipeline_schedule if train else "gpipe"
+    return _Pipeline(g.stages, cfg.pipeline_microbatches or g.stages, schedule)
+
+
+def pipeline_send_seconds(
+    cfg: ModelConfig, rows: int, seq: int, g: _Geometry, passes: int, profile: DeviceProfile
+) -> float:
+    """The activations crossing stages in one pipelined pass over ``rows`` rows per device:
+    at every iteration each stage's micro-batch output moves one stage on (a collective
+    permute) and the last stage's goes to every stage (the schedule's output), in the forward
+    and, for ``passes`` 2, again as gradients in the backward. 0 without stages."""
+    pipe = _pipeline(cfg, g, train=passes > 1)
+    if pipe.stages <= 1:
+        return 0.0
+    micro_bytes = -(-rows // pipe.micro) * seq * cfg.hidden_size * itemsize(cfg.dtype)
+    sends = 2 * passes * pipe.iterations
+    return _comm_s(sends * micro_bytes, sends, g, profile)
 
 
 def _work_s(per_device: float, g: _Geometry, rate: float, profile: DeviceProfile) -> float:
@@ -437,6 +499,8 @@ def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
     """FSDP: bytes of weights a device must fetch over one forward (its tensor shard of every
     layer, minus what it holds): the all-gather traffic, not the memory it occupies at once
     (``_gather_buffer_bytes``)."""
+    if g.stages > 1:  # a device gathers its own stage's layers only
+        return max(0.0, _used_weight_bytes(cfg, head, p) - shard_bytes(cfg, head, p))
     full = sum(math.prod(s) * size for _, _, s, size in _param_table(cfg, head))
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
 
@@ -536,8 +600,9 @@ def _gather_buffer_bytes(
     """
     layer, rest = _gathered_parts(cfg, head, p)
     copies = 2 if train else 1
-    if layers_unrolled(cfg, profile):
-        return layer * (cfg.num_layers + copies - 1) + rest * copies
+    if layers_unrolled(cfg, profile):  # with stages, a device's own stage's layers
+        stages = _geometry(p, profile).stages
+        return layer * (cfg.num_layers // stages + copies - 1) + rest * copies
     prefetch = 0 if profile.shared_host else 1
     return layer * (copies + prefetch) + rest * copies
 
@@ -916,22 +981,33 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     g = _geometry(p, profile)
     seq = w.seq_len
     gathered = _gathered_weight_bytes(cfg, head, p, g)
+    # With pipeline stages (_Pipeline): the bubble's filler on the layer work, every iteration
+    # launching (and, scanned, gathering) its stage's layers again, and the stage sends.
+    pipe = _pipeline(cfg, g)
+    runs = cfg.num_layers * pipe.layer_runs
+    gathers = 1 if pipe.stages <= 1 or layers_unrolled(cfg, profile) else pipe.iterations
     t = 0.0
     for rows in _chunks(w):
         flops = forward_flops(cfg, rows, seq, head, _head_tokens(w, head, role, rows))
         t += _fixed_s(
-            profile.call_overhead_s + cfg.num_layers * profile.forward_layer_overhead_s,
+            profile.call_overhead_s + runs * profile.forward_layer_overhead_s,
             g,
             profile,
         )
-        t += cfg.num_layers * profile.forward_layer_overhead_once_s
-        t += _work_s(flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile)
+        t += runs * profile.forward_layer_overhead_once_s
+        t += pipe.layer_work * _work_s(
+            flops / g.n, g, profile.matmul_flops * profile.forward_efficiency, profile
+        )
         tokens = -(-rows // g.batch) * seq
-        t += _activation_s(cfg, tokens, seq, g, profile.forward_activation_efficiency, profile)
-        t += _comm_s(gathered, cfg.num_layers, g, profile)
+        t += (pipe.layer_work / pipe.stages) * _activation_s(
+            cfg, tokens, seq, g, profile.forward_activation_efficiency, profile
+        )
+        t += _comm_s(gathers * gathered, cfg.num_layers * gathers // pipe.stages, g, profile)
         t += _weight_pass_s(cfg, head, p, g, profile.forward_gather_efficiency, profile)
         act = -(-rows // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
-        t += _comm_s(2 * cfg.num_layers * 2 * _ring(act, g.tensor), 2 * cfg.num_layers, g, profile)
+        tp_bytes = 2 * cfg.num_layers * 2 * _ring(act, g.tensor) * pipe.layer_work / pipe.stages
+        t += _comm_s(tp_bytes, round(2 * runs), g, profile)
+        t += pipeline_send_seconds(cfg, -(-rows // g.batch), seq, g, 1, profile)
         dispatch = moe_dispatch_bytes(cfg, act, g.experts)  # expert parallelism, per layer
         t += _comm_s(cfg.num_layers * dispatch, 2 * cfg.num_layers, g, profile)
     return t
@@ -955,25 +1031,41 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         profile.remat_forward_cost if cfg.remat_policy != "none" else 0.0
     )
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
+    # With pipeline stages (_Pipeline): the bubble's filler on the layer work, each iteration
+    # launching (and, scanned, gathering) its stage's layers again, and the stage sends; 1F1B
+    # recomputes each stage's forward in its backward.
+    pipe = _pipeline(cfg, g, train=True)
+    if pipe.schedule == "1f1b":
+        flops += forward_flops(cfg, mb, seq, head, 0)
+    runs = cfg.num_layers * pipe.layer_runs
     step = _fixed_s(
         profile.call_overhead_s
         + profile.train_step_overhead_s
-        + m * cfg.num_layers * profile.train_layer_overhead_s,
+        + m * runs * profile.train_layer_overhead_s,
         g,
         profile,
     )
-    step += m * cfg.num_layers * profile.train_layer_overhead_once_s
-    step += _work_s(flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile)
-    step += m * _activation_s(
+    step += m * runs * profile.train_layer_overhead_once_s
+    step += pipe.layer_work * _work_s(
+        flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile
+    )
+    step += (m * pipe.layer_work / pipe.stages) * _activation_s(
         cfg, -(-micro // g.batch) * seq, seq, g, profile.train_activation_efficiency, profile
     )
+    step += m * pipeline_send_seconds(cfg, -(-micro // g.batch), seq, g, 2, profile)
     gathered = _gathered_weight_bytes(cfg, head, p, g)
-    if layers_unrolled(cfg, profile):
+    if pipe.stages > 1 and not layers_unrolled(cfg, profile):
+        # scanned layers inside the schedule's loop: every iteration gathers its stage's
+        # layers again (forward, backward) and reduce-scatters their gradients
+        # (benchmarks/pipeline_memory.py's programs: the gathers sit in the inner loop body)
+        its = pipe.iterations
+        step += m * _comm_s(3 * its * gathered, 3 * round(runs), g, profile)
+    elif layers_unrolled(cfg, profile):
         # unrolled layers: XLA gathers each weight once per step, and the forward's gathered
         # copy serves the backward; the gathers do not depend on the micro-batch, so they are
         # hoisted out of the accumulation loop (loop-invariant code motion: the compiled step's
-        # loop body holds none, tests/test_plan_estimator.py). Each micro-batch reduce-scatters
-        # its gradients.
+        # loop body holds none, tests/placement/test_plan_estimator.py). Each micro-batch
+        # reduce-scatters its gradients.
         step += _comm_s(gathered, cfg.num_layers, g, profile)
         step += m * _comm_s(gathered, cfg.num_layers, g, profile)
     else:
@@ -981,7 +1073,8 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         # reduce-scatter of the gradients
         step += m * _comm_s(3 * gathered, 3 * cfg.num_layers, g, profile)
     act = -(-micro // g.batch) * seq * cfg.hidden_size * itemsize(cfg.dtype)
-    tp = _comm_s(4 * cfg.num_layers * 2 * _ring(act, g.tensor), 4 * cfg.num_layers, g, profile)
+    tp_bytes = 4 * cfg.num_layers * 2 * _ring(act, g.tensor) * pipe.layer_work / pipe.stages
+    tp = _comm_s(tp_bytes, round(4 * runs), g, profile)
     step += m * tp
     # expert parallelism: dispatch and combine in the forward, their transposes in the backward
     dispatch = moe_dispatch_bytes(cfg, act, g.experts)
@@ -1247,13 +1340,16 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
         in_flight = -(-min(w.rows, slots) // g.batch)
         logits = _logits_bytes(cfg, "lm", max(in_flight, prefill_rows), g.tensor, 4)
         return act + logits + _unrolled_layer_bytes(w, cfg, p, profile)
+    pipe = _pipeline(cfg, g)
     if phase == "infer":
         rows = -(-w.infer_chunk // g.batch)
         tokens = rows * w.seq_len
-        act = tokens * (
-            activation_bytes_per_token(cfg, w.seq_len, g.tensor, saved=False, fused_attention=fused)
-            + 2 * cfg.hidden_size * a
+        # with stages: one pipeline micro-batch live in a layer, and the schedule's inputs and
+        # outputs of every micro-batch (bubble iterations' included)
+        live = activation_bytes_per_token(
+            cfg, w.seq_len, g.tensor, saved=False, fused_attention=fused
         )
+        act = tokens * (live / pipe.micro + 2 * cfg.hidden_size * a * pipe.layer_work)
         logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 3)
         return act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=False)
     # train: gradients (and their accumulator with micro-batches), saved activations of one
@@ -1265,15 +1361,29 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     saved_layer = activation_bytes_per_token(
         cfg, w.seq_len, g.tensor, saved=True, fused_attention=fused
     )
+    # With stages a device keeps its L / S layers' residuals of every iteration until the
+    # backward (autodiff through the GPipe schedule), the bubble's filler included; a layer's
+    # recompute under remat is one pipeline micro-batch's. 1F1B keeps a ring of 2S micro-batch
+    # inputs a stage and one micro-batch's residuals of its stage (the backward's recompute),
+    # and runs the head on one micro-batch at a time.
+    pipe = _pipeline(cfg, g, train=True)
+    layers = cfg.num_layers * pipe.layer_work / pipe.stages
+    recompute = tokens / pipe.micro * saved_layer
+    if pipe.schedule == "1f1b":
+        micro_tokens = tokens / pipe.micro
+        held = cfg.num_layers / pipe.stages * micro_tokens * saved_layer
+        ring = 2 * pipe.stages * micro_tokens * cfg.hidden_size * a
+        logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
+        logits /= pipe.micro
+        gathered = _gather_buffer_bytes(cfg, head, p, profile, train=True)
+        return grads * 2 + held + ring + logits + gathered
     if cfg.remat_policy == "none":
-        act = cfg.num_layers * tokens * saved_layer
+        act = layers * tokens * saved_layer
     elif cfg.remat_policy == "full":
-        act = cfg.num_layers * tokens * cfg.hidden_size * a + tokens * saved_layer
+        act = layers * tokens * cfg.hidden_size * a + recompute
     else:  # dots policies keep the matmul outputs, not the attention probabilities
         dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * mlp_width(cfg)
-        act = (
-            cfg.num_layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + tokens * saved_layer
-        )
+        act = layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + recompute
     logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
     return grads + act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=True)
 

@@ -20,7 +20,7 @@ prices them).
 Samples are identical with and without fusion (the engine's programs do not change). Scores are
 the same up to float rounding: a row scored in a batch of ``score_rows`` rows can differ from the
 same row scored among all rows in the last bits, because XLA may tile a matmul over the batch
-differently (tests/test_fusion.py bounds it).
+differently (tests/ppo/test_fusion.py bounds it).
 
 Migration (``RLConfig.migrate_rows``, RLHFuse's): once no prompt waits and at most that many
 rows are still decoding, the engine hands their KV pages and decode state over to a tail engine

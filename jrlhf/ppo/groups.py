@@ -85,14 +85,6 @@ def role_groups(rl, roles: Mapping[str, RoleSetup]) -> RoleGroups | None:
             "RLConfig.migrate_rows with generation on processes of its own: no scoring call runs "
             "on the generation devices, so moving the long tail off them frees nothing; set 0"
         )
-    lora = [r for r, setup in roles.items() if getattr(getattr(setup, "model", None), "lora", None)]
-    if lora:
-        raise ValueError(
-            f"{lora[0]}/RoleConfig.lora_rank with generation on processes of its own: the weight "
-            "channel merges the adapters into the base on the training mesh before it sends, and "
-            "the cross-process transition (jrlhf.reshard.processes) runs no merge inside the "
-            "training group alone yet; keep max_staleness=0 or share a process with generation"
-        )
     groups = RoleGroups(frozenset(gen), frozenset(range(jax.process_count())) - frozenset(gen))
     log.info("asynchronous groups: %s", groups.describe())
     return groups

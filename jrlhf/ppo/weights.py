@@ -14,7 +14,10 @@ adapters (rounding that drifts with every sync in bf16), or decode with unmerged
 more thin matmuls per projection per decode step, in every decode kernel and weight layout).
 Merged, the generation copy, its layouts, offload and the decode kernels are untouched, and the
 bytes are those of a full fine-tune, which the resharder already keeps to the zero-redundancy
-minimum (the bench reports both figures: ``python -m jrlhf.bench lora``).
+minimum (the bench reports both figures: ``python -m jrlhf.bench lora``). With generation on
+processes of its own, every process calls the merge and only the training group's run it (the
+generating processes own none of the training mesh's devices: JAX hands them arrays with no
+local shard), then the merged kernels cross as a full fine-tune's would.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ EXIT_JOIN_TIMEOUT = 1
 FLAG_HELP = (
     "join a multi-process JAX job: coordinator, process count and id from "
     f"{COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID}, or detected (SLURM, TPU pod, Open MPI); "
-    "see BUILD.md, 'Multi-host'"
+    "see docs/multihost.md"
 )
 
 # JAX's own connection deadline is set this much later than ours, so that the watchdog below

@@ -4,7 +4,7 @@ Tracing and compiling leave a trainer with hundreds of thousands of long-lived P
 (jaxprs, lowering caches, the wrappers of compiled programs): the 4-layer GRPO trainer of
 ``python -m jrlhf.bench rl`` tracks about 300,000, and one full collection of them took 146-169
 ms on the 2-core CPU machine; with ``bench plan``'s trainers in one process a full collection
-took up to 0.67 s (three trainers) and 1.03 s (eight), some inside trainer phases (BUILD.md). The
+took up to 0.67 s (three trainers) and 1.03 s (eight), some inside trainer phases (git log). The
 collector starts one whenever allocations cross its thresholds, in whichever phase is running,
 and in a multi-controller job a pause on one process holds every other one at its next
 collective.

@@ -30,7 +30,13 @@ from jrlhf.models.presets import get_preset
 
 # The training stage that produces each stage:NAME source, and the role it trains.
 STAGE_ROLES = {"sft": "actor", "rm": "reward", "dpo": "actor"}
-_ROLE_DTYPE_FIELDS = ("param_dtype", "dtype", "remat_policy")
+_ROLE_MODEL_FIELDS = (
+    "param_dtype",
+    "dtype",
+    "remat_policy",
+    "pipeline_microbatches",
+    "pipeline_schedule",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +128,9 @@ def resolve_base(
     head = ROLE_HEADS[role]
     fields = model_overrides(rc)
     if preset is not None:
-        fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS if _bound(role, f)})
+        fields.update({f: getattr(rc, f) for f in _ROLE_MODEL_FIELDS if _bound(role, f)})
         return ModelSource(ModelDef(get_preset(preset).replace(**fields), head), None)
-    fields.update({f: getattr(rc, f) for f in _ROLE_DTYPE_FIELDS})
+    fields.update({f: getattr(rc, f) for f in _ROLE_MODEL_FIELDS})
     kind, _, where = (init or rc.init).partition(":")
     if kind == "stage":
         if run_dir is None:

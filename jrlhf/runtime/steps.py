@@ -18,12 +18,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrlhf.meshes.batch import check_batch_divides, shard_batch
-from jrlhf.meshes.context import activation_sharding
+from jrlhf.meshes.context import activation_sharding, layer_stages
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models import lora as lora_lib
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 from jrlhf.runtime.guard import tree_is_finite
+from jrlhf.runtime.pipeline_step import grads_1f1b
 from jrlhf.runtime.shared_programs import shared_program
 
 # loss_fn(module, batch) -> (loss, metrics). metrics may carry "weight": how much this batch
@@ -198,6 +199,12 @@ def make_train_step(
     dropout = model.lora is not None and model.lora.dropout > 0
 
     def grads_of(params, batch, key=None):
+        stages = layer_stages()
+        if stages > 1 and model.config.pipeline_schedule == "1f1b":
+            # the layers over pipeline stages on the 1F1B schedule, gradients by hand
+            with lora_lib.dropout_key(key):
+                return grads_1f1b(model, loss_fn, params, batch, stages)
+
         def loss(trainable):
             with lora_lib.dropout_key(key):
                 return loss_fn(model.bind(model.with_trainable(params, trainable)), batch)

@@ -1,6 +1,7 @@
 """Paged decode attention kernels: a pure-JAX reference, a pure-JAX blocked kernel that reads only
-the pages in use, a C++ kernel for XLA:CPU (``native_cpu``, compiled on first use) and a Pallas
-GPU kernel.
+the pages in use, the ``paged_attention`` kernel jrlhf.kernels registers for the backend
+(``native_cpu``: jrlhf.native's C++ kernel for XLA:CPU, compiled on first use) and a Pallas GPU
+kernel.
 
 ``select_kernel("auto")`` picks the Pallas kernel when JAX's default backend is a GPU, the native
 kernel on a CPU where it builds, and the blocked kernel otherwise (TPU; a CPU without a compiler).
@@ -14,9 +15,8 @@ from collections.abc import Callable
 
 import jax
 
-from jrlhf.decode.kernels import native_cpu
+from jrlhf import kernels
 from jrlhf.decode.kernels.blocked import paged_attention_blocked
-from jrlhf.decode.kernels.native_cpu import paged_attention_native
 from jrlhf.decode.kernels.reference import paged_attention_reference
 
 KERNELS = ("auto", "reference", "blocked", "native_cpu", "pallas", "pallas_interpret")
@@ -55,7 +55,7 @@ def select_kernel(
             name = "blocked"
         if name == "pallas" and not all(tileable(n) for n in (page_size, head_dim) if n):
             name = "blocked"
-        if name == "native_cpu" and not native_cpu.available():
+        if name == "native_cpu" and kernels.usable("paged_attention") is None:
             name = "blocked"
 
     def bind(fn: Callable) -> Callable:
@@ -68,11 +68,11 @@ def select_kernel(
     if name == "native_cpu":
         if backend != "cpu":
             raise ValueError(f"paged-attention kernel 'native_cpu' runs on CPU, not {backend}")
-        if not native_cpu.available():
-            raise ValueError(
-                f"paged-attention kernel 'native_cpu': {native_cpu.unavailable_reason()}"
-            )
-        return name, bind(paged_attention_native)
+        kernel = kernels.usable("paged_attention")
+        if kernel is None:
+            why = kernels.why_unusable("paged_attention")
+            raise ValueError(f"paged-attention kernel 'native_cpu': {why}")
+        return name, bind(kernel.fn)
     # Pallas and its Triton lowering load only when a Pallas kernel is chosen.
     from jrlhf.decode.kernels.pallas_gpu import (  # noqa: PLC0415
         check_shapes,
@@ -93,7 +93,6 @@ __all__ = [
     "KERNELS",
     "SOFTCAP_KERNELS",
     "paged_attention_blocked",
-    "paged_attention_native",
     "paged_attention_reference",
     "select_kernel",
     "tileable",

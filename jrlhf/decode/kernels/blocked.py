@@ -5,9 +5,9 @@ context 70 of a 192-token engine reads (and materialises) as much K/V as one at 
 walks the table in blocks of about ``BLOCK_TOKENS`` positions under a ``while`` loop that stops
 after the last block any sequence of the batch still needs, combining blocks with an online
 softmax (flash-decoding). One compile for every context length; results match the reference to
-float rounding (``tests/test_decode_kernels.py``).
+float rounding (``tests/decode/test_decode_kernels.py``).
 
-Why this shape, measured on the 2-core CPU machine (BUILD.md, "Benchmarks": decode attention):
+Why this shape, measured on the 2-core CPU machine (docs/performance.md, CPU defaults):
 
 * Each block's pages are taken as whole rows of the pool viewed as ``(layers * pages,
   page_size * kv_heads * head_dim)``: one contiguous row per page, a cheaper gather on XLA:CPU

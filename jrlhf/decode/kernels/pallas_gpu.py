@@ -15,8 +15,8 @@ so the result stays within rounding of the reference, which computes in float32 
 
 The kernel math is checked against the pure-JAX reference on CPU with ``interpret=True``. The
 compiled Triton path is selected automatically when ``jax.default_backend() == "gpu"``;
-tests/test_decode_kernels.py checks it on a CUDA device
-(``JAX_PLATFORMS=cuda python -m pytest -o addopts="" tests/test_decode_kernels.py``).
+tests/decode/test_decode_kernels.py checks it on a CUDA device
+(``JAX_PLATFORMS=cuda python -m pytest -o addopts="" tests/decode/test_decode_kernels.py``).
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ def test_every_config_file_loads(path, monkeypatch):
     "path", sorted((ROOT / "configs" / "algorithms").glob("*.gin")), ids=lambda p: p.stem
 )
 def test_every_algorithm_fragment_loads_on_the_arithmetic_config(path, monkeypatch):
-    """The fragments README's algorithm table names, each on top of the config they are for."""
+    """The fragments docs/guide.md's algorithm table names, each on the config they are for."""
     monkeypatch.chdir(ROOT)
     cfg = config.load_config(["configs/arithmetic_grpo.gin", str(path)], [])
     assert cfg.run.stages == ("sft", "grpo") and cfg.task.name == "arithmetic"

@@ -1,6 +1,6 @@
 """An accelerator's device profile fitted to ``python -m jrlhf.bench gpu`` reports.
 
-The CPU calibration (``jrlhf.pipeline.calibrate``) times models of a few hundred thousand
+The CPU calibration (``jrlhf.calibration.measure``) times models of a few hundred thousand
 parameters: on a GPU those measure kernel launches, not the rates a 7B or 70B plan is priced
 with. ``bench gpu`` runs real model shapes (Llama-3.2-1B, Llama-3-8B) on one device; this module
 turns its reports into a profile:
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.calibration.measure import _nnls
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.models.presets import get_preset
-from jrlhf.pipeline.calibrate import _nnls
 from jrlhf.pipeline.plan_bench import plan_from_placements, trainer_bindings, trainer_workload
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jrlhf.decode.sampling import sample_tokens
+from jrlhf.kernels.panels import LANES, from_panels, panel_matmul, panel_matmuls, to_panels
 from jrlhf.native import matmul as native_matmul
 from jrlhf.native import token_pick
-from jrlhf.native.matmul import LANES, from_panels, panel_matmul, panel_matmuls, to_panels
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_native_masked_attention_matches_the_xla_form(t, heads, kv_heads, dim, m
     assert native.available(), native.unavailable_reason()
     want_loss, want = loss(attention.masked_attention)(q, k, v)
     got_out = native.masked_attention(q, k, v, mask, attention.MASK_VALUE)
-    monkeypatch.setattr(attention, "NATIVE_ON_CPU", False)
+    monkeypatch.setattr(attention, "USE_KERNEL", False)
     ref_out = attention.masked_attention(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got_out), np.asarray(ref_out), atol=2e-6, rtol=0)
     ref_loss, ref = loss(attention.masked_attention)(q, k, v)
@@ -129,13 +129,13 @@ def test_native_attention_only_where_it_fits():
     from jrlhf.models import attention
 
     q = jnp.zeros((2, 4, 2, 16), jnp.float32)
-    assert attention.native_fits(q, q, q) == (jax.default_backend() == "cpu")
+    assert attention.kernel_fits(q, q, q) == (jax.default_backend() == "cpu")
     half = q.astype(jnp.bfloat16)
-    assert not attention.native_fits(half, half, half)
+    assert not attention.kernel_fits(half, half, half)
     with activation_sharding(make_mesh("data=2,tensor=1"), "dp_tp"):
-        assert not attention.native_fits(q, q, q)
+        assert not attention.kernel_fits(q, q, q)
     with activation_sharding(make_mesh("data=1,tensor=1"), "dp_tp"):
-        assert attention.native_fits(q, q, q) == (jax.default_backend() == "cpu")
+        assert attention.kernel_fits(q, q, q) == (jax.default_backend() == "cpu")
 
 
 def test_native_attention_in_a_rematerialized_model_gradient(monkeypatch):
@@ -160,9 +160,9 @@ def test_native_attention_in_a_rematerialized_model_gradient(monkeypatch):
         return (jax.nn.log_softmax(logits) * (segments[..., None] > 0)).sum()
 
     q = jnp.zeros((2, 12, cfg.num_heads, cfg.head_dim), jnp.float32)
-    assert attention.native_fits(q, q, q) == (jax.default_backend() == "cpu")
+    assert attention.kernel_fits(q, q, q) == (jax.default_backend() == "cpu")
     native = jax.jit(jax.grad(loss))(params)
-    monkeypatch.setattr(attention, "NATIVE_ON_CPU", False)
+    monkeypatch.setattr(attention, "USE_KERNEL", False)
     xla = jax.jit(jax.grad(loss))(params)
     for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
@@ -196,7 +196,14 @@ def test_token_pick_matches_the_xla_sampler(vocab, greedy, temperature):
 
     def pick(native):
         fn = lambda lg, k, t: sample_tokens(  # noqa: E731
-            lg, k, t, jnp.int32(0), jnp.float32(1.0), greedy=greedy, filtered=False, native=native
+            lg,
+            k,
+            t,
+            jnp.int32(0),
+            jnp.float32(1.0),
+            greedy=greedy,
+            filtered=False,
+            kernel_pick=native,
         )
         return [np.asarray(a) for a in jax.jit(fn)(logits, keys, t)]
 
@@ -225,13 +232,13 @@ def test_token_pick_matches_the_xla_sampler(vocab, greedy, temperature):
 
 def test_token_pick_refusals_and_where_the_sampler_keeps_xla():
     """Shapes that do not agree are refused in one line; filtered sampling (top-k / top-p) keeps
-    the XLA form under ``native=True``, the same arrays bit for bit."""
+    the XLA form under ``kernel_pick=True``, the same arrays bit for bit."""
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 40)), jnp.float32)
     with pytest.raises(ValueError, match=r"noise of shape \(4, 39\) for logits of \(4, 40\)"):
         token_pick.pick_tokens(logits, jnp.zeros((4, 39)), jnp.float32(1.0))
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), 4))
     args = (logits, keys, jnp.float32(0.9), jnp.int32(5), jnp.float32(0.8))
-    native = sample_tokens(*args, greedy=False, filtered=True, native=True)
-    xla = sample_tokens(*args, greedy=False, filtered=True, native=False)
+    native = sample_tokens(*args, greedy=False, filtered=True, kernel_pick=True)
+    xla = sample_tokens(*args, greedy=False, filtered=True, kernel_pick=False)
     for a, b in zip(native, xla, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

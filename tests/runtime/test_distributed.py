@@ -23,7 +23,7 @@ from jrlhf.runtime import distributed, job_env
 from jrlhf.runtime.devices import with_host_device_count
 from jrlhf.runtime.job_env import DistributedError, JobSpec, Timeouts, job_spec_from_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB_VARS = (
     job_env.COORDINATOR,
     job_env.NUM_PROCESSES,

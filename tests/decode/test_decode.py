@@ -425,8 +425,8 @@ def test_every_weight_layout_decodes_the_same():
     layout give the stacked model's logits within 1e-5. (The engine's parity tests against
     transformers and across meshes run the CPU defaults: panels on one device, out-major on
     more.)"""
+    from jrlhf.kernels.panels import from_panels
     from jrlhf.models.transformer import PROJECTIONS, decode_weights
-    from jrlhf.native.matmul import from_panels
 
     cfg = tiny_config(eos_token_id=None, initializer_range=0.2)
     model = ModelDef(cfg)
@@ -485,19 +485,20 @@ def test_weight_layout_default_refusals_and_same_samples():
     AVX-512 the kernel is written for), on more devices out-major; an explicit "panels" that
     cannot apply is refused in one line before anything compiles. Engines over each layout
     generate the same tokens, their log-probs within float rounding."""
-    from jrlhf.native import matmul as native_matmul
+    from jrlhf import kernels
 
     engine, params = _engine("llama3")
     if jax.default_backend() == "cpu":
-        fast = native_matmul.fast_here() and native_matmul.available()
+        kernel = kernels.usable("few_row_matmul")
+        fast = kernel is not None and kernel.queries["fast_here"]()
         assert engine.weight_layout() == ("panels" if fast else "out_major")
         two, _ = _engine("llama3", "data=2,tensor=2")
         assert two.weight_layout() == "out_major"
     model_def, _, _ = _hf("llama3", "data=2,tensor=2")
-    with pytest.raises(ValueError, match="'panels': the native matmul runs on a one-device mesh"):
+    with pytest.raises(ValueError, match="'panels': the few-row matmul runs on a one-device mesh"):
         DecodeEngine(model_def, make_mesh("data=2,tensor=2"), "dp_tp", _layout("panels"))
     bf16 = ModelDef(tiny_config(dtype="bfloat16"))
-    with pytest.raises(ValueError, match="'panels': the native matmul multiplies float32"):
+    with pytest.raises(ValueError, match="'panels': the few-row matmul multiplies float32"):
         DecodeEngine(bf16, make_mesh("data=1,tensor=1"), "dp_tp", _layout("panels"))
     with pytest.raises(ValueError, match="EngineConfig.weight_layout 'rows' unknown"):
         _layout("rows")

@@ -2,7 +2,7 @@
 schedule, per-token versions, the bound, identity with the synchronous loop at 0, exact resume.
 
 Everything here runs on one process, where nothing overlaps: the schedule and its numbers are
-the same as with separate generation and training processes (tests/test_multiprocess.py)."""
+the same as with separate generation and training processes (tests/e2e/test_multiprocess.py)."""
 
 import json
 import shutil

@@ -66,7 +66,7 @@ def single():
     "mesh_spec,kwargs",
     [
         ("fsdp=2,tensor=4", {}),
-        # (fsdp=4,tensor=2 is the trainer's default training mesh: tests/test_trainer.py)
+        # (fsdp=4,tensor=2 is the trainer's default training mesh: tests/e2e/test_trainer.py)
         ("data=2,fsdp=2,tensor=2", {"microbatches": 2, "remat": "full"}),
     ],
 )
@@ -194,7 +194,7 @@ def rl_batch(b=8, seed=0, vocab=256):
 
 
 # The seq-mean modes share one micro-batch weight (rows) and differ only inside each row, which
-# tests/test_ppo_math.py checks for every mode and split: one of them, against the token mean,
+# tests/ppo/test_ppo_math.py checks for every mode and split: one of them, against the token mean,
 # covers the step's accumulation.
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
 def test_rl_losses_do_not_depend_on_the_microbatch_split(agg):

@@ -5,7 +5,7 @@ The kernel (``jrlhf/native/paged_attention_cpu.cc``) has the contract of
 the scores and once for the values, with the sequences shared out over XLA's intra-op threads: no
 page is copied, where the pure-JAX kernels gather (and transpose) every page they read. On the
 bench model's decode shape (8 layers, 16 sequences, 4 KV heads of 64, context 128) one step's
-attention took 1.26 ms against the blocked kernel's 4.8 ms (BUILD.md, "Benchmarks").
+attention took 1.26 ms against the blocked kernel's 4.8 ms (docs/performance.md).
 
 It is built on first use with the system's C++ compiler and cached per machine by
 ``jrlhf.native.build`` (about 2 s, once). Without a compiler (or if the build fails)

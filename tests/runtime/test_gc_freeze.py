@@ -49,7 +49,7 @@ def test_disabled_or_failing_loops_leave_nothing_frozen():
 
 
 def test_a_supervised_stage_freezes_after_its_first_step(tmp_path, freezers):
-    """(The RL loop: tests/test_trainer.py, a GRPO run with and one without.)"""
+    """(The RL loop: tests/e2e/test_trainer.py, a GRPO run with and one without.)"""
     args = [
         "--run-dir", str(tmp_path), "--quiet", "RunConfig.stages=('sft',)", "SFTConfig.steps=3",
         *SMALL,

@@ -208,7 +208,7 @@ def scaled_plan_bindings(factor: int = 8) -> list[str]:
 
 
 def test_the_70b_plan_runs_scaled_down_and_matches_a_plain_run(plain_rows, tmp_path):
-    """The plan `python -m jrlhf.plan` writes for four 70B models on 64 H100s (README's
+    """The plan `python -m jrlhf.plan` writes for four 70B models on 64 H100s (docs/multihost.md's
     command; docs/plans.md), on 8 CPU devices with tiny models: the same mesh shapes per call
     scaled by 8, the same batch and memory knobs (scoring chunk, micro-batches, remat policy,
     generation copy, offload). The trainer accepts it, and its metrics are the plain flatten
@@ -234,7 +234,7 @@ def test_generation_with_replicated_kv_heads_runs_in_the_trainer(plain_rows, tmp
     """The 405B plans' generation layout (jrlhf.placement.candidates: query heads over a tensor
     size above the KV heads' split, KV heads replicated) in the trainer, on 8 CPU devices: it
     reshards into it and generates, and its first iteration is the plain run's.
-    tests/test_decode.py checks the engine with fewer KV heads than tensor shards."""
+    tests/decode/test_decode.py checks the engine with fewer KV heads than tensor shards."""
     bindings = [
         "actor/RoleConfig.generate_mesh='data=1,tensor=8'",
         "actor/RoleConfig.generate_rules='dp_tp_kv_replicated'",

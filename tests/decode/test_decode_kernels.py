@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jrlhf.decode.kernels import (
-    native_cpu,
     paged_attention_blocked,
     paged_attention_reference,
     select_kernel,
@@ -16,6 +15,7 @@ from jrlhf.decode.kernels import (
 from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.models.attention import attention_mask, masked_attention
 from jrlhf.native import build as native_build
+from jrlhf.native import paged_attention as native_cpu
 
 L, P, PS, K, D, H = 2, 12, 16, 2, 32, 4
 

@@ -13,7 +13,7 @@ import pytest
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.decode.turns import Turns
 from jrlhf.envs import Step, env_metrics
-from tests.test_decode import _hf, _prompts, _trainer_logprobs
+from tests.decode.test_decode import _hf, _prompts, _trainer_logprobs
 
 ENGINE = EngineConfig(
     num_slots=4,
@@ -213,7 +213,7 @@ def test_trained_tokens_masks_and_logprobs_are_the_generated_ones_turn_by_turn()
 
     SEEN.clear()
     env = EnvSetup(
-        "scripted", load_environment("tests.test_multiturn:_scripted"), max_turn_tokens=3
+        "scripted", load_environment("tests.decode.test_multiturn:_scripted"), max_turn_tokens=3
     )
     rollout, params, model, logprobs = _rollout(env)
     prompts = _prompts((3, 8, 5, 1))
@@ -287,7 +287,7 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
 
     prompts = [[11, 3, 4], [12, 3, 4], [14, 5, 6], [16, 7, 8]]  # one odd first token
     env = EnvSetup(
-        "raises", load_environment("tests.test_multiturn:_raises"), max_turn_tokens=2,
+        "raises", load_environment("tests.decode.test_multiturn:_raises"), max_turn_tokens=2,
         failure_limit=0.25, timeout_s=0,
     )  # fmt: skip
     rollout, params, _, _ = _rollout(env)
@@ -311,7 +311,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
     the update): GRPO from a random policy, whose episodes call the calculator (env/* metrics), the
     environment's tokens masked; `python -m jrlhf.evaluate` on the final checkpoint reports the
     run's own held-out numbers (the same episodes). The synchronous loop runs it in
-    tests/test_multiprocess.py, against 2 processes."""
+    tests/e2e/test_multiprocess.py, against 2 processes."""
     import json
 
     from jrlhf import train

@@ -1,4 +1,4 @@
-"""Accelerator profiles fitted to bench gpu reports (jrlhf.pipeline.calibrate_from_bench)."""
+"""Accelerator profiles fitted to bench gpu reports (jrlhf.calibration.from_bench)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from jrlhf.cli import calibrate as calibrate_cli
-from jrlhf.meshes.mesh import MeshSpec
-from jrlhf.models.presets import get_preset
-from jrlhf.pipeline.calibrate_from_bench import (
+from jrlhf.calibration.from_bench import (
     BenchReportError,
     profile_from_bench,
     score_profile,
 )
+from jrlhf.cli import calibrate as calibrate_cli
+from jrlhf.meshes.mesh import MeshSpec
+from jrlhf.models.presets import get_preset
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement
 from jrlhf.placement.profile import PROFILE_DIR, DeviceProfile
 from jrlhf.placement.workload import Workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the reports the built-in GPU profiles were fitted to (docs/gpu.md says how they were taken)
 PROFILE_REPORTS = {
     "h100": [

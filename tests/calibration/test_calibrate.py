@@ -7,7 +7,7 @@ import statistics
 import jax
 import pytest
 
-from jrlhf.pipeline import calibrate as cal
+from jrlhf.calibration import measure as cal
 from jrlhf.placement import estimator as est
 from jrlhf.placement.profile import DeviceProfile
 
