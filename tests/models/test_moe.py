@@ -230,7 +230,7 @@ def test_record_routes_with_a_dense_actor_is_refused_by_the_check(capsys, monkey
 
     from jrlhf import train
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     args = ["--check", "--config", "configs/grpo_tiny.gin", "DecodeConfig.record_routes=True"]
     assert train.main(args) == 2
     err = capsys.readouterr().err.strip()
