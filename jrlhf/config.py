@@ -809,6 +809,10 @@ class DecodeConfig:
     num_pages: int = 0
     chunk_steps: int = 8
     layer_loop: str = "auto"
+    # A mixture-of-experts actor's rollouts record each layer's chosen experts, and every
+    # update reports how often its training pass routes them differently (moe/* metrics,
+    # docs/moe.md). Synchronous rollouts only (not fused, partial or asynchronous ones).
+    record_routes: bool = False
 
     def validate(self) -> None:
         check_types(self, "DecodeConfig")

@@ -1,6 +1,6 @@
 """``python -m jrlhf.bench
-{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu,lora} [options]``: one JSON
-object on stdout.
+{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu,lora,moe_routing}
+[options]``: one JSON object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
 checkout (beside the ``jrlhf`` package) and run from there, e.g. after ``pip install -e .``.
@@ -19,7 +19,7 @@ from jrlhf.runtime.devices import keep_host_memory
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
-    "gpu", "lora",
+    "gpu", "lora", "moe_routing",
 )  # fmt: skip
 CHECKOUT = Path(__file__).resolve().parents[2]
 

@@ -49,6 +49,7 @@ from jrlhf.kernels import panels
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.context import activation_sharding
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
+from jrlhf.models import moe
 from jrlhf.models.attention import (
     aligned_causal_attention,
     full_attention,
@@ -89,6 +90,10 @@ class EngineConfig:
     ``max_observation_tokens`` is the longest observation a multi-turn ``generate`` may append
     between two turns (jrlhf.decode.turns); 0 for single-turn use.
 
+    ``record_routes`` keeps, for a mixture-of-experts model, the experts every layer chose at
+    each generated token's forward pass (``GenerationResult.routes``), so that the training
+    pass's routing can be compared with the rollout's (jrlhf.models.moe.routing_mismatch).
+
     ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
     and land on the same data shard share that prompt's prefill and its full KV pages (tokens
     and log-probs are the same as without: only pages and prefill work are saved).
@@ -107,6 +112,7 @@ class EngineConfig:
     weight_layout: str | None = None
     share_prefixes: bool = True
     max_observation_tokens: int = 0
+    record_routes: bool = False
 
     def __post_init__(self):
         for name in (
@@ -172,6 +178,10 @@ class DecodeState:
     forced: jax.Array  # (slots, max(1, max_observation_tokens)) int32
     forced_n: jax.Array  # (slots,) int32
     forced_i: jax.Array  # (slots,) int32
+    # The experts each layer chose at the pass that produced generated token j (the prompt's
+    # last token for j = 0): (slots, max_new_tokens, layers, top_k) int32 when the engine
+    # records routes (EngineConfig.record_routes), else a (slots, 1, 1, 1) placeholder.
+    routes: jax.Array
 
 
 _STATE_AXES = DecodeState(
@@ -192,6 +202,7 @@ _STATE_AXES = DecodeState(
     forced=("slots", None),
     forced_n=("slots",),
     forced_i=("slots",),
+    routes=("slots", None, None, None),
 )
 
 # The decode state of migrated sequences in transit (jrlhf.decode.engine.Migration): one row per
@@ -227,6 +238,9 @@ class GenerationResult:
     stats: dict[str, Any]
     policy_masks: list[np.ndarray] | None = None
     episodes: dict[str, np.ndarray] | None = None
+    # EngineConfig.record_routes: per completion (tokens, layers, top_k) int32, the experts
+    # chosen at the pass that produced each token; else None
+    routes: list[np.ndarray] | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -386,6 +400,8 @@ class DecodeEngine:
     def _build(self, model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineConfig):
         if model_def.head != "lm":
             raise ValueError("DecodeEngine needs a language-model head (head='lm')")
+        if config.record_routes and not model_def.config.is_moe:
+            raise ValueError("EngineConfig.record_routes needs a mixture-of-experts model")
         self.model_def = model_def
         self.cfg = model_def.config
         self.config = config
@@ -502,7 +518,14 @@ class DecodeEngine:
             forced=zi(s, max(1, ec.max_observation_tokens)),
             forced_n=zi(s),
             forced_i=zi(s),
+            routes=zi(*self._routes_shape()),
         )
+
+    def _routes_shape(self) -> tuple[int, int, int, int]:
+        ec, c = self.config, self.cfg
+        if ec.record_routes:
+            return (ec.num_slots, ec.max_new_tokens, c.num_layers, c.num_experts_per_tok)
+        return (ec.num_slots, 1, 1, 1)
 
     def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
         """``sample_tokens`` of one step, with the token-pick kernel where it applies."""
@@ -588,13 +611,24 @@ class DecodeEngine:
             )
             return out, (kp, vp)
 
+        record = self.config.record_routes
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
-            hidden, (kp, vp) = model.run_layers(
-                model.embed(tokens_nt), positions, attend, (state.k_pages, state.v_pages)
+            hidden, (kp, vp), layer_stats = model.run_layers(
+                model.embed(tokens_nt),
+                positions,
+                attend,
+                (state.k_pages, state.v_pages),
+                with_stats=True,
             )
-            last = jnp.take_along_axis(hidden, jnp.maximum(lens_n - 1, 0)[:, None, None], axis=1)
+            last_col = jnp.maximum(lens_n - 1, 0)
+            last = jnp.take_along_axis(hidden, last_col[:, None, None], axis=1)
             logits = model.logits(last[:, 0])[src_m]
+        routes = state.routes
+        if record:  # the prompt's last token's experts (L, n, t, k) -> (m, L, k)
+            chosen = layer_stats[moe.EXPERTS][:, jnp.arange(n), last_col]
+            chosen = jnp.transpose(chosen, (1, 0, 2))[src_m]
+            routes = routes.at[slots_m, 0].set(chosen, mode="drop")
 
         keys = jax.vmap(jax.random.PRNGKey)(seeds_m)
         keys = jnp.where(
@@ -625,6 +659,7 @@ class DecodeEngine:
             turn_left=put(state.turn_left, jnp.broadcast_to(turn_left, lens_m.shape)),
             forced_n=put(state.forced_n, jnp.zeros_like(lens_m)),
             forced_i=put(state.forced_i, jnp.zeros_like(lens_m)),
+            routes=routes,
         )
 
     def _paged_attend(self, state: DecodeState):
@@ -716,12 +751,13 @@ class DecodeEngine:
         with activation_sharding(self.mesh, self.rules):
             model = self.model_def.bind(params)
             x = model.embed(state.last_token[:, None])
-            hidden, (kp, vp) = model.run_layers(
+            hidden, (kp, vp), layer_stats = model.run_layers(
                 x,
                 state.lengths[:, None],
                 self._paged_attend(state),
                 (state.k_pages, state.v_pages),
                 layer_params,
+                with_stats=True,
             )
             logits = model.logits(hidden[:, 0], layer_params)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
@@ -742,7 +778,12 @@ class DecodeEngine:
         done = num_generated >= state.max_new
         done |= ~forcing & (self._is_stop(tok, stop_ids) | self._is_stop(tok, turn_stop_ids))
         done |= sampled & (turn_left <= 0)
+        routes = state.routes
+        if self.config.record_routes:  # this step's experts (L, slots, 1, k) -> (slots, L, k)
+            chosen = jnp.transpose(layer_stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
+            routes = routes.at[slots, col].set(chosen, mode="drop")
         return state.replace(
+            routes=routes,
             k_pages=kp,
             v_pages=vp,
             lengths=state.lengths + active,
@@ -931,6 +972,8 @@ class DecodeEngine:
         if len(stops) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported (got {len(stops)})")
         if migration is not None:
+            if ec.record_routes:
+                raise ValueError("EngineConfig.record_routes does not follow migrated sequences")
             self._check_tail(migration.engine)
         self._check_turns(turns)
         requests = self._requests(prompts, sp, max_new)
@@ -960,6 +1003,7 @@ class DecodeEngine:
         queue = collections.deque(requests)
         slot_req: list[_Request | None] = [None] * ec.num_slots
         outputs: list[tuple | None] = [None] * len(requests)
+        routes_out: list[np.ndarray | None] = [None] * len(requests)
         stats = collections.Counter()
         done_rows: list[FinishedRow] = []  # finished, not yet handed to on_finished
         active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
@@ -1003,6 +1047,8 @@ class DecodeEngine:
                 if finished:
                     fetch = (state.tokens, state.sampling_lp, state.raw_lp)
                     toks, slp, rlp, *policy = to_host(fetch + ((state.policy,) * bool(turns)))
+                    if ec.record_routes:
+                        routes_host = to_host(state.routes)
                     if turns is not None:
                         turn_ended = finished
                         state, finished = eng._next_turns(
@@ -1020,6 +1066,8 @@ class DecodeEngine:
                             rlp[slot, :n].copy(),
                             policy[0][slot, :n].copy() if policy else None,
                         )
+                        if ec.record_routes:
+                            routes_out[req.index] = routes_host[slot, :n].copy()
                         alloc.release(slot)
                         slot_req[slot] = None
                         if on_finished is not None:
@@ -1069,6 +1117,7 @@ class DecodeEngine:
             prompt_index=np.array([r.prompt_index for r in requests], np.int32),
             stats=dict(stats),
             policy_masks=[o[3] for o in outputs] if turns is not None else None,
+            routes=routes_out if ec.record_routes else None,
         )
 
     def _check_turns(self, turns: Turns | None) -> None:

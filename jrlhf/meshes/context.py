@@ -63,3 +63,18 @@ def current_rules() -> Rules | None:
 def current_mesh() -> Mesh | None:
     current = _CURRENT.get()
     return None if current is None else current[0]
+
+
+def shard_count(logical: str) -> int:
+    """Over how many devices the current rule set splits the logical axis ``logical`` (1
+    outside ``activation_sharding``, or where its mesh axes are absent)."""
+    current = _CURRENT.get()
+    if current is None:
+        return 1
+    mesh, rules = current
+    return axis_size(mesh, logical_to_spec((logical,), mesh, rules)[0])
+
+
+def current_layout() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing ``activation_sharding``, or None outside one."""
+    return _CURRENT.get()

@@ -47,19 +47,25 @@ FSDP_TP: Rules = (
     ("layers", "stage"),
     ("norm", None),
     ("lora_rank", None),  # LoRA adapters' inner axis (jrlhf.models.lora): a few dozen wide
-    ("batch", ("data", "fsdp")),
+    # mixture of experts (jrlhf.models.moe): experts split over the expert mesh axis, each
+    # expert's width over tensor; outside the routed MLP the expert axis carries batch rows, so
+    # attention and the dense parts are data-parallel over it
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
+    ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    ("act_experts", "expert"),
     # the stage dimension of a pipeline's in-flight activations (one micro-batch per stage)
     ("act_stage", "stage"),
     # decode state: slots (sequences in flight) split like the batch; each shard owns its slots'
     # KV pages, so a page pool is split the same way
-    ("slots", ("data", "fsdp")),
-    ("kv_pages", ("data", "fsdp")),
+    ("slots", ("data", "fsdp", "expert")),
+    ("kv_pages", ("data", "fsdp", "expert")),
 )
 
 # Sampling drops FSDP: weights are replicated over data and split only over tensor, so each decode
@@ -74,12 +80,20 @@ DP_TP_KV_REPLICATED: Rules = tuple(
     (name, None if name in ("kv_heads", "act_kv_heads") else axes) for name, axes in DP_TP
 )
 
+# Generation with every expert on every device (experts replicated over the expert axis, which
+# then only splits the slots): a decode step routes a few tokens, so reading local experts
+# avoids dispatching them across devices, at the price of holding all experts.
+DP_TP_EXPERTS_REPLICATED: Rules = tuple(
+    (name, None if name in ("experts", "act_experts") else axes) for name, axes in DP_TP
+)
+
 REPLICATED: Rules = tuple((name, None) for name, _ in FSDP_TP)
 
 RULE_SETS: dict[str, Rules] = {
     "fsdp_tp": FSDP_TP,
     "dp_tp": DP_TP,
     "dp_tp_kv_replicated": DP_TP_KV_REPLICATED,
+    "dp_tp_experts_replicated": DP_TP_EXPERTS_REPLICATED,
     "replicated": REPLICATED,
 }
 

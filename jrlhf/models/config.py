@@ -1,4 +1,5 @@
-"""Model configuration for the decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3)."""
+"""Model configuration for the decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3, and
+the mixture-of-experts Qwen3-MoE and Mixtral)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+)
+# How a mixture-of-experts layer runs its experts (jrlhf.models.moe): "ragged" (tokens sorted by
+# expert, grouped matmuls jax.lax.ragged_dot), "dense" (every expert on every token, combined by
+# the routing weights: top_k / num_experts of the work is used), "auto" (see moe.choose_impl).
+MOE_IMPLS = ("auto", "ragged", "dense")
 # The MLP's gate activation: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU, Gemma's
 # gelu_pytorch_tanh).
 ACTIVATIONS = ("silu", "gelu_tanh")
 # ModelConfig.layer_types entries (HF's names): a sliding layer attends over the last
 # ``sliding_window`` positions, a full one over all of them.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
@@ -59,6 +75,10 @@ NONNEGATIVE_SIZES = (
     "head_dim",
     "sliding_window",
     "query_pre_attn_scalar",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_size",
     "pipeline_microbatches",
 )
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps")
@@ -67,6 +87,8 @@ NONNEGATIVE_REALS = (
     "attn_logit_softcap",
     "final_logit_softcap",
     "rope_local_theta",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
 )
 
 
@@ -148,6 +170,24 @@ class ModelConfig:
     # with a 16-bit compute dtype, einsum otherwise (see fused_attention). Decode uses the
     # paged kernels whatever this says.
     attention: str = "auto"
+    # Mixture of experts (0 experts: a dense MLP in every layer). Every layer's MLP is then
+    # ``num_experts`` SwiGLU experts of width ``moe_intermediate_size`` (0: intermediate_size),
+    # of which a softmax router picks ``num_experts_per_tok`` per token; ``norm_topk_prob``
+    # renormalizes the chosen ones' probabilities to sum to 1 (Mixtral always; Qwen3-MoE per
+    # checkpoint). No capacity: every token reaches all of its experts (dropless).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # A shared expert every token runs through besides its routed ones, this wide, its output
+    # scaled by sigmoid(x @ shared_expert_gate) (Qwen2-MoE); 0: none (Qwen3-MoE, Mixtral).
+    shared_expert_size: int = 0
+    moe_impl: str = "auto"  # MOE_IMPLS
+    # Training options (the actor's loss adds them, its metrics report them): the load-balancing
+    # loss (Switch Transformer: num_experts * sum_e tokens_fraction_e * mean_prob_e, averaged
+    # over layers) and the router z-loss (mean logsumexp(router logits)^2, ST-MoE).
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # Pipeline parallelism (jrlhf.models.pipeline): when a pass's mesh and rules split the
     # layers over a ``stage`` axis, its batch goes through the stages in this many
     # micro-batches (rows padded up to a multiple); 0: as many as there are stages. More
@@ -229,6 +269,26 @@ class ModelConfig:
                 "attention 'cudnn' cannot soft-cap attention scores (attn_logit_softcap "
                 f"{self.attn_logit_softcap}); use attention 'einsum' or 'auto'"
             )
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl {self.moe_impl!r} unknown (use one of {MOE_IMPLS})")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in 1..num_experts={self.num_experts} "
+                    f"(got {self.num_experts_per_tok})"
+                )
+        elif (
+            self.num_experts_per_tok
+            or self.shared_expert_size
+            or self.router_aux_loss_coef
+            or self.router_z_loss_coef
+        ):
+            raise ValueError(
+                "num_experts is 0 (a dense model) but num_experts_per_tok, shared_expert_size "
+                "or a router loss coefficient is set"
+            )
+        if self.architecture in MOE_ARCHITECTURES and not self.num_experts:
+            raise ValueError(f"architecture {self.architecture!r} needs num_experts >= 1")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if isinstance(self.eos_token_id, list):
@@ -289,6 +349,15 @@ class ModelConfig:
         )
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's SwiGLU width (``moe_intermediate_size``, or intermediate_size)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
     def query_scale(self) -> float:
         """What the queries are multiplied by so that the kernels' ``head_dim ** -0.5`` makes
         the model's attention scale (``query_pre_attn_scalar``); 1.0 for most models."""
@@ -306,11 +375,24 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         norms = (4 if self.post_norms else 2) * e + (2 * d if self.qk_norm else 0)
-        per_layer = attn + 3 * e * f + norms
+        if self.num_experts:
+            mlp = self.num_experts * 3 * e * self.expert_size + e * self.num_experts
+            if self.shared_expert_size:  # its three kernels and its gate's one column
+                mlp += 3 * e * self.shared_expert_size + e
+        else:
+            mlp = 3 * e * f
+        per_layer = attn + mlp + norms
         total = self.vocab_size * e + self.num_layers * per_layer + e
         if with_lm_head and not self.tie_word_embeddings:
             total += self.vocab_size * e
         return total
+
+    def num_active_params(self, with_lm_head: bool = True) -> int:
+        """Parameters one token runs through: ``num_params`` with only ``num_experts_per_tok``
+        of each layer's experts (the router counted whole); ``num_params`` for dense models."""
+        total = self.num_params(with_lm_head)
+        idle = self.num_experts - self.num_experts_per_tok
+        return total - self.num_layers * idle * 3 * self.hidden_size * self.expert_size
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

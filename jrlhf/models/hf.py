@@ -38,6 +38,9 @@ _ARCH_CLASS = {
     "mistral": "Mistral",
     "gemma2": "Gemma2",
     "gemma3": "Gemma3",
+    "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
 }
 # HF model_type of each architecture where the two differ (Gemma 3's text model), and back.
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
@@ -129,8 +132,11 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
     model_type = arch
+    moe = _moe_fields(hf, arch, source)
     if model_type == "qwen2":
         qkv_bias = True
+    elif model_type == "qwen2_moe":  # q/k/v biases by default, as Qwen2
+        qkv_bias = bool(hf.get("qkv_bias", True))
     else:
         if hf.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true (o_proj bias) is not supported")
@@ -165,8 +171,13 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     sliding = hf.get("sliding_window") or 0
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+    if model_type in qwen and not hf.get("use_sliding_window", False):
         sliding = 0
+    if model_type in ("qwen3_moe", "qwen2_moe") and sliding:
+        raise CheckpointError(
+            f"{source}: {model_type} with use_sliding_window=true is not supported"
+        )
     layer_types = hf.get("layer_types")
     num_layers = hf.get("num_hidden_layers")
     if layer_types is None and sliding and model_type in ("qwen2", "qwen3"):
@@ -212,7 +223,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
             sliding_window=int(sliding),
             layer_types=layer_types,
             rope_local_theta=local_theta,
-            qk_norm=model_type in ("qwen3", "gemma3"),
+            qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
             norm_unit_offset=gemma,
             post_norms=gemma,
             hidden_act="gelu_tanh" if gemma else "silu",
@@ -226,12 +237,38 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> tuple[Mod
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **moe,
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
     return cfg, head
+
+
+def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The ModelConfig mixture-of-experts fields of a qwen3_moe, qwen2_moe or mixtral config
+    ({} for the dense families); a layout we cannot represent fails with one line."""
+    if arch not in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        return {}
+    num = hf.get("num_local_experts", hf.get("num_experts", 8 if arch == "mixtral" else 128))
+    fields = dict(num_experts=num, num_experts_per_tok=hf.get("num_experts_per_tok", 2))
+    if arch == "mixtral":  # the experts are intermediate_size wide; top-k always renormalized
+        return dict(fields, norm_topk_prob=True)
+    # Qwen3-MoE, Qwen2-MoE: every layer routed (dense layers in between are not supported)
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise CheckpointError(
+            f"{source}: {arch} with dense layers (mlp_only_layers "
+            f"{hf.get('mlp_only_layers')}, decoder_sparse_step {hf.get('decoder_sparse_step')}) "
+            "is not supported"
+        )
+    if arch == "qwen2_moe":  # and its shared expert
+        fields["shared_expert_size"] = hf.get("shared_expert_intermediate_size", 5632)
+    return dict(
+        fields,
+        moe_intermediate_size=hf.get("moe_intermediate_size", 768 if arch == "qwen3_moe" else 1408),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
 
 
 def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
@@ -281,8 +318,36 @@ def config_to_hf(cfg: ModelConfig, head: str = "lm") -> dict[str, Any]:
     }
     if cfg.architecture == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    if cfg.architecture == "mistral":
+    if cfg.architecture in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window or None
+    if cfg.is_moe:
+        # both spellings of the expert count (transformers 5 maps num_experts onto it)
+        out.update(
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            output_router_logits=False,
+        )
+    if cfg.architecture == "qwen2_moe":
+        out.update(
+            shared_expert_intermediate_size=cfg.shared_expert_size,
+            qkv_bias=cfg.qkv_bias,
+            max_window_layers=cfg.num_layers,
+        )
+    if cfg.architecture in ("qwen3_moe", "qwen2_moe"):
+        out.update(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.expert_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+        if cfg.architecture == "qwen3_moe":
+            out["attention_bias"] = False
+    if cfg.architecture == "mixtral":
+        out["intermediate_size"] = cfg.expert_size
     if cfg.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
         out["sliding_window"] = cfg.sliding_window or None
@@ -339,6 +404,12 @@ class _Tensor:
     def stacked(self) -> bool:
         return self.path[0] == "layers"
 
+    @property
+    def per_expert(self) -> bool:
+        """One HF tensor per (layer, expert): ``{j}`` in the name is the expert index, ours
+        stacks them on the axis after ``layers``."""
+        return "{j}" in self.hf_name
+
 
 def _t(x, cfg):
     return x.T
@@ -391,10 +462,42 @@ def weight_map(cfg: ModelConfig, head: str, prefix: str = "model.") -> list[_Ten
         _Tensor(
             ("layers", "attn", "o_kernel"), L + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf
         ),
-        _Tensor(("layers", "mlp", "gate_kernel"), L + "mlp.gate_proj.weight", _t, _t),
-        _Tensor(("layers", "mlp", "up_kernel"), L + "mlp.up_proj.weight", _t, _t),
-        _Tensor(("layers", "mlp", "down_kernel"), L + "mlp.down_proj.weight", _t, _t),
     ]
+    if cfg.architecture == "mixtral":  # the routed MLP: router and per-expert w1 (gate) w3 w2
+        M = L + "block_sparse_moe."
+        entries += [
+            _Tensor(("layers", "mlp", "router_kernel"), M + "gate.weight", _t, _t),
+            _Tensor(("layers", "mlp", "gate_experts"), M + "experts.{j}.w1.weight", _t, _t),
+            _Tensor(("layers", "mlp", "up_experts"), M + "experts.{j}.w3.weight", _t, _t),
+            _Tensor(("layers", "mlp", "down_experts"), M + "experts.{j}.w2.weight", _t, _t),
+        ]
+    elif cfg.is_moe:  # Qwen3-MoE's names
+        M = L + "mlp."
+        entries.append(_Tensor(("layers", "mlp", "router_kernel"), M + "gate.weight", _t, _t))
+        entries += [
+            _Tensor(("layers", "mlp", f"{w}_experts"), M + f"experts.{{j}}.{w}_proj.weight", _t, _t)
+            for w in ("gate", "up", "down")
+        ]
+        if cfg.shared_expert_size:  # Qwen2-MoE
+            entries += [
+                _Tensor(
+                    ("layers", "mlp", f"shared_{w}_kernel"),
+                    M + f"shared_expert.{w}_proj.weight",
+                    _t,
+                    _t,
+                )
+                for w in ("gate", "up", "down")
+            ]
+            entries.append(
+                _Tensor(
+                    ("layers", "mlp", "shared_expert_gate"), M + "shared_expert_gate.weight", _t, _t
+                )
+            )
+    else:
+        entries += [
+            _Tensor(("layers", "mlp", f"{w}_kernel"), L + f"mlp.{w}_proj.weight", _t, _t)
+            for w in ("gate", "up", "down")
+        ]
     if cfg.qkv_bias:
         qb_in, qb_out = _bias("num_heads")
         kb_in, kb_out = _bias("num_kv_heads")
@@ -503,8 +606,12 @@ def load_hf(
     for entry in entries:
         want = _get(model.abstract_params, entry.path).shape
         per_layer = want[1:] if entry.stacked else want
-        for i in range(cfg.num_layers) if entry.stacked else [None]:
-            name = entry.hf_name.format(i=i)
+        if entry.per_expert:
+            per_layer = per_layer[1:]
+        layers = range(cfg.num_layers) if entry.stacked else [None]
+        experts = range(cfg.num_experts) if entry.per_expert else [None]
+        for i, j in ((i, j) for i in layers for j in experts):
+            name = entry.hf_name.format(i=i, j=j)
             expected_names.add(name)
             if name not in reader:
                 raise CheckpointError(f"{path}: tensor {name!r} is missing")
@@ -544,6 +651,24 @@ def load_hf(
                 view = entry.to_ours(reader.get(entry.hf_name), cfg)
                 return np.asarray(view[index], dtype=np_dtype)
             layers = range(shape[0])[index[0]]
+            if entry.per_expert:  # (layers, experts, ...): this shard's experts of each layer
+                experts = range(shape[1])[index[1]]
+                return np.stack(
+                    [
+                        np.stack(
+                            [
+                                np.asarray(
+                                    entry.to_ours(reader.get(entry.hf_name.format(i=i, j=j)), cfg)[
+                                        index[2:]
+                                    ],
+                                    dtype=np_dtype,
+                                )
+                                for j in experts
+                            ]
+                        )
+                        for i in layers
+                    ]
+                )
             pieces = [
                 entry.to_ours(reader.get(entry.hf_name.format(i=i)), cfg)[index[1:]] for i in layers
             ]
@@ -583,7 +708,13 @@ def save_hf(
             value = to_host(_get(params, entry.path))
         except KeyError:
             raise KeyError(f"params lack {path_str(entry.path)}") from None
-        if entry.stacked:
+        if entry.per_expert:
+            for i in range(cfg.num_layers):
+                for j in range(cfg.num_experts):
+                    tensors[entry.hf_name.format(i=i, j=j)] = np.ascontiguousarray(
+                        entry.to_hf(value[i, j], cfg)
+                    )
+        elif entry.stacked:
             for i in range(cfg.num_layers):
                 tensors[entry.hf_name.format(i=i)] = np.ascontiguousarray(
                     entry.to_hf(value[i], cfg)

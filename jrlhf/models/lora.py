@@ -96,6 +96,11 @@ def attach(layers: nnx.Module, lora: LoraConfig, key: jax.Array) -> None:
     for i, name in enumerate(lora.targets):
         group, n_in = TARGETS[name]
         module = getattr(layers, group)
+        if not hasattr(module, f"{name}_kernel"):  # a mixture of experts' MLP: no such kernel
+            raise ValueError(
+                f"lora target {name!r}: this model's MLP is routed experts, which LoRA does not "
+                "adapt (use lora_targets among q, k, v, o)"
+            )
         kernel = getattr(module, f"{name}_kernel")
         axes = kernel.get_metadata()["axes"]  # ("layers", *in, *out)
         shape, dtype = kernel.shape, kernel.dtype

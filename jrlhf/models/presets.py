@@ -236,6 +236,55 @@ def qwen3_32b(**overrides: Any) -> ModelConfig:
     return _make(_qwen3(5120, 25600, 64, 64, tied=False), overrides)
 
 
+def _qwen3_moe(hidden, intermediate, expert, layers, heads):
+    """Qwen/Qwen3-*-A*B: Qwen3's attention (4 KV heads) and 128 experts a layer, 8 chosen per
+    token, their probabilities renormalized (norm_topk_prob true); no shared expert."""
+    return dict(
+        _qwen3(hidden, intermediate, layers, heads, tied=False),
+        num_kv_heads=4,
+        architecture="qwen3_moe",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=expert,
+        norm_topk_prob=True,
+    )
+
+
+def qwen3_30b_a3b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active per token."""
+    return _make(_qwen3_moe(2048, 6144, 768, 48, 32), overrides)
+
+
+def qwen3_235b_a22b(**overrides: Any) -> ModelConfig:
+    """Qwen/Qwen3-235B-A22B: 235,093,634,560 parameters, 22,190,763,520 active per token."""
+    return _make(_qwen3_moe(4096, 12288, 1536, 94, 64), overrides)
+
+
+def mixtral_8x7b(**overrides: Any) -> ModelConfig:
+    """mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters, 12,879,925,248 active per token
+    (8 experts of 14336, 2 chosen)."""
+    return _make(
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+            architecture="mixtral",
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        overrides,
+    )
+
+
 def _gemma(**fields):
     """What every Gemma 2 and 3 model has: (1 + weight) RMSNorms, four a layer, GeGLU,
     embeddings scaled by sqrt(hidden), tied embeddings (a 256k vocabulary: the embedding is
@@ -360,6 +409,9 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "qwen3_8b": qwen3_8b,
     "qwen3_14b": qwen3_14b,
     "qwen3_32b": qwen3_32b,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
+    "qwen3_235b_a22b": qwen3_235b_a22b,
+    "mixtral_8x7b": mixtral_8x7b,
     "gemma2_2b": gemma2_2b,
     "gemma2_9b": gemma2_9b,
     "gemma2_27b": gemma2_27b,

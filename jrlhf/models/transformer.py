@@ -33,6 +33,7 @@ from jrlhf.models.attention import (
     select_choice,
 )
 from jrlhf.models.config import ModelConfig, remat_policy
+from jrlhf.models.moe import MoE
 from jrlhf.models.rope import apply_rope, rope_kinds, rope_tables
 
 HEADS = ("lm", "value")
@@ -336,20 +337,27 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg, rngs=rngs)  # the MLP's input norm
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.moe = cfg.is_moe
+        self.mlp = MoE(cfg, rngs=rngs, param=_param) if cfg.is_moe else MLP(cfg, rngs=rngs)
         self.post_norms = cfg.post_norms
         if cfg.post_norms:  # Gemma: the attention's and the MLP's outputs normed too
             self.attn_out_norm = RMSNorm(cfg, rngs=rngs)
             self.mlp_out_norm = RMSNorm(cfg, rngs=rngs)
 
     def __call__(self, x_bte, cos, sin, attend: AttendFn, layer_idx, cache):
+        """(new hidden states, cache, routing stats): the stats are a routed layer's
+        (jrlhf.models.moe: router logits and chosen experts per token), {} for a dense one."""
         q, k, v = self.attn.qkv(self.input_norm(x_bte), cos, sin)
         attn, cache = attend(q, k, v, layer_idx, cache)
         out = self.attn.out(attn)
         x_bte = x_bte + (self.attn_out_norm(out) if self.post_norms else out)
-        out = self.mlp(self.post_attn_norm(x_bte))
+        stats: dict[str, jax.Array] = {}
+        if self.moe:
+            out, stats = self.mlp(self.post_attn_norm(x_bte))
+        else:
+            out = self.mlp(self.post_attn_norm(x_bte))
         x_bte = x_bte + (self.mlp_out_norm(out) if self.post_norms else out)
-        return constrain(x_bte, ("batch", "length", "act_embed")), cache
+        return constrain(x_bte, ("batch", "length", "act_embed")), cache, stats
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -402,6 +410,7 @@ class Transformer(nnx.Module):
         attend: AttendFn,
         cache: Any = None,
         layer_params: LayerWeights | None = None,
+        with_stats: bool = False,
     ):
         """Run the layers; ``attend`` sees (q, k, v, layer_idx, cache) per layer, ``layer_idx``
         a Python int in the unrolled loop, a traced int32 under the scan (per-layer choices go
@@ -413,14 +422,18 @@ class Transformer(nnx.Module):
         unrolled instead, with the layer index a constant: decode uses this on CPU, where the
         scan's per-layer dynamic slice of every stacked weight is materialised as a copy before
         each matmul, doubling the weight traffic that bounds a decode step.
+
+        Returns (final normed hidden, cache), and with ``with_stats`` a third item: the routed
+        layers' stats (jrlhf.models.moe) stacked over layers, {} for a dense model.
         """
         graphdef, state = nnx.split(self.layers)
         if layer_params is None and self.config.unroll_layers:
             layer_params = unstack_layers(nnx.to_pure_dict(state))
-        x_bte, cache = self.layer_loop(
+        x_bte, cache, stacked = self.layer_loop(
             graphdef, state, x_bte, positions_bt, attend, cache, layer_params
         )
-        return self.final_norm(x_bte), cache
+        out = self.final_norm(x_bte), cache
+        return (*out, stacked) if with_stats else out
 
     def layer_loop(
         self,
@@ -436,9 +449,11 @@ class Transformer(nnx.Module):
         """Run the stacked layers of ``state`` (all of the model's, or a pipeline stage's run of
         consecutive ones starting at ``first_layer``: a traced index under the pipeline's
         vmap over stages) unrolled over ``layer_params`` if given, else under ``lax.scan``;
-        the output before the final norm. See ``run_layers``."""
+        (the output before the final norm, cache, the routing stats stacked over the layers).
+        See ``run_layers``."""
         tables, kinds = rope_tables(positions_bt, self.config), rope_kinds(self.config)
         if layer_params is not None:
+            per_layer = []
             with _kernel_layout(layer_params.layout):
                 for k, params in enumerate(layer_params.layers):
                     idx = first_layer + k
@@ -448,8 +463,9 @@ class Transformer(nnx.Module):
                     options, which = layer_choice(kinds, idx)
                     cos, sin = select_choice([tables[o] for o in options], which)
                     with lora_lib.layer(idx):
-                        x_bte, cache = layer(x_bte, cos, sin, attend, idx, cache)
-            return x_bte, cache
+                        x_bte, cache, stats = layer(x_bte, cos, sin, attend, idx, cache)
+                    per_layer.append(stats)
+            return x_bte, cache, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
         def body(carry, layer_state):
             x, cache, idx = carry
@@ -457,15 +473,15 @@ class Transformer(nnx.Module):
             options, which = layer_choice(kinds, idx)
             cos, sin = select_choice([tables[k] for k in options], which)
             with lora_lib.layer(idx):
-                x, cache = layer(x, cos, sin, attend, idx, cache)
-            return (x, cache, idx + 1), None
+                x, cache, stats = layer(x, cos, sin, attend, idx, cache)
+            return (x, cache, idx + 1), stats
 
         policy = remat_policy(self.config.remat_policy)
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         first = jnp.asarray(first_layer, jnp.int32)
-        (x_bte, cache, _), _ = jax.lax.scan(body, (x_bte, cache, first), state)
-        return x_bte, cache
+        (x_bte, cache, _), stacked = jax.lax.scan(body, (x_bte, cache, first), state)
+        return x_bte, cache, stacked
 
     def logits(self, hidden_bte: jax.Array, weights: LayerWeights | None = None) -> jax.Array:
         """float32 logits (..., vocab) from final hidden states (by ``weights.head`` if given),
@@ -493,8 +509,17 @@ class Transformer(nnx.Module):
         out = jnp.einsum("...e,eo->...o", hidden_bte, kernel, preferred_element_type=jnp.float32)
         return out[..., 0]
 
-    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None, one_segment=False):
-        """Final normalized hidden states (B, T, E) for a full sequence.
+    def hidden(
+        self,
+        tokens_bt,
+        positions_bt=None,
+        segment_ids_bt=None,
+        one_segment=False,
+        with_stats: bool = False,
+    ):
+        """Final normalized hidden states (B, T, E) for a full sequence; with ``with_stats``
+        (hidden, routing stats): a routed model's per-layer router logits (L, B, T, X) and
+        chosen experts (L, B, T, k) (jrlhf.models.moe), {} for a dense one.
 
         ``one_segment`` says the rows are laid out as jrlhf.data.batch.pack lays them out: at
         most one segment each, its tokens contiguous at positions counting from 0. With fused
@@ -514,21 +539,29 @@ class Transformer(nnx.Module):
         cfg = self.config
         t = tokens_bt.shape[1]
         injected = _LAYERS_OUTPUT.get()
-        if injected is not None:
-            return self.final_norm(injected)
         stages = layer_stages()
+        if with_stats and cfg.is_moe and (injected is not None or stages > 1):
+            # the stages' loops run apart: nothing gathers their routing stats
+            raise ValueError(
+                "a mixture-of-experts model's routing stats (router losses, "
+                "routes) are not collected through pipeline stages"
+            )
+        if injected is not None:
+            out = self.final_norm(injected)
+            return (out, {}) if with_stats else out
         if stages > 1:
             # Layers split over pipeline stages: the masked form (equal for the real tokens)
             # for every row layout, each micro-batch's masks built by the stage that holds it.
             x = self.pipelined_layers(self.embed(tokens_bt), positions_bt, segment_ids_bt, stages)
-            return self.final_norm(x)
+            out = self.final_norm(x)
+            return (out, {}) if with_stats else out
         if (
             one_segment
             and cfg.fused_attention
             and not cfg.sliding_window
             and fused_attention_fits(t, t, cfg.head_dim)
         ):
-            return self._aligned_hidden(tokens_bt, segment_ids_bt)
+            return self._aligned_hidden(tokens_bt, segment_ids_bt, with_stats)
         attend = dense_attend(
             positions_bt,
             segment_ids_bt,
@@ -536,8 +569,10 @@ class Transformer(nnx.Module):
             fused=cfg.fused_attention,
             softcap=cfg.attn_logit_softcap,
         )
-        hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, attend)
-        return hidden
+        hidden, _, stats = self.run_layers(
+            self.embed(tokens_bt), positions_bt, attend, with_stats=True
+        )
+        return (hidden, stats) if with_stats else hidden
 
     def pipelined_layers(self, x_bte, positions_bt, segment_ids_bt, stages: int) -> jax.Array:
         """The layers (before the final norm) of a full-sequence pass as a pipeline over
@@ -587,14 +622,16 @@ class Transformer(nnx.Module):
             params = None
             if cfg.unroll_layers:
                 params = unstack_layers(nnx.to_pure_dict(stage_state))
-            out, _ = self.layer_loop(
+            # (a pipeline stage's routing stats are not collected: with_stats needs the whole
+            # model's layers in one loop)
+            out, _, _ = self.layer_loop(
                 graphdef, stage_state, x, positions, attend, None, params, stage * per_stage
             )
             return out
 
         return stage_fn
 
-    def _aligned_hidden(self, tokens_bt, segment_ids_bt):
+    def _aligned_hidden(self, tokens_bt, segment_ids_bt, with_stats=False):
         """``hidden`` of one-segment rows, each rotated left by its left padding so that its
         tokens sit at columns 0..n-1 (their positions), and the states rotated back."""
         t = tokens_bt.shape[1]
@@ -604,10 +641,19 @@ class Transformer(nnx.Module):
         read = (cols[None, :] + start_b[:, None]) % t
         positions_bt = jnp.broadcast_to(cols, tokens_bt.shape)
         tokens_bt = jnp.take_along_axis(tokens_bt, read, axis=1)
-        hidden, _ = self.run_layers(self.embed(tokens_bt), positions_bt, aligned_attend)
+        hidden, _, stats = self.run_layers(
+            self.embed(tokens_bt), positions_bt, aligned_attend, with_stats=True
+        )
         back = (cols[None, :] - start_b[:, None]) % t
         hidden = jnp.take_along_axis(hidden, back[:, :, None], axis=1)
-        return constrain(hidden, ("batch", "length", "act_embed"))
+        hidden = constrain(hidden, ("batch", "length", "act_embed"))
+        if not with_stats:
+            return hidden
+        # the routing stats (L, B, T, ...) rotated back to the rows' own columns too
+        stats = jax.tree.map(
+            lambda a: jnp.take_along_axis(a, back[None, :, :, None], axis=2), stats
+        )
+        return hidden, stats
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, one_segment=False):
         """Logits (B, T, V) for ``head="lm"``, values (B, T) for ``head="value"``;

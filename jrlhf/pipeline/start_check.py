@@ -170,6 +170,11 @@ def check_run(cfg: Config) -> ExecutionPlan:
         if stage in ("ppo", "grpo"):
             check_infer_batch(cfg, plan, roles)
             check_memory(cfg, plan, roles)
+            if cfg.decode.record_routes and not roles["actor"].model.config.is_moe:
+                raise ConfigError(
+                    "DecodeConfig.record_routes: the actor is not a mixture-of-experts model "
+                    "(num_experts 0): it has no routes to record"
+                )
         if stage == "dpo":
             # The frozen reference scores the pairs on the actor's training mesh.
             actor = built["actor", stage_start(cfg, "dpo")]

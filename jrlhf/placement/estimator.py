@@ -90,6 +90,7 @@ from jrlhf.placement.workload import (
     head_params,
     itemsize,
     kv_bytes_per_token,
+    mlp_width,
     num_params,
 )
 from jrlhf.reshard.layout import moved_elements
@@ -335,6 +336,7 @@ class _Geometry:
     devices: frozenset[int]
     nodes: int
     stages: int = 1  # pipeline stages the layers are split over (jrlhf.models.pipeline)
+    experts: int = 1  # ways a mixture of experts' experts are split (the expert axis)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -354,6 +356,7 @@ def _geometry(p: CallPlacement, profile: DeviceProfile) -> _Geometry:
         devices,
         nodes,
         ways("layers"),
+        ways("experts"),
     )
 
 
@@ -474,6 +477,17 @@ def _comm_s(bytes_per_device: float, count: int, g: _Geometry, profile: DevicePr
 def _ring(bytes_total: float, k: int) -> float:
     """Bytes into each device for an all-gather / reduce-scatter of ``bytes_total`` over k."""
     return bytes_total * (k - 1) / k if k > 1 else 0.0
+
+
+def moe_dispatch_bytes(cfg: ModelConfig, act_bytes: float, experts: int) -> float:
+    """Bytes into each device for one pass of a mixture of experts' token dispatch and combine
+    over ``experts`` expert shards, per layer: the expert group's tokens gathered (each device
+    holds ``act_bytes`` of them) and the outputs reduce-scattered back, a ring each
+    (jrlhf.models.moe: the expert-parallel form; GSPMD's dense form moves the same). 0 for a
+    dense model or unsplit experts."""
+    if not cfg.is_moe or experts <= 1:
+        return 0.0
+    return 2 * _ring(act_bytes * experts, experts)
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -994,6 +1008,8 @@ def infer_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
         tp_bytes = 2 * cfg.num_layers * 2 * _ring(act, g.tensor) * pipe.layer_work / pipe.stages
         t += _comm_s(tp_bytes, round(2 * runs), g, profile)
         t += pipeline_send_seconds(cfg, -(-rows // g.batch), seq, g, 1, profile)
+        dispatch = moe_dispatch_bytes(cfg, act, g.experts)  # expert parallelism, per layer
+        t += _comm_s(cfg.num_layers * dispatch, 2 * cfg.num_layers, g, profile)
     return t
 
 
@@ -1060,6 +1076,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     tp_bytes = 4 * cfg.num_layers * 2 * _ring(act, g.tensor) * pipe.layer_work / pipe.stages
     tp = _comm_s(tp_bytes, round(4 * runs), g, profile)
     step += m * tp
+    # expert parallelism: dispatch and combine in the forward, their transposes in the backward
+    dispatch = moe_dispatch_bytes(cfg, act, g.experts)
+    step += m * _comm_s(2 * cfg.num_layers * dispatch, 4 * cfg.num_layers, g, profile)
     # the gradients of weights replicated over the batch's axes: XLA combines them into one
     # all-reduce per micro-batch (inside the accumulation loop, in the compiled step's HLO)
     step += m * _comm_s(_replicated_grad_bytes(cfg, head, p), 1, g, profile)
@@ -1363,7 +1382,7 @@ def _working_bytes(w: Workload, call: str, p: CallPlacement, profile: DeviceProf
     elif cfg.remat_policy == "full":
         act = layers * tokens * cfg.hidden_size * a + recompute
     else:  # dots policies keep the matmul outputs, not the attention probabilities
-        dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * cfg.intermediate_size
+        dots = cfg.head_dim * (cfg.num_heads * 2 + 2 * cfg.num_kv_heads) + 3 * mlp_width(cfg)
         act = layers * tokens * (cfg.hidden_size + dots / g.tensor) * a + recompute
     logits = _logits_bytes(cfg, head, _head_tokens(w, head, role, rows), g.tensor, 4)
     return grads + act + logits + _gather_buffer_bytes(cfg, head, p, profile, train=True)

@@ -236,10 +236,22 @@ def itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
+def mlp_width(cfg: ModelConfig) -> int:
+    """The MLP width one token runs through: intermediate_size, or for a mixture of experts
+    its chosen experts' widths together (num_experts_per_tok x the expert width) and the shared
+    expert's."""
+    if cfg.is_moe:
+        return cfg.num_experts_per_tok * cfg.expert_size + cfg.shared_expert_size
+    return cfg.intermediate_size
+
+
 def layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weight entries of one decoder layer that take part in matmuls (attention + MLP)."""
-    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    return e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * f
+    """Weight entries of one decoder layer that one token's matmuls use (attention + MLP; of a
+    mixture of experts the router and the chosen experts only: FLOPs follow the active
+    parameters, memory the total, ``num_params``)."""
+    e, d = cfg.hidden_size, cfg.head_dim
+    router = e * cfg.num_experts + (e if cfg.shared_expert_size else 0)  # and the shared gate
+    return e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * mlp_width(cfg) + router
 
 
 def head_params(cfg: ModelConfig, head: str) -> int:
@@ -304,7 +316,7 @@ def activation_bytes_per_token(
     ``fused_attention`` (``attention_is_fused``) no scores or probabilities reach memory: the
     kernel keeps one float32 log-sum-exp per head.
     """
-    e, f = cfg.hidden_size, cfg.intermediate_size
+    e, f = cfg.hidden_size, mlp_width(cfg)
     a = itemsize(cfg.dtype)
     qkv = cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
     per = (4 * e + (qkv + cfg.num_heads * cfg.head_dim + 3 * f) / tensor) * a

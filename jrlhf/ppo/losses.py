@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jrlhf.models import moe
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.runtime.shared_programs import shared_program
@@ -42,7 +43,9 @@ class LossSettings:
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):
     """The actor's training loss on a minibatch: the configured policy loss
     (``RLConfig.policy_loss``, core_algos' registry), minus the entropy bonus, plus the KL term
-    (``kl_estimator``, default ``RLConfig.kl_estimator`` or k3) when the KL is a loss term (GRPO).
+    (``kl_estimator``, default ``RLConfig.kl_estimator`` or k3) when the KL is a loss term (GRPO),
+    plus, for a mixture-of-experts actor, its router losses times the model's
+    ``router_aux_loss_coef`` / ``router_z_loss_coef`` (reported in the metrics either way).
 
     Its ``weight`` metric is what ``RLConfig.loss_agg`` averages over (tokens or sequences), so
     gradient accumulation over micro-batches gives the minibatch's loss however it is split.
@@ -56,8 +59,9 @@ def _actor_loss(P: int, rl: LossSettings, kl_in_loss: bool, kl_estimator: str | 
     policy_loss = algos.get_policy_loss(rl.policy_loss)
 
     def loss_fn(module, batch):
-        logp, entropy = rl_batch.response_logprobs(
-            module, batch, P, with_entropy=True, chunk=rl.logprob_chunk
+        hidden, stats = rl_batch.response_hidden(module, batch, P, with_stats=True)
+        logp, entropy = rl_batch.hidden_logprobs(
+            module, hidden, batch["response_tokens"], True, rl.logprob_chunk
         )
         # Multi-turn rollouts train on the policy's own tokens only (jrlhf.decode.turns).
         mask = batch.get("loss_mask", batch["mask"])
@@ -84,6 +88,14 @@ def _actor_loss(P: int, rl: LossSettings, kl_in_loss: bool, kl_estimator: str | 
             if kl_estimator == "k3":  # the only estimator that exponentiates, hence clamps
                 d = jnp.abs(logp - batch["ref_logprobs"]) > algos.LOG_RATIO_CLAMP
                 metrics["kl_clampfrac"] = jax.lax.stop_gradient(algos.masked_mean(d, mask))
+        if stats:  # a routed model: its router losses over every real token of the rows
+            cfg = module.config
+            router = moe.router_losses(
+                stats[moe.ROUTER_LOGITS], stats[moe.EXPERTS], batch["segment_ids"] > 0
+            )
+            loss = loss + cfg.router_aux_loss_coef * router["router_aux_loss"]
+            loss = loss + cfg.router_z_loss_coef * router["router_z_loss"]
+            metrics.update(jax.lax.stop_gradient(router))
         return loss, dict(metrics, weight=algos.aggregation_weight(mask, rl.loss_agg))
 
     return loss_fn

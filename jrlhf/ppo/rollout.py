@@ -56,7 +56,18 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
         min_prefill_len=min(16, P),
         unroll_layers=DECODE_LAYER_LOOPS[cfg.decode.layer_loop],
         max_observation_tokens=cfg.env.max_observation_tokens if cfg.env.name else 0,
+        record_routes=cfg.decode.record_routes,
     )
+
+
+def padded_routes(routes: Sequence[np.ndarray], width: int) -> np.ndarray:
+    """Per-completion recorded routes (tokens, layers, top_k) as one (B, width, layers, top_k)
+    int32 array, -1 past each completion's end."""
+    shape = routes[0].shape[1:] if routes else (0, 0)
+    out = np.full((len(routes), width, *shape), -1, np.int32)
+    for i, r in enumerate(routes):
+        out[i, : len(r)] = r[:width]
+    return out
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ from jrlhf import checkpoint
 from jrlhf.config import Config
 from jrlhf.data.batch import fit_microbatches
 from jrlhf.meshes.batch import batch_shards, to_host
+from jrlhf.models.moe import rollout_routing_metrics
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.losses import actor_loss, critic_loss, make_advantage_fn
@@ -124,6 +125,18 @@ class Update:
                 rl_batch.logprobs_fn(self.P),
                 self.rl.infer_batch_size,
             )
+        # A mixture-of-experts actor whose rollouts record their routes (DecodeConfig.
+        # record_routes): the training pass's routes and log-probs, compared in the metrics.
+        self.route_probe = None
+        if cfg.decode.record_routes:
+            actor = roles["actor"]
+            self.route_probe = make_infer(
+                actor.model,
+                actor.meshes["train"],
+                actor.rules["train"],
+                rl_batch.routes_fn(self.P),
+                self.rl.infer_batch_size,
+            )
         self.group = cfg.rl.samples_per_prompt
         self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
         self.kl_ctl = algos.make_kl_controller(
@@ -150,6 +163,9 @@ class Update:
         # proximal ones, while the metrics and the KL controller read the log-probs of the
         # policy that sampled (arrays).
         batch = dict(batch)
+        routes = batch.pop("rollout_routes", None)  # metrics only: never reaches the steps
+        if routes is not None and self.route_probe is not None:
+            metrics.update(self.compare_routes(batch, routes))
         if not self.use_reference:
             # The rollout's own log-probs stand in for the reference's: the KL is exactly 0 and
             # so is its coefficient, and advantages and the compiled step stay those of a run
@@ -190,6 +206,21 @@ class Update:
             "sampling/filler_groups": float(max(n_groups - kept, 0)),
         }
         return {k: v[rows] for k, v in arrays.items()}, metrics
+
+    def compare_routes(self, batch: dict[str, np.ndarray], routes: np.ndarray) -> dict[str, float]:
+        """The ``moe/*`` metrics: how often the training pass (the actor's training weights,
+        before this update) routes the batch's response tokens differently from the rollout
+        that recorded ``routes`` (B, R, layers, top_k), and the log-prob gaps that go with it
+        (jrlhf.models.moe.rollout_routing_metrics)."""
+        keys = ("tokens", "positions", "segment_ids", "response_tokens", "mask")
+        out = np.asarray(
+            to_host(self.route_probe(self.states["actor"].params, {k: batch[k] for k in keys})),
+            np.float32,
+        )
+        train = out[..., 1:].astype(np.int32).reshape(routes.shape)
+        return rollout_routing_metrics(
+            routes, train, batch["old_logprobs"], out[..., 0], loss_mask(batch)
+        )
 
     def correct_off_policy(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """With ``RLConfig.off_policy_correction``: recompute the proximal log-probs with the

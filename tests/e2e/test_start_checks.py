@@ -48,7 +48,7 @@ def test_a_binding_under_a_scope_that_is_no_role_is_refused_in_one_line(binding,
         ("fsdpp=8", "`fsdpp` is not a mesh axis; did you mean `fsdp`?"),
         ("dta=8", "`dta` is not a mesh axis; did you mean `data`?"),
         ("data=2,tensr=4", "`tensr` is not a mesh axis; did you mean `tensor`?"),
-        ("x=8", "`x` is not a mesh axis; the mesh axes are data, fsdp, stage, tensor"),
+        ("x=8", "`x` is not a mesh axis; the mesh axes are data, expert, fsdp, stage, tensor"),
     ],
 )
 def test_mesh_specs_accept_only_the_axes_the_rules_know(spec, message):

@@ -109,6 +109,10 @@ def test_presets_have_the_published_parameter_counts():
         "gemma3_4b": 3_880_263_168,
         "gemma3_12b": 11_766_034_176,
         "gemma3_27b": 27_009_346_304,
+        # mixture of experts (all experts counted; the active counts in tests/models/test_moe.py)
+        "qwen3_30b_a3b": 30_532_122_624,
+        "qwen3_235b_a22b": 235_093_634_560,
+        "mixtral_8x7b": 46_702_792_704,
     }
     assert set(PRESETS) == set(expected)
     for name, count in expected.items():

@@ -17,7 +17,7 @@ from jrlhf.metrics import PhaseTimer
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.producer import Draw
 from jrlhf.ppo.residency import Residency
-from jrlhf.ppo.rollout import Rollout
+from jrlhf.ppo.rollout import Rollout, padded_routes
 from jrlhf.ppo.scoring import Scorer, sample_meta
 from jrlhf.ppo.update import shaped_scores
 from jrlhf.ppo.weights import WeightChannel
@@ -83,6 +83,8 @@ class Synchronous:
                         result.episodes,
                     )
                 arrays["train_scores"] = shaped_scores(self.rl, self.R, arrays)
+                if result.routes is not None:  # DecodeConfig.record_routes: moe/* metrics
+                    arrays["rollout_routes"] = padded_routes(result.routes, self.R)
             rounds.append((rep_prompts, result.completion_ids, arrays))
             if not self.rl.dynamic_sampling:
                 break
