@@ -175,6 +175,7 @@ _SLOW_FILES = {
     "test_trainer.py": 89,
     "test_decode.py": 54,
     "test_staleness.py": 42,
+    "test_pipeline_stages.py": 37,
     "test_multiturn.py": 39,
     "test_reliability.py": 34,
     "test_residency.py": 25,
@@ -191,6 +192,9 @@ _SLOW_FILES = {
     "test_bench_rl.py": 10,
     "test_models_hf.py": 10,
     "test_fusion.py": 9,
+    "test_moe.py": 15,
+    "test_moe_decode.py": 15,
+    "test_readme.py": 12,
 }
 
 
