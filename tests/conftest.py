@@ -52,6 +52,7 @@ from jrlhf.runtime.devices import keep_host_memory  # noqa: E402
 
 keep_host_memory()
 
+import gin  # noqa: E402
 import jax  # noqa: E402 (after the XLA and cache environment above)
 import pytest  # noqa: E402
 
@@ -63,6 +64,15 @@ def _eight_devices():
     # On an accelerator (JAX_PLATFORMS=cuda, for the compiled-kernel tests) the devices are real.
     if jax.default_backend() == "cpu":
         assert jax.device_count() == 8, f"tests need 8 fake devices, got {jax.device_count()}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_bindings_from_another_file():
+    """Every test file starts without gin bindings: the config sections (``RLConfig()``, ...)
+    read gin's global config, which a run or a config parse of an earlier file on the same
+    pytest-xdist worker would otherwise leave for it, so results would depend on the files'
+    order."""
+    gin.clear_config()
 
 
 @contextmanager
