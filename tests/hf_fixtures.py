@@ -133,15 +133,25 @@ def _build(kind: str, directory: Path) -> Path:
         model = tf.Gemma3ForConditionalGeneration(cfg)
     else:
         model = tf.AutoModelForCausalLM.from_config(cfg)
+    return randomize_and_save(model, directory)
+
+
+def randomize_and_save(model, directory: Path, scale: float = 0.08, scales=()) -> Path:
+    """Draw ``model``'s weights afresh (from torch's current seed) and save it as a safetensors
+    checkpoint in ``directory``: random non-trivial norms and biases, so that a wrong mapping
+    cannot hide behind ones or zeros; weights ``scale`` times a normal draw, or the scale of the
+    first ``(name suffix, scale)`` of ``scales`` that matches."""
+    import torch
+
     with torch.no_grad():
-        # Random non-trivial norms and biases so a wrong mapping cannot hide behind ones/zeros.
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.08 * torch.randn_like(p))
+                s = next((s for suffix, s in scales if name.endswith(suffix)), scale)
+                p.copy_(s * torch.randn_like(p))
     model = model.float().eval()
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -7,6 +7,8 @@ import functools
 import tempfile
 from pathlib import Path
 
+from hf_fixtures import randomize_and_save
+
 VOCAB = 96
 
 
@@ -46,20 +48,8 @@ def _build(kind: str, directory: Path) -> Path:
     else:
         cfg = tf.MixtralConfig(**common, num_local_experts=4, intermediate_size=24)
     model = tf.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        # non-trivial norms, and weights large enough that routing depends on the token
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    model = model.float().eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+    # router weights large enough that routing depends on the token
+    return randomize_and_save(model, directory, scale=0.1, scales=(("gate.weight", 0.5),))
 
 
 @functools.cache

@@ -228,8 +228,8 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
     assert g2 == g1 and len(g1) == 6
 
 
-# configs/ppo_tiny.gin's PPO stage from tiny random models, the actor and the critic trained over
-# two pipeline stages (jrlhf.models.pipeline): on 2 processes x 4 devices, one stage a process.
+# configs/ppo_tiny.gin's PPO stage from tiny random models, the actor (1F1B) and the critic
+# (GPipe) trained over two pipeline stages: on 2 processes x 4 devices, one stage a process.
 STAGES = [
     "--config", "configs/ppo_tiny.gin",
     "RunConfig.stages=('ppo',)",
@@ -238,6 +238,7 @@ STAGES = [
     "RLConfig.iterations=2",
     "RunConfig.tensorboard=False",
     *[f"{role}/RoleConfig.train_mesh='stage=2,fsdp=2,tensor=2'" for role in ("actor", "critic")],
+    "actor/RoleConfig.pipeline_schedule='1f1b'",  # the critic keeps GPipe
 ]  # fmt: skip
 
 
