@@ -69,7 +69,9 @@ def route(logits_nx: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array,
     return weights, experts.astype(jnp.int32)
 
 
-def _swiglu(gate, up, act: str):
+def gated_activation(gate: jax.Array, up: jax.Array, act: str) -> jax.Array:
+    """A gated MLP's hidden activation, ``act(gate) * up`` (``ModelConfig.hidden_act``:
+    "gelu_tanh", else SiLU): the dense MLP's, the experts' and the shared expert's."""
     if act == "gelu_tanh":
         return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
@@ -88,7 +90,7 @@ def experts_ragged(x_ne, weights_nk, experts_nk, w_gate, w_up, w_down, act: str)
     xs = jnp.take(x_ne, token, axis=0)
     gate = jax.lax.ragged_dot(xs, w_gate, sizes)
     up = jax.lax.ragged_dot(xs, w_up, sizes)
-    out = jax.lax.ragged_dot(_swiglu(gate, up, act), w_down, sizes)  # (n * k, e), sorted
+    out = jax.lax.ragged_dot(gated_activation(gate, up, act), w_down, sizes)  # (n * k, e), sorted
     unsort = jnp.argsort(order)
     out_nke = jnp.take(out, unsort, axis=0).reshape(n, k, -1)
     return jnp.einsum("nke,nk->ne", out_nke, weights_nk.astype(out_nke.dtype))
@@ -106,7 +108,7 @@ def experts_dense(x_ne, weights_nk, experts_nk, w_gate, w_up, w_down, act: str):
     gate = jnp.einsum("ne,xef->nxf", x_ne, w_gate)
     up = jnp.einsum("ne,xef->nxf", x_ne, w_up)
     hidden = constrain(
-        _swiglu(gate, up, act) * combine_nx[..., None], ("batch", "act_experts", "act_mlp")
+        gated_activation(gate, up, act) * combine_nx[..., None], ("batch", "act_experts", "act_mlp")
     )
     return jnp.einsum("nxf,xfe->ne", hidden, w_down)
 
@@ -169,7 +171,9 @@ def experts_expert_parallel(x_bte, weights_btk, experts_btk, w_gate, w_up, w_dow
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.bincount(flat, length=local_num + 1)[:local_num].astype(jnp.int32)
         xs = jnp.take(x, order // k, axis=0)
-        hidden = _swiglu(jax.lax.ragged_dot(xs, g, sizes), jax.lax.ragged_dot(xs, u, sizes), act)
+        hidden = gated_activation(
+            jax.lax.ragged_dot(xs, g, sizes), jax.lax.ragged_dot(xs, u, sizes), act
+        )
         out = jax.lax.ragged_dot(hidden, d, sizes)
         out = jnp.take(out, jnp.argsort(order), axis=0).reshape(x.shape[0], k, emb)
         w = jnp.where(mine, w, 0).astype(out.dtype)
@@ -245,7 +249,7 @@ class MoE(nnx.Module):
             run = experts_ragged if impl == "ragged" else experts_dense
             out_ne = run(x_ne, weights_nk, experts_nk, *weights, self.hidden_act)
         if self.shared:
-            hidden = _swiglu(
+            hidden = gated_activation(
                 jnp.matmul(x_ne, self.shared_gate_kernel[...].astype(dt)),
                 jnp.matmul(x_ne, self.shared_up_kernel[...].astype(dt)),
                 self.hidden_act,

@@ -33,7 +33,7 @@ from jrlhf.models.attention import (
     select_choice,
 )
 from jrlhf.models.config import ModelConfig, remat_policy
-from jrlhf.models.moe import MoE
+from jrlhf.models.moe import MoE, gated_activation
 from jrlhf.models.rope import apply_rope, rope_kinds, rope_tables
 
 HEADS = ("lm", "value")
@@ -324,11 +324,9 @@ class MLP(nnx.Module):
     def __call__(self, x_bte):
         dt = self.dtype
         gate, up = project_all(x_bte, (_kernel(self, "gate", dt), _kernel(self, "up", dt)))
-        if self.hidden_act == "gelu_tanh":
-            act = jax.nn.gelu(gate, approximate=True)
-        else:
-            act = jax.nn.silu(gate)
-        hidden = constrain(act * up, ("batch", "length", "act_mlp"))
+        hidden = constrain(
+            gated_activation(gate, up, self.hidden_act), ("batch", "length", "act_mlp")
+        )
         return project(hidden, _kernel(self, "down", dt))
 
 
