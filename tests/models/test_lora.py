@@ -1,12 +1,11 @@
 """LoRA (jrlhf.models.lora): fresh adapters compute the base model exactly; a step trains only
 the adapters (and a value head); optimizer state shrinks by the factor the shapes say; adapters
 checkpoint on their own, resume, and merge on export to HF; the planner counts their memory;
-a LoRA GRPO run on the arithmetic task raises held-out exact match."""
+a LoRA GRPO run raises held-out exact match."""
 
 import dataclasses
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -273,46 +272,33 @@ def test_planner_counts_lora_memory():
 # -- end to end: a LoRA GRPO run on the arithmetic task ------------------------------------------
 # One device (the subprocesses' XLA_FLAGS): the tiny model's steps are dominated by per-step
 # overheads, which eight fake devices on two cores double.
-ONE_DEVICE = {
-    "XLA_FLAGS": " ".join(
-        f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f
-    )
-    + " --xla_force_host_platform_device_count=1"
-}
-ARITHMETIC = ["--config", "configs/arithmetic_grpo.gin", "RunConfig.tensorboard=False"]
+def test_lora_grpo_raises_heldout_exact_match(base_run, tmp_path):
+    """GRPO trains rank-8 adapters on the shared SFT policy (right about 15% of the time on the
+    synthetic task), its base frozen: held-out exact match (the same prompts before and after)
+    must rise by 10 points (measured: 0.15 -> 0.42). An untrained adapter (learning rate 1e-9)
+    leaves it where it was (measured: 0.15 -> 0.15), so the margin is GRPO's doing."""
+    from run_helpers import SMALL
 
+    from jrlhf.cli import train
 
-def test_lora_grpo_raises_heldout_exact_match_on_arithmetic(tmp_path):
-    """A full SFT run makes a policy right about 15% of the time (SFT half as long as the
-    recipe's), then GRPO trains rank-8 adapters on it, its base frozen: held-out exact match
-    (sampled, the same prompts before and after) must rise by 5 points. An untrained adapter
-    (learning rate 1e-9) leaves it within a point, so the margin is GRPO's doing."""
-    sft = tmp_path / "sft_run"
-    run = train_subprocess(
-        ["--run-dir", str(sft), "--quiet", *ARITHMETIC, "RunConfig.stages=('sft',)",
-         "SFTConfig.steps=500", "SFTConfig.batch_size=128", "SFTConfig.learning_rate=6e-3",
-         "TaskConfig.num_sft_examples=20000", "TaskConfig.num_heldout=128"],
-        ONE_DEVICE,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
     rl = tmp_path / "grpo_run"
-    run = train_subprocess(
-        ["--run-dir", str(rl), "--quiet", *ARITHMETIC, "RunConfig.stages=('grpo',)",
-         f"actor/RoleConfig.init='ckpt:{sft}/sft'", f"reference/RoleConfig.init='ckpt:{sft}/sft'",
-         "actor/RoleConfig.lora_rank=8", "actor/RoleConfig.lora_alpha=16.0",
-         "actor/RoleConfig.learning_rate=3e-3", "RLConfig.iterations=18",
-         "RLConfig.checkpoint_every=18", "TaskConfig.num_heldout=128"],
-        ONE_DEVICE,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    bindings = [
+        "RunConfig.stages=('grpo',)", f"actor/RoleConfig.init='ckpt:{base_run}/sft'",
+        f"reference/RoleConfig.init='ckpt:{base_run}/sft'", "actor/RoleConfig.lora_rank=8",
+        "actor/RoleConfig.lora_alpha=16.0", "actor/RoleConfig.learning_rate=3e-3",
+        "TaskConfig.reward_fn='synthetic_ground_truth'", "RLConfig.iterations=12",
+        "RLConfig.samples_per_prompt=4", "RLConfig.kl_coef=0.01", "RLConfig.kl_estimator='k3'",
+        "RLConfig.checkpoint_every=12", *SMALL,
+    ]  # fmt: skip
+    assert train.main(["--run-dir", str(rl), "--quiet", *bindings]) == 0
     summary = json.loads((rl / "summary.json").read_text())
     before, after = summary["before"]["gt_score"], summary["after"]["gt_score"]
     assert 0.05 < before < 0.5, summary  # a policy with headroom, and signal for GRPO
-    assert after >= before + 0.05, summary
+    assert after >= before + 0.1, summary
     # The run trained adapters: its checkpoint holds them (and no base kernel).
     meta = checkpoint.read_trainer_meta(rl)
     assert meta["models"]["actor"]["lora"]["rank"] == 8
-    assert meta["models"]["actor"]["base"]["weights"] == f"ckpt:{sft}/sft"
+    assert meta["models"]["actor"]["base"]["weights"] == f"ckpt:{base_run}/sft"
 
 
 # -- PPO: actor and critic LoRA; placements, the generation copy's offload, kill and resume -----
@@ -323,7 +309,19 @@ LORA_PPO = [
 ]  # fmt: skip
 
 
-def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path):
+class _Preempted(BaseException):
+    """A preemption: a BaseException, so no ``except Exception`` in the trainer handles it."""
+
+
+def _preempted_at(iteration: int):
+    def hook(i: int) -> None:
+        if i == iteration:
+            raise _Preempted(i)
+
+    return hook
+
+
+def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path, monkeypatch):
     """PPO with LoRA actor and critic (the critic's value head trains too), co-located (flatten)
     against separated generation with the generation copy dropped between iterations and the
     run killed in iteration 3 and resumed from its adapters-only checkpoint: the same metrics.
@@ -331,6 +329,7 @@ def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path):
     from run_helpers import assert_rows_close, metric_rows, ppo_bindings
 
     from jrlhf.cli import train
+    from jrlhf.ppo import trainer as trainer_lib
 
     flat_dir = tmp_path / "flatten"
     bindings = ppo_bindings(base_run, *LORA_PPO)
@@ -359,10 +358,12 @@ def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path):
         "--run-dir", str(sep_dir), "--quiet", *bindings, "RunConfig.placement='separate'",
         "RLConfig.generation_copy='dropped'",
     ]  # fmt: skip
-    killed = train_subprocess(
-        [*args, "RLConfig.async_checkpoint=False"], {"JRLHF_DEBUG_EXIT_AT_ITERATION": "3"}
-    )
-    assert killed.returncode == 137, killed.stderr[-2000:]
+    # Killed in iteration 3, in this process: the preemption hook raises instead of exiting,
+    # and nothing after it runs (the hard exit itself: tests/e2e/test_trainer.py).
+    monkeypatch.setattr(trainer_lib, "exit_if_asked", _preempted_at(3))
+    with pytest.raises(_Preempted):
+        train.main([*args, "RLConfig.async_checkpoint=False"])
+    monkeypatch.undo()
     assert checkpoint.latest_step_dir(sep_dir).name == "2"
     assert train.main([*args, "--resume"]) == 0
     assert_rows_close(metric_rows(sep_dir), rows)
