@@ -1,6 +1,9 @@
 """What the end-to-end tests share: small run bindings, metric rows, a training subprocess, a
 run directory's lock held by another process, and a storage that refuses writes.
 
+A preemption is either real (``train_subprocess`` with JRLHF_DEBUG_EXIT_AT_ITERATION: the
+process exits on the spot) or, cheaper, in the test's own process (``preempt_at``).
+
 The runs themselves (``base_run``, ``colocated_run``) are session fixtures in conftest.py, so
 every test module reuses one SFT + reward-model run and one PPO run.
 """
@@ -24,6 +27,26 @@ SMALL = [
     "RLConfig.epochs=1",
     "RunConfig.tensorboard=False",
 ]
+
+
+class Preempted(BaseException):
+    """A preemption in the test's own process: a BaseException, so no ``except Exception`` of
+    the trainer handles it and nothing after the preemption hook runs."""
+
+
+def preempt_at(monkeypatch, iteration: int) -> None:
+    """Make jrlhf's preemption hook (jrlhf.runtime.preempt.exit_if_asked) raise ``Preempted``
+    in RL iteration ``iteration`` (counted from 0) of this process, wherever the schedule calls
+    it; undo with ``monkeypatch.undo()``."""
+    from jrlhf.ppo import trainer
+    from jrlhf.ppo.schedules import bounded
+
+    def hook(i: int) -> None:
+        if i == iteration:
+            raise Preempted(i)
+
+    for module in (trainer, bounded):
+        monkeypatch.setattr(module, "exit_if_asked", hook)
 
 
 def ppo_bindings(base: Path, *extra: str) -> list[str]:

@@ -305,18 +305,20 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
     assert env_metrics(batch.arrays)["env/failed_episodes"] == 1.0  # prompt 0 slept too long
 
 
-def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
+def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, monkeypatch):
     """configs/calculator_grpo.gin, shortened, with episodes generated one policy version ahead
     (RLConfig.max_staleness=1: the batches in flight carry their masks and episode records to
     the update): GRPO from a random policy, whose episodes call the calculator (env/* metrics), the
     environment's tokens masked; `python -m jrlhf.evaluate` on the final checkpoint reports the
-    run's own held-out numbers (the same episodes). The synchronous loop runs it in
-    tests/e2e/test_multiprocess.py, against 2 processes."""
+    run's own held-out numbers (the same episodes). The same run preempted in its second
+    iteration (index 1), that batch's episodes generated and not yet trained on, resumes to the
+    same numbers. The synchronous loop runs it in tests/e2e/test_multiprocess.py, against 2
+    processes."""
     import json
 
-    from jrlhf import train
+    from jrlhf import checkpoint, train
     from jrlhf.cli import evaluate
-    from tests.run_helpers import metric_rows
+    from tests.run_helpers import Preempted, assert_rows_close, metric_rows, preempt_at
 
     run = tmp_path / "calc"
     short = [
@@ -326,8 +328,8 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
         "RunConfig.tensorboard=False",
         "RLConfig.max_staleness=1",
     ]  # fmt: skip
-    args = ["--config", "configs/calculator_grpo.gin", "--run-dir", str(run), "--quiet", *short]
-    assert train.main(args) == 0
+    args = ["--config", "configs/calculator_grpo.gin", "--quiet", *short]
+    assert train.main(["--run-dir", str(run), *args]) == 0
     rows = [r for r in metric_rows(run, "grpo") if "env/tool_calls" in r]
     assert len(rows) == 2
     assert all(r["env/tool_calls"] > 0 and r["env/observation_tokens"] > 0 for r in rows)
@@ -339,6 +341,19 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path):
     after = json.loads((run / "summary.json").read_text())["after"]
     for key in ("gt_score", "reward", "response_len"):
         np.testing.assert_allclose(report[key], after[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+    killed = tmp_path / "killed"
+    resumable = [
+        "--run-dir", str(killed), *args, "RLConfig.checkpoint_every=1",
+        "RLConfig.async_checkpoint=False",
+    ]  # fmt: skip
+    preempt_at(monkeypatch, 1)
+    with pytest.raises(Preempted):
+        train.main(resumable)
+    monkeypatch.undo()
+    assert checkpoint.latest_step_dir(killed).name == "1"
+    assert train.main([*resumable, "--resume"]) == 0
+    assert_rows_close(metric_rows(killed, "grpo"), metric_rows(run, "grpo"))
 
 
 def test_episodes_cross_the_sample_channel_and_checkpoints_whole():

@@ -309,27 +309,14 @@ LORA_PPO = [
 ]  # fmt: skip
 
 
-class _Preempted(BaseException):
-    """A preemption: a BaseException, so no ``except Exception`` in the trainer handles it."""
-
-
-def _preempted_at(iteration: int):
-    def hook(i: int) -> None:
-        if i == iteration:
-            raise _Preempted(i)
-
-    return hook
-
-
 def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path, monkeypatch):
     """PPO with LoRA actor and critic (the critic's value head trains too), co-located (flatten)
     against separated generation with the generation copy dropped between iterations and the
     run killed in iteration 3 and resumed from its adapters-only checkpoint: the same metrics.
     The weight channel sends merged weights: as many bytes as a full fine-tune's."""
-    from run_helpers import assert_rows_close, metric_rows, ppo_bindings
+    from run_helpers import Preempted, assert_rows_close, metric_rows, ppo_bindings, preempt_at
 
     from jrlhf.cli import train
-    from jrlhf.ppo import trainer as trainer_lib
 
     flat_dir = tmp_path / "flatten"
     bindings = ppo_bindings(base_run, *LORA_PPO)
@@ -358,10 +345,10 @@ def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path, monkey
         "--run-dir", str(sep_dir), "--quiet", *bindings, "RunConfig.placement='separate'",
         "RLConfig.generation_copy='dropped'",
     ]  # fmt: skip
-    # Killed in iteration 3, in this process: the preemption hook raises instead of exiting,
-    # and nothing after it runs (the hard exit itself: tests/e2e/test_trainer.py).
-    monkeypatch.setattr(trainer_lib, "exit_if_asked", _preempted_at(3))
-    with pytest.raises(_Preempted):
+    # Killed in its fourth iteration (index 3), in this process: the preemption hook raises
+    # instead of exiting, and nothing after it runs (the hard exit: tests/e2e/test_trainer.py).
+    preempt_at(monkeypatch, 3)
+    with pytest.raises(Preempted):
         train.main([*args, "RLConfig.async_checkpoint=False"])
     monkeypatch.undo()
     assert checkpoint.latest_step_dir(sep_dir).name == "2"
