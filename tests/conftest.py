@@ -181,11 +181,11 @@ def pytest_unconfigure(config):
 # first is the classic rule for balancing jobs over workers; files not listed follow in their
 # usual order. A stale figure only costs balance, never a test.
 _SLOW_FILES = {
-    "test_lora.py": 98,
+    "test_lora.py": 70,
     "test_trainer.py": 89,
     "test_decode.py": 54,
     "test_staleness.py": 42,
-    "test_pipeline_stages.py": 37,
+    "test_pipeline_stages.py": 25,
     "test_multiturn.py": 39,
     "test_reliability.py": 34,
     "test_residency.py": 25,

@@ -1,14 +1,15 @@
 """Pipeline parallelism (jrlhf.models.pipeline): a ``stage`` mesh axis splits the stacked layers,
 and full-sequence passes run their micro-batches through the stages on the GPipe schedule. The
 pipelined logits, values, log-probs, loss, gradient norm and parameters after an SGD step equal
-the unpipelined run's on 8 fake CPU devices (float32: 1e-5 absolute)."""
+the unpipelined run's on 8 fake CPU devices (float32: 1e-5 absolute). A PPO job with staged
+actor and critic equals one without stages in tests/e2e/test_multiprocess.py, its stages on a
+process each."""
 
 import chex
 import jax
 import numpy as np
 import optax
 import pytest
-from run_helpers import assert_rows_close, metric_rows, ppo_bindings
 
 from benchmarks import fsdp_memory as fm
 from benchmarks import pipeline_memory
@@ -168,28 +169,6 @@ def test_stage_settings_fail_in_one_line():
         RoleConfig(generate_mesh="stage=2,tensor=4").validate("actor")
     with pytest.raises(ValueError, match="pipeline_microbatches must be an integer >= 0"):
         tiny(pipeline_microbatches=-2)
-
-
-def test_ppo_run_with_pipelined_actor_and_critic_equals_the_colocated_run(
-    base_run, colocated_run, tmp_path
-):
-    """The session's PPO run (conftest.colocated_run) again with the actor trained over 2
-    pipeline stages on the 1F1B schedule, the critic trained (GPipe) and scoring over 2: the
-    same metrics, row for row, within the placement tests' tolerances
-    (run_helpers.assert_rows_close)."""
-    run_dir = tmp_path / "staged"
-    bindings = ppo_bindings(
-        base_run,
-        "actor/RoleConfig.train_mesh='stage=2,fsdp=2,tensor=2'",
-        "actor/RoleConfig.pipeline_schedule='1f1b'",
-        "critic/RoleConfig.train_mesh='stage=2,fsdp=4'",
-        "critic/RoleConfig.infer_mesh='stage=2,fsdp=4'",
-    )
-    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
-    assert "actor/RoleConfig.train_mesh = 'stage=2,fsdp=2,tensor=2'" in (
-        (run_dir / "plan.gin").read_text()
-    )
-    assert_rows_close(metric_rows(run_dir), metric_rows(colocated_run))
 
 
 def test_the_estimator_prices_the_bubble_the_sends_and_the_memory_of_stages():
