@@ -214,9 +214,7 @@ def test_the_70b_plan_runs_scaled_down_and_matches_a_plain_run(plain_rows, tmp_p
     generation copy, offload). The trainer accepts it, and its metrics are the plain flatten
     run's (other shardings and remat change only float rounding)."""
     bindings = scaled_plan_bindings()
-    knobs = [
-        b for b in bindings if re.match(r"(\w+/)?(RLConfig|RoleConfig)\.(?!.*_(mesh|rules))", b)
-    ]
+    knobs = [b for b in bindings if re.match(r"(\w+/)?(Memory|RoleConfig)\.(?!.*_(mesh|rules))", b)]
     assert any("remat_policy" in b for b in knobs) and any("generation_copy" in b for b in knobs)
     trainer, loader = build_trainer(tmp_path, *bindings, placement="custom")
     assert trainer.cfg.roles["actor"].generate_mesh.startswith("data=1,tensor=8@")

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gin
 import jax
 import numpy as np
 import pytest
@@ -375,6 +376,7 @@ def test_role_groups_and_their_refusals(monkeypatch):
     would free nothing on devices no other call uses)."""
     from jrlhf.ppo.groups import role_groups
 
+    gin.clear_config()  # RLConfig reads gin: no binding left by an earlier test's run applies
     monkeypatch.setattr(jax, "process_count", lambda: 4)
     roles = {
         "actor": _Role(generate=_Mesh(0, 1), train=_Mesh(2, 3)),
@@ -383,7 +385,7 @@ def test_role_groups_and_their_refusals(monkeypatch):
     rl = RLConfig(asynchrony=Asynchrony(max_staleness=2))
     groups = role_groups(rl, roles)
     assert (groups.generate, groups.train) == ({0, 1}, {2, 3})
-    assert role_groups(RLConfig(), roles) is None  # synchronous: lockstep
+    assert role_groups(RLConfig(asynchrony=Asynchrony(max_staleness=0)), roles) is None  # lockstep
     shared = {**roles, "reference": _Role(infer=_Mesh(1, 2))}
     assert role_groups(rl, shared) is None  # generation shares process 1: lockstep, warned
     for bad, roles_, why in (
