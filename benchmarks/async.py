@@ -1,4 +1,4 @@
-"""``python -m jrlhf.bench async``: synchronous vs asynchronous RL (``RLConfig.max_staleness``)
+"""``python -m jrlhf.bench async``: synchronous vs asynchronous RL (``Asynchrony.max_staleness``)
 with generation and training on separate process groups, side by side in one run.
 
 Each variant is a real ``python -m jrlhf.launch ... -- train`` job whose plan gives generation
@@ -94,7 +94,7 @@ def _bindings(args) -> list[str]:
         f"RLConfig.epochs={args.epochs}",
         f"RLConfig.iterations={args.iterations}",
         "RLConfig.checkpoint_every=0",
-        "RLConfig.off_policy_correction='tis'",
+        "OffPolicy.correction='tis'",
     ]
     out += [f"{role}/RoleConfig.init='tiny'" for role in ("actor", "critic", "reference", "reward")]
     return out
@@ -110,7 +110,7 @@ def _run(
     cmd = [
         sys.executable, "-m", "jrlhf.launch", "--processes", str(processes),
         "--devices-per-process", str(devices), *cores, "--", "train", "--run-dir", str(run_dir),
-        "--quiet", *bindings, *placement, f"RLConfig.max_staleness={staleness}",
+        "--quiet", *bindings, *placement, f"Asynchrony.max_staleness={staleness}",
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:

@@ -4,9 +4,9 @@ On the long-tailed task (configs/longtail_ppo.gin; jrlhf/tasks/longtail.py) a ti
 fine-tuned (``--sft-steps`` of the SFT stage) so that its response lengths follow the prompts' long-
 tailed targets. Then one PPO trainer is built as ``python -m jrlhf.train`` builds it (reference from
 the SFT checkpoint, random reward model and critic) and its rollout is timed on one batch of
-prompts, fused (RLConfig.fusion: finished rows scored ``--score-rows`` at a time while the tail
+prompts, fused (Fusion.enabled: finished rows scored ``--score-rows`` at a time while the tail
 decodes) and unfused (generate, then score everything), and with ``--migrate-rows N`` also fused
-with migration (RLConfig.migrate_rows: the last N decoding rows move to one replica of the
+with migration (Fusion.migrate_rows: the last N decoding rows move to one replica of the
 generation mesh), alternating, after one warm-up of each (compiles). The runs give the same
 samples (checked) and the same scores to float rounding (the largest difference is reported).
 
@@ -35,7 +35,7 @@ def _parse(argv):
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (without a GPU)")
     p.add_argument("--placement", default="flatten", help="RunConfig.placement")
     p.add_argument("--prompts", type=int, default=32, help="prompts per batch")
-    p.add_argument("--score-rows", type=int, default=8, help="RLConfig.fusion_score_rows")
+    p.add_argument("--score-rows", type=int, default=8, help="Fusion.score_rows")
     p.add_argument("--chunk-steps", type=int, default=8, help="DecodeConfig.chunk_steps")
     p.add_argument("--sft-steps", type=int, default=150, help="SFT steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts of each kind")
@@ -44,7 +44,7 @@ def _parse(argv):
         "--migrate-rows",
         type=int,
         default=8,
-        help="RLConfig.migrate_rows of a third variant (0: none)",
+        help="Fusion.migrate_rows of a third variant (0: none)",
     )
     add_out_argument(p)
     args = p.parse_args(argv)
@@ -63,10 +63,10 @@ def _bindings(args) -> list[str]:
         "SFTConfig.checkpoint_every=0",
         f"RLConfig.prompts_per_iteration={args.prompts}",
         f"RLConfig.minibatch_size={args.prompts}",
-        "RLConfig.fusion=True",
-        f"RLConfig.fusion_score_rows={args.score_rows}",
+        "Fusion.enabled=True",
+        f"Fusion.score_rows={args.score_rows}",
         f"DecodeConfig.chunk_steps={args.chunk_steps}",
-        f"RLConfig.migrate_rows={args.migrate_rows}",
+        f"Fusion.migrate_rows={args.migrate_rows}",
     ]
 
 
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
         predicted = fused_rollout_seconds(plan, workload, profile, lengths, fusion_rows)
         if migration:
             with_tail = fused_rollout_seconds(
-                plan, workload, profile, lengths, fusion_rows, cfg.rl.migrate_rows,
-                cfg.rl.migrate_replicas,
+                plan, workload, profile, lengths, fusion_rows, cfg.rl.fusion.migrate_rows,
+                cfg.rl.fusion.migrate_replicas,
             )  # fmt: skip
             predicted["migrated_s"] = with_tail["fused_s"]
             predicted["migrate_s"] = with_tail["migrate_s"]

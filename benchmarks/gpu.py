@@ -140,7 +140,7 @@ def ceilings(args) -> dict:
 def _host_link(x) -> dict:
     """Device <-> host memory copy rates of ``x`` on the path the trainer parks state with
     (``jrlhf.reshard.park_to_host`` / ``restore_from_host``: the backend's host memory kind, or
-    NumPy without one): what ``RLConfig.offload`` pays per byte (``DeviceProfile.host_bandwidth``).
+    NumPy without one): what ``Memory.offload`` pays per byte (``DeviceProfile.host_bandwidth``).
     Each is the median of 5 timed copies after a warm-up."""
     import jax
 

@@ -70,7 +70,7 @@ def _data_parallel(n: int) -> ExecutionPlan:
     return _everywhere("flatten-dp", mesh, "dp_tp")
 
 
-# plan name -> (plan builder over n devices, workload knobs: RLConfig.infer_batch_size and the
+# plan name -> (plan builder over n devices, workload knobs: Memory.infer_batch_size and the
 # actor's and critic's micro-batches). ``searched`` is added at run time.
 PLANS: dict[str, tuple[Callable[[int], ExecutionPlan], dict[str, int]]] = {
     "flatten": (lambda n: strategy("flatten", n), {}),

@@ -50,7 +50,7 @@ WORKLOAD = dict(
 REMAT = "dots_no_batch"  # as configs/llama3_8b_ppo.gin: 2k-token training needs remat
 # How the trainer runs it (see docs/plans.md): the decode engine keeps DECODE_SLOTS sequences in
 # flight in total over its data shards (DecodeConfig.num_slots; the rest wait for a free slot),
-# reference / reward / critic score INFER_BATCH_SIZE rows per call (RLConfig.infer_batch_size),
+# reference / reward / critic score INFER_BATCH_SIZE rows per call (Memory.infer_batch_size),
 # and each minibatch is trained in micro-batches of microbatch_rows() rows (gradient accumulation,
 # RoleConfig.microbatches = minibatch_size / rows), one optimizer update per minibatch.
 # A micro-batch's rows must split over the training call's batch (fsdp) shards, so 8-row
@@ -289,7 +289,7 @@ def tail_lengths(rows: int, max_len: int, seed: int = 0) -> list[int]:
 def overlap_tables(cases: list[Case], profile) -> list[str]:
     """Estimated gains of the two overlap mechanisms (issue: asynchronous RL and inter-stage
     fusion) for PPO on separated plans (generation on devices of its own): every `separate`
-    variant is priced with RLConfig.max_staleness=1 (the iteration is the slower of generation
+    variant is priced with Asynchrony.max_staleness=1 (the iteration is the slower of generation
     and the rest, so the best split is not the synchronous one) and the fastest kept; on it,
     scoring finished samples while long-tailed ones still decode."""
     from jrlhf.placement.estimator import estimate_tuned, fused_rollout_seconds

@@ -48,7 +48,7 @@ BASE = [
     "RLConfig.epochs=1",
     "RLConfig.iterations=3",
     "RLConfig.checkpoint_every=0",
-    "RLConfig.off_policy_correction='tis'",
+    "OffPolicy.correction='tis'",
 ]
 # layout -> (processes, devices per process, placement bindings)
 LAYOUTS = {
@@ -69,8 +69,8 @@ LAYOUTS = {
 }
 MEMORY = {
     "none": [],
-    "offload": ["RLConfig.offload=('actor_optimizer', 'critic_optimizer')"],
-    "dropped": ["RLConfig.generation_copy='dropped'"],
+    "offload": ["Memory.offload=('actor_optimizer', 'critic_optimizer')"],
+    "dropped": ["Memory.generation_copy='dropped'"],
 }
 
 
@@ -88,13 +88,13 @@ def combinations() -> list[dict]:
 
 
 def bindings(c: dict) -> list[str]:
-    out = [f"RLConfig.max_staleness={c['k']}", f"RLConfig.fusion={c['fusion']}"]
+    out = [f"Asynchrony.max_staleness={c['k']}", f"Fusion.enabled={c['fusion']}"]
     if c["partial"]:
-        out.append(f"RLConfig.partial_rollout_tokens={RESPONSE // c['k']}")
+        out.append(f"Asynchrony.partial_rollout_tokens={RESPONSE // c['k']}")
     if c["dynamic"]:
-        out += ["RLConfig.dynamic_sampling=True", "RLConfig.max_sampling_rounds=2"]
+        out += ["SampleFilters.dynamic_sampling=True", "SampleFilters.max_sampling_rounds=2"]
     if c["migrate"]:
-        out += ["RLConfig.migrate_rows=4", "RLConfig.migrate_replicas=1"]
+        out += ["Fusion.migrate_rows=4", "Fusion.migrate_replicas=1"]
     return out + MEMORY[c["memory"]]
 
 

@@ -18,7 +18,7 @@ Per algorithm, one JSON object on stdout reports:
   head's weights included, tied or not; not the input embedding, a gather: see
   ``jrlhf.placement.workload.train_flops_per_token``; every column of every row the step
   computes, padding included:
-  fewer with ``--pack``, ``RLConfig.pack_samples``; ``real_tokens`` counts the non-padding), and
+  fewer with ``--pack``, ``Memory.pack_samples``; ``real_tokens`` counts the non-padding), and
   XLA's cost analysis of the actor's compiled step for comparison (it counts the scanned layer
   loop's body once, so it undercounts);
 * the machine's matmul peak (the best of a few large fp32 ``jnp.dot`` in this process, default
@@ -154,8 +154,8 @@ def _bindings(args, algorithm: str) -> list[str]:
         f"RLConfig.minibatch_size={rows}",
         "RLConfig.epochs=1",
         f"RLConfig.kl_coef={args.kl_coef}",
-        f"RLConfig.pack_samples={args.pack}",
-        f"RLConfig.logprob_chunk={args.logprob_chunk}",
+        f"Memory.pack_samples={args.pack}",
+        f"Memory.logprob_chunk={args.logprob_chunk}",
         f"actor/RoleConfig.microbatch_tokens={args.microbatch_tokens}",
         f"critic/RoleConfig.microbatch_tokens={args.microbatch_tokens}",
         "RLConfig.checkpoint_every=0",
@@ -388,16 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="ModelConfig.layer_loop (auto: unrolled on CPU)",
     )
-    p.add_argument("--logprob-chunk", type=int, default=0, help="RLConfig.logprob_chunk")
+    p.add_argument("--logprob-chunk", type=int, default=0, help="Memory.logprob_chunk")
     p.add_argument(
         "--microbatch-tokens",
         type=int,
         default=0,
         help="RoleConfig.microbatch_tokens of actor and critic (0: one micro-batch)",
     )
-    p.add_argument(
-        "--pack", action="store_true", help="RLConfig.pack_samples: train on packed rows"
-    )
+    p.add_argument("--pack", action="store_true", help="Memory.pack_samples: train on packed rows")
     p.add_argument("--matmul-size", type=int, default=0, help="0: 4096 on GPU, 2048 otherwise")
     p.add_argument(
         "--peers",

@@ -99,6 +99,8 @@ def _type_error(value: Any, hint: Any) -> str | None:
     origin = typing.get_origin(hint)
     if hint is Any:
         return None
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a sub-config (RLConfig.fusion)
+        return None if isinstance(value, hint) else f"expects @{hint.__name__}()"
     if hint is bool:
         return None if isinstance(value, bool) else "expects true or false"
     if hint is int:
@@ -302,7 +304,7 @@ class RoleConfig:
     # each train step of this role splits its minibatch into the fewest equal micro-batches
     # that leave no device more than this many token columns (rows x (max_prompt_len +
     # max_response_len)) per micro-batch (jrlhf.data.batch.fit_microbatches). With
-    # RLConfig.pack_samples the packed rows count, so a minibatch of short samples takes fewer
+    # Memory.pack_samples the packed rows count, so a minibatch of short samples takes fewer
     # micro-batches than a full-length one; each count compiles once. Exclusive with
     # microbatches > 1; 0 (default) uses microbatches.
     microbatch_tokens: int = 0
@@ -523,21 +525,116 @@ class DPOConfig:
         _check(self.infer_batch_size >= 1, "DPOConfig.infer_batch_size", "must be >= 1")
 
 
+# Where each RLConfig field that moved into a sub-config of its concern is bound now. A binding
+# of an old name (in a file, an override, or a saved run's operative config) is refused in one
+# line naming the new one (load_config), before anything is built.
+MOVED = {
+    "RLConfig.max_staleness": "Asynchrony.max_staleness",
+    "RLConfig.partial_rollout_tokens": "Asynchrony.partial_rollout_tokens",
+    "RLConfig.fusion": "Fusion.enabled",
+    "RLConfig.fusion_score_rows": "Fusion.score_rows",
+    "RLConfig.migrate_rows": "Fusion.migrate_rows",
+    "RLConfig.migrate_replicas": "Fusion.migrate_replicas",
+    "RLConfig.infer_batch_size": "Memory.infer_batch_size",
+    "RLConfig.generation_copy": "Memory.generation_copy",
+    "RLConfig.offload": "Memory.offload",
+    "RLConfig.pack_samples": "Memory.pack_samples",
+    "RLConfig.logprob_chunk": "Memory.logprob_chunk",
+    "RLConfig.dynamic_sampling": "SampleFilters.dynamic_sampling",
+    "RLConfig.max_sampling_rounds": "SampleFilters.max_sampling_rounds",
+    "RLConfig.overlong_buffer": "SampleFilters.overlong_buffer",
+    "RLConfig.overlong_penalty": "SampleFilters.overlong_penalty",
+    "RLConfig.off_policy_correction": "OffPolicy.correction",
+    "RLConfig.is_cap": "OffPolicy.is_cap",
+}
+
+
+def moved_message(old: str) -> str:
+    """The one line refusing a binding of the moved setting ``old`` (a key of :data:`MOVED`)."""
+    return f"{old} moved: bind {MOVED[old]}"
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """PPO / GRPO hyper-parameters (the stage name picks the algorithm)."""
+class Asynchrony:
+    """Asynchronous RL (``RLConfig.asynchrony``): how many updates old a trained sample may be,
+    and whether a batch is generated in passes across updates."""
 
-    iterations: int = 40
-    prompts_per_iteration: int = 32
-    samples_per_prompt: int = 1  # GRPO group size (>= 2 for GRPO)
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    epochs: int = 2
-    minibatch_size: int = 16
+    # Bounded staleness (jrlhf.ppo.staleness). 0: the synchronous loop (generate with the newest
+    # weights, then train). k >= 1: the batch iteration i trains on is generated with the weights
+    # of version max(i - k, 0) (the actor after that many updates), so generation of later
+    # batches can run while earlier ones train (at the same time where the plan puts generation
+    # and training on different processes); no token is ever more than k versions older than
+    # the policy being updated (checked). Pair with OffPolicy.correction.
+    max_staleness: int = 0
+    # Partial rollouts (jrlhf.ppo.partial; needs max_staleness = k >= 1): a batch is generated
+    # partial_rollout_tokens (T) tokens at a time, one pass per iteration over the k iterations
+    # before it is trained, so an update lands between a long sample's passes: the sample keeps
+    # its tokens and behaviour log-probs and continues under the newer weights (its prompt and
+    # tokens so far re-prefilled: the KV cache is recomputed, never kept from an older policy).
+    # Each pass decodes every unfinished sample of every batch in flight together. T must divide
+    # TaskConfig.max_response_len and T x k must reach it (every sample ends before it trains).
+    # 0 (default): each batch in one pass.
+    partial_rollout_tokens: int = 0
+
+    def validate(self) -> None:
+        """One ConfigError naming the first bad field."""
+        check_types(self, "Asynchrony")
+        _check(self.max_staleness >= 0, "Asynchrony.max_staleness", "must be >= 0 (0: synchronous)")
+        _check(
+            self.partial_rollout_tokens >= 0, "Asynchrony.partial_rollout_tokens", "must be >= 0"
+        )
+        _check(
+            not self.partial_rollout_tokens or self.max_staleness >= 1,
+            "Asynchrony.partial_rollout_tokens",
+            "continues samples across updates and needs Asynchrony.max_staleness >= 1",
+        )
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """Inter-stage fusion (``RLConfig.fusion``, jrlhf.ppo.fusion): scoring finished samples
+    while generation goes on, and moving the long tail off the scoring devices."""
+
+    # enabled: finished samples are scored (reference, reward, critic) in calls of score_rows
+    # rows while generation goes on (score_rows 0: a quarter of the iteration's rows; rounded up
+    # to the scoring meshes' batch shards). Same samples and scores (to float rounding);
+    # time/generate then includes the scoring done during generation. With
+    # Asynchrony.max_staleness >= 1 each batch is scored as it is generated, on the training
+    # group where generation has processes of its own; a critic's values are taken when it
+    # trains.
+    enabled: bool = False
+    score_rows: int = 0
+    # RLHFuse's migration (needs enabled; 0: off): once no prompt waits for a decode slot and at
+    # most migrate_rows samples are still decoding, their KV pages and decode state move onto
+    # migrate_replicas of the generation mesh's data-parallel replicas (those the scoring meshes
+    # use least) and finish there, so the scoring calls on the other devices need not wait for
+    # the long tail. The same samples (the KV moves, nothing is recomputed).
+    migrate_rows: int = 0
+    migrate_replicas: int = 1
+
+    def validate(self) -> None:
+        """One ConfigError naming the first bad field."""
+        check_types(self, "Fusion")
+        _check(self.score_rows >= 0, "Fusion.score_rows", "must be >= 0 (0: derived)")
+        _check(self.migrate_rows >= 0, "Fusion.migrate_rows", "must be >= 0 (0: off)")
+        _check(self.migrate_replicas >= 1, "Fusion.migrate_replicas", "must be >= 1")
+        _check(
+            not self.migrate_rows or self.enabled,
+            "Fusion.migrate_rows",
+            "moves the long tail off the devices that score finished samples and needs "
+            "Fusion.enabled = True",
+        )
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The RL trainer's memory knobs (``RLConfig.memory``; jrlhf.ppo.residency; ``python -m
+    jrlhf.plan`` chooses infer_batch_size, generation_copy and offload per plan)."""
+
     infer_batch_size: int = 0  # rows per reference/reward/critic call; 0 scores all at once
-    # Memory knobs (jrlhf.ppo.residency; `python -m jrlhf.plan` chooses them per plan).
     # generation_copy: the actor's generation-layout copy (the resharder's output) is "kept" on
     # its devices all iteration, or "dropped" when generation ends (freed for scoring and the
     # update; the reshard after the update rebuilds it, as it does anyway, so it costs no time;
@@ -548,6 +645,129 @@ class RLConfig:
     # device only while scoring), "actor_optimizer" and "critic_optimizer" (AdamW state, on
     # device only during the update). Each costs one copy out and one back per iteration.
     offload: tuple[str, ...] = ()
+    # Train on packed rows (jrlhf.data.batch.pack_segments): each minibatch's samples laid end to
+    # end in rows of max_prompt_len + max_response_len columns with segment ids, positions
+    # restarting per sample, instead of one left/right-padded row each; the same loss and
+    # gradients (to float rounding), fewer computed tokens when responses are short. Off by
+    # default: with responses near max_response_len there is little padding to remove, and the
+    # row count (bucketed, <= 8 shapes) can differ between iterations, each new one compiling.
+    pack_samples: bool = False
+    # > 0: the actor's train step computes log-probs and entropies this many response positions
+    # at a time (jrlhf.models.logprobs.chunked_logprobs), holding at most (chunk, vocab) logits
+    # in the forward and backward passes instead of (rows x max_response_len, vocab): for large
+    # vocabularies, at the price of recomputing each chunk's head matmul in the backward pass.
+    # 0 (default): all positions at once.
+    logprob_chunk: int = 0
+
+    def validate(self) -> None:
+        """One ConfigError naming the first bad field."""
+        check_types(self, "Memory")
+        _check(self.infer_batch_size >= 0, "Memory.infer_batch_size", "must be >= 0")
+        _check(
+            self.generation_copy in GENERATION_COPIES,
+            "Memory.generation_copy",
+            f"unknown {self.generation_copy!r}; valid: {', '.join(GENERATION_COPIES)}",
+        )
+        for item in self.offload:
+            _check(
+                item in OFFLOADABLE,
+                "Memory.offload",
+                f"unknown item {item!r}; valid: {', '.join(OFFLOADABLE)}",
+            )
+        _check(
+            len(set(self.offload)) == len(self.offload),
+            "Memory.offload",
+            f"lists an item twice: {self.offload!r}",
+        )
+        _check(self.logprob_chunk >= 0, "Memory.logprob_chunk", "must be >= 0 (0: off)")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SampleFilters:
+    """What becomes of samples before the update (``RLConfig.filters``; DAPO, Yu et al. 2025,
+    with RLConfig.clip_eps_high for clip-higher and loss_agg="token-mean")."""
+
+    # Dynamic sampling: groups (one prompt's samples_per_prompt samples) whose scores (penalty
+    # included) are all equal carry no group-relative advantage and are dropped; the iteration
+    # generates from the next prompts of the loader until it has prompts_per_iteration groups
+    # with signal, for at most max_sampling_rounds generation rounds, and then fills up with
+    # dropped groups (metrics sampling/*). Needs RLConfig.samples_per_prompt >= 2. With
+    # Asynchrony.max_staleness >= 1 a batch's further rounds are generated at the iterations
+    # before it trains, under their weights (jrlhf.ppo.schedules.bounded).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Soft overlong punishment (core_algos.overlong_penalty): a response longer than
+    # TaskConfig.max_response_len - overlong_buffer tokens loses up to overlong_penalty from its
+    # score, linearly over the buffer (a truncated response loses all of it); 0 turns it off.
+    # Advantages see the penalized score, the logged "reward" the unpenalized one.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def validate(self) -> None:
+        """One ConfigError naming the first bad field."""
+        check_types(self, "SampleFilters")
+        _check(self.max_sampling_rounds >= 1, "SampleFilters.max_sampling_rounds", "must be >= 1")
+        _check(self.overlong_buffer >= 0, "SampleFilters.overlong_buffer", "must be >= 0 (0: off)")
+        _check(self.overlong_penalty >= 0, "SampleFilters.overlong_penalty", "must be >= 0")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OffPolicy:
+    """Off-policy correction (``RLConfig.off_policy``; core_algos.behaviour_importance_weights)
+    for samples whose behaviour policy differs from the one the update starts from (a generation
+    engine with other numerics, e.g. bf16 decode and fp32 training; stale weights).
+
+    ``correction`` "none": the PPO ratio is taken against the behaviour (generation) log-probs,
+    as always. "tis" / "decoupled": the actor's own forward recomputes the proximal log-probs
+    before the update (one more actor pass over the batch), the ratio and its clip are taken
+    against them, and each token's loss is weighted by pi_prox / pi_behaviour, truncated at
+    ``is_cap`` ("tis") or not ("decoupled"). Metrics offpolicy/*: mismatch (mean |log-prob
+    difference|, k3 KL), IS clip fraction."""
+
+    correction: str = "none"
+    is_cap: float = 2.0
+
+    def validate(self) -> None:
+        """One ConfigError naming the first bad field."""
+        check_types(self, "OffPolicy")
+        _check(
+            self.correction in OFF_POLICY_CORRECTIONS,
+            "OffPolicy.correction",
+            f"unknown correction {self.correction!r}; valid: {', '.join(OFF_POLICY_CORRECTIONS)}",
+        )
+        _check(self.is_cap >= 1, "OffPolicy.is_cap", f"must be >= 1, got {self.is_cap}")
+
+
+# RLConfig's sub-configs: field -> class (each bound by its own name, e.g. Fusion.enabled).
+RL_SUB_CONFIGS = {
+    "asynchrony": Asynchrony,
+    "fusion": Fusion,
+    "memory": Memory,
+    "filters": SampleFilters,
+    "off_policy": OffPolicy,
+}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """PPO / GRPO hyper-parameters (the stage name picks the algorithm).
+
+    The algorithm's own fields are bound here (``RLConfig.kl_coef = 0.05``); the knobs of each
+    other concern in a sub-config of its own, bound by its name, which every RLConfig built
+    reads: :class:`Asynchrony`, :class:`Fusion`, :class:`Memory`, :class:`SampleFilters`,
+    :class:`OffPolicy` (``Asynchrony.max_staleness = 1``)."""
+
+    iterations: int = 40
+    prompts_per_iteration: int = 32
+    samples_per_prompt: int = 1  # GRPO group size (>= 2 for GRPO)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    epochs: int = 2
+    minibatch_size: int = 16
     # Registered in jrlhf.ppo.core_algos (POLICY_LOSSES, ADVANTAGE_ESTIMATORS), any stage:
     # policy_loss: "ppo" (token-level clipped ratio) or "gspo" (sequence-level ratio
     #   exp(mean token log-ratio) clipped per sequence; the paper uses clip_eps=3e-4,
@@ -590,83 +810,28 @@ class RLConfig:
     # RoleConfig.microbatches.
     loss_agg: str = "token-mean"
     reward_scale: float = 1.0
-    # DAPO (Yu et al. 2025; with clip_eps_high for clip-higher and loss_agg="token-mean").
-    # Soft overlong punishment (core_algos.overlong_penalty): a response longer than
-    # TaskConfig.max_response_len - overlong_buffer tokens loses up to overlong_penalty from its
-    # score, linearly over the buffer (a truncated response loses all of it); 0 turns it off.
-    # Advantages see the penalized score, the logged "reward" the unpenalized one.
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    # Dynamic sampling: groups (one prompt's samples_per_prompt samples) whose scores (penalty
-    # included) are all equal carry no group-relative advantage and are dropped; the iteration
-    # generates from the next prompts of the loader until it has prompts_per_iteration groups
-    # with signal, for at most max_sampling_rounds generation rounds, and then fills up with
-    # dropped groups (metrics sampling/*). Needs samples_per_prompt >= 2. With max_staleness
-    # >= 1 a batch's further rounds are generated at the iterations before it trains, under
-    # their weights (jrlhf.ppo.schedules.bounded).
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
-    # Off-policy correction (core_algos.behaviour_importance_weights) for samples whose
-    # behaviour policy differs from the one the update starts from (a generation engine with
-    # other numerics, e.g. bf16 decode and fp32 training; stale weights). "none": the PPO ratio
-    # is taken against the behaviour (generation) log-probs, as always. "tis" / "decoupled": the
-    # actor's own forward recomputes the proximal log-probs before the update (one more actor
-    # pass over the batch), the ratio and its clip are taken against them, and each token's loss
-    # is weighted by pi_prox / pi_behaviour, truncated at is_cap ("tis") or not ("decoupled").
-    # Metrics offpolicy/*: mismatch (mean |log-prob difference|, k3 KL), IS clip fraction.
-    off_policy_correction: str = "none"
-    is_cap: float = 2.0
-    # Asynchronous RL with bounded staleness (jrlhf.ppo.staleness). 0: the synchronous loop
-    # (generate with the newest weights, then train). k >= 1: the batch iteration i trains on is
-    # generated with the weights of version max(i - k, 0) (the actor after that many updates), so
-    # generation of later batches can run while earlier ones train (at the same time where the
-    # plan puts generation and training on different processes); no token is ever more than k
-    # versions older than the policy being updated (checked). Pair with off_policy_correction.
-    max_staleness: int = 0
-    # Partial rollouts (jrlhf.ppo.partial; needs max_staleness = k >= 1): a batch is generated
-    # partial_rollout_tokens (T) tokens at a time, one pass per iteration over the k iterations
-    # before it is trained, so an update lands between a long sample's passes: the sample keeps
-    # its tokens and behaviour log-probs and continues under the newer weights (its prompt and
-    # tokens so far re-prefilled: the KV cache is recomputed, never kept from an older policy).
-    # Each pass decodes every unfinished sample of every batch in flight together. T must divide
-    # TaskConfig.max_response_len and T x k must reach it (every sample ends before it trains).
-    # 0 (default): each batch in one pass.
-    partial_rollout_tokens: int = 0
-    # Inter-stage fusion (jrlhf.ppo.fusion): finished samples are scored (reference, reward,
-    # critic) in calls of fusion_score_rows rows while generation goes on (0: a quarter of the
-    # iteration's rows; rounded up to the scoring meshes' batch shards). Same samples and scores
-    # (to float rounding); time/generate then includes the scoring done during generation.
-    # With max_staleness >= 1 each batch is scored as it is generated, on the training group
-    # where generation has processes of its own; a critic's values are taken when it trains.
-    fusion: bool = False
-    fusion_score_rows: int = 0
-    # RLHFuse's migration (needs fusion; 0: off): once no prompt waits for a decode slot and at
-    # most migrate_rows samples are still decoding, their KV pages and decode state move onto
-    # migrate_replicas of the generation mesh's data-parallel replicas (those the scoring meshes
-    # use least) and finish there, so the scoring calls on the other devices need not wait for
-    # the long tail. The same samples (the KV moves, nothing is recomputed).
-    migrate_rows: int = 0
-    migrate_replicas: int = 1
-    # Train on packed rows (jrlhf.data.batch.pack_segments): each minibatch's samples laid end to
-    # end in rows of max_prompt_len + max_response_len columns with segment ids, positions
-    # restarting per sample, instead of one left/right-padded row each; the same loss and
-    # gradients (to float rounding), fewer computed tokens when responses are short. Off by
-    # default: with responses near max_response_len there is little padding to remove, and the
-    # row count (bucketed, <= 8 shapes) can differ between iterations, each new one compiling.
-    pack_samples: bool = False
-    # > 0: the actor's train step computes log-probs and entropies this many response positions
-    # at a time (jrlhf.models.logprobs.chunked_logprobs), holding at most (chunk, vocab) logits
-    # in the forward and backward passes instead of (rows x max_response_len, vocab): for large
-    # vocabularies, at the price of recomputing each chunk's head matmul in the backward pass.
-    # 0 (default): all positions at once.
-    logprob_chunk: int = 0
     checkpoint_every: int = 0  # iterations; 0 saves only at the end
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     eval_every: int = 0
+    # The sub-configs, built by gin's wrapped classes so their bindings apply to every RLConfig.
+    asynchrony: Asynchrony = dataclasses.field(default_factory=Asynchrony)
+    fusion: Fusion = dataclasses.field(default_factory=Fusion)
+    memory: Memory = dataclasses.field(default_factory=Memory)
+    filters: SampleFilters = dataclasses.field(default_factory=SampleFilters)
+    off_policy: OffPolicy = dataclasses.field(default_factory=OffPolicy)
 
     def validate(self, stage: str | None = None) -> None:
+        """One ConfigError naming the first bad field: each sub-config's own checks, then those
+        across fields and sections (``stage``: the RL stage that will run, if known)."""
+        for name in RL_SUB_CONFIGS:
+            # RLConfig.fusion was a bool before Fusion held the switch; gin still accepts it.
+            old = f"RLConfig.{name}"
+            if old in MOVED and not dataclasses.is_dataclass(getattr(self, name)):
+                raise ConfigError(moved_message(old))
         check_types(self, "RLConfig")
+        for name in RL_SUB_CONFIGS:
+            getattr(self, name).validate()
         _check(self.iterations >= 1, "RLConfig.iterations", "must be >= 1")
         _check(self.prompts_per_iteration >= 1, "RLConfig.prompts_per_iteration", "must be >= 1")
         _check(self.samples_per_prompt >= 1, "RLConfig.samples_per_prompt", "must be >= 1")
@@ -678,27 +843,10 @@ class RLConfig:
             "RLConfig.minibatch_size",
             f"{self.minibatch_size} does not divide the {rows} samples of an iteration",
         )
-        _check(self.infer_batch_size >= 0, "RLConfig.infer_batch_size", "must be >= 0")
-        _check(
-            self.generation_copy in GENERATION_COPIES,
-            "RLConfig.generation_copy",
-            f"unknown {self.generation_copy!r}; valid: {', '.join(GENERATION_COPIES)}",
-        )
-        for item in self.offload:
-            _check(
-                item in OFFLOADABLE,
-                "RLConfig.offload",
-                f"unknown item {item!r}; valid: {', '.join(OFFLOADABLE)}",
-            )
-        _check(
-            len(set(self.offload)) == len(self.offload),
-            "RLConfig.offload",
-            f"lists an item twice: {self.offload!r}",
-        )
         if stage == "grpo":
             _check(
-                "critic_optimizer" not in self.offload,
-                "RLConfig.offload",
+                "critic_optimizer" not in self.memory.offload,
+                "Memory.offload",
                 "'critic_optimizer': GRPO trains no critic",
             )
         if stage == "grpo":
@@ -726,54 +874,25 @@ class RLConfig:
         _check(0 <= self.gamma <= 1, "RLConfig.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "RLConfig.lam", "must be in [0, 1]")
         _check(self.adaptive_kl_horizon > 0, "RLConfig.adaptive_kl_horizon", "must be > 0")
-        _check(self.overlong_buffer >= 0, "RLConfig.overlong_buffer", "must be >= 0 (0: off)")
-        _check(self.overlong_penalty >= 0, "RLConfig.overlong_penalty", "must be >= 0")
-        _check(self.max_sampling_rounds >= 1, "RLConfig.max_sampling_rounds", "must be >= 1")
         _check(
-            self.off_policy_correction in OFF_POLICY_CORRECTIONS,
-            "RLConfig.off_policy_correction",
-            f"unknown correction {self.off_policy_correction!r}; valid: "
-            f"{', '.join(OFF_POLICY_CORRECTIONS)}",
-        )
-        _check(
-            self.fusion_score_rows >= 0, "RLConfig.fusion_score_rows", "must be >= 0 (0: derived)"
-        )
-        _check(self.migrate_rows >= 0, "RLConfig.migrate_rows", "must be >= 0 (0: off)")
-        _check(self.migrate_replicas >= 1, "RLConfig.migrate_replicas", "must be >= 1")
-        _check(
-            not self.migrate_rows or self.fusion,
-            "RLConfig.migrate_rows",
-            "moves the long tail off the devices that score finished samples and needs "
-            "RLConfig.fusion = True",
-        )
-        _check(self.is_cap >= 1, "RLConfig.is_cap", f"must be >= 1, got {self.is_cap}")
-        _check(self.max_staleness >= 0, "RLConfig.max_staleness", "must be >= 0 (0: synchronous)")
-        _check(self.partial_rollout_tokens >= 0, "RLConfig.partial_rollout_tokens", "must be >= 0")
-        _check(
-            not self.partial_rollout_tokens or self.max_staleness >= 1,
-            "RLConfig.partial_rollout_tokens",
-            "continues samples across updates and needs RLConfig.max_staleness >= 1",
-        )
-        _check(
-            not (self.partial_rollout_tokens and self.migrate_rows),
-            "RLConfig.migrate_rows",
+            not (self.asynchrony.partial_rollout_tokens and self.fusion.migrate_rows),
+            "Fusion.migrate_rows",
             "moves a decoding tail off the devices that score finished samples, but partial "
-            "rollouts end every pass at partial_rollout_tokens and score a round only once all "
-            "its samples have ended, between passes: nothing waits on a tail; set 0",
+            "rollouts end every pass at Asynchrony.partial_rollout_tokens and score a round only "
+            "once all its samples have ended, between passes: nothing waits on a tail; set 0",
         )
-        if self.fusion:
-            parked = sorted(set(self.offload) & {"reference", "reward"})
+        if self.fusion.enabled:
+            parked = sorted(set(self.memory.offload) & {"reference", "reward"})
             _check(
                 not parked,
-                "RLConfig.fusion",
-                f"scores while generating, when RLConfig.offload keeps {', '.join(parked)} in host "
+                "Fusion.enabled",
+                f"scores while generating, when Memory.offload keeps {', '.join(parked)} in host "
                 "memory: offload only optimizer state with fusion",
             )
-        _check(self.logprob_chunk >= 0, "RLConfig.logprob_chunk", "must be >= 0 (0: off)")
-        if self.dynamic_sampling:
+        if self.filters.dynamic_sampling:
             _check(
                 self.samples_per_prompt >= 2,
-                "RLConfig.dynamic_sampling",
+                "SampleFilters.dynamic_sampling",
                 "drops groups of equal scores and needs RLConfig.samples_per_prompt >= 2, "
                 f"got {self.samples_per_prompt}",
             )
@@ -933,13 +1052,32 @@ def _field_hint(setting: str) -> Any:
     """The declared type of a setting ``[scope/]Section.field``, or None if it names none."""
     sections = (
         RunConfig, TaskConfig, RoleConfig, SFTConfig, RewardModelConfig, DPOConfig, RLConfig,
-        DecodeConfig, EnvConfig,
+        *RL_SUB_CONFIGS.values(), DecodeConfig, EnvConfig,
     )  # fmt: skip
     section, _, field = setting.rpartition("/")[2].partition(".")
     for cls in sections:
         if cls.__name__ == section:
             return typing.get_type_hints(cls).get(field)
     return None
+
+
+# Gin's error for a binding of a parameter its configurable does not have.
+_NO_PARAMETER = re.compile(
+    r"Configurable '(?:[\w.]*\.)?(\w+)' doesn't have a parameter named '(\w+)'"
+)
+_GIN_LOCATION = re.compile(r'file "(.*)", line (\d+)')
+
+
+def _moved_binding(e: Exception) -> str | None:
+    """For gin's error on a binding of a setting that moved (:data:`MOVED`), the one line that
+    names its new binding, after the file and line that bound it; None for any other error."""
+    found = _NO_PARAMETER.search(str(e))
+    old = f"{found.group(1)}.{found.group(2)}" if found else ""
+    if old not in MOVED:
+        return None
+    where = _GIN_LOCATION.search(str(e))  # the file an include brought in, if it was one
+    prefix = f"config file {where.group(1)}, line {where.group(2)}: " if where else ""
+    return prefix + moved_message(old)
 
 
 def _check_scopes() -> None:
@@ -967,6 +1105,9 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         try:
             gin.parse_config_file(path)
         except Exception as e:
+            moved = _moved_binding(e)
+            if moved is not None:
+                raise ConfigError(moved) from None
             value = _unparsed_value(e)
             if value is not None:
                 where = f"config file {path}, line {e.lineno}"
@@ -976,6 +1117,9 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         try:
             gin.parse_config(binding)
         except Exception as e:
+            moved = _moved_binding(e)
+            if moved is not None:
+                raise ConfigError(moved) from None
             value = _unparsed_value(e)
             if value is not None:
                 raise ConfigError(f"{value[0] or f'binding {binding!r}'}: {value[1]}") from None
@@ -1036,23 +1180,25 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)
-    t, k, r = cfg.rl.partial_rollout_tokens, cfg.rl.max_staleness, cfg.task.max_response_len
+    asynchrony, r = cfg.rl.asynchrony, cfg.task.max_response_len
+    t, k = asynchrony.partial_rollout_tokens, asynchrony.max_staleness
     _check(
         not t or (r % t == 0 and t * k >= r),
-        "RLConfig.partial_rollout_tokens",
-        f"{t} must divide TaskConfig.max_response_len {r} and, times RLConfig.max_staleness {k}, "
+        "Asynchrony.partial_rollout_tokens",
+        f"{t} must divide TaskConfig.max_response_len {r} and, times Asynchrony.max_staleness {k}, "
         "reach it (each batch's samples end in the k passes before it trains)",
     )
+    buffer = cfg.rl.filters.overlong_buffer
     _check(
-        cfg.rl.overlong_buffer <= cfg.task.max_response_len,
-        "RLConfig.overlong_buffer",
-        f"{cfg.rl.overlong_buffer} exceeds TaskConfig.max_response_len {cfg.task.max_response_len}",
+        buffer <= cfg.task.max_response_len,
+        "SampleFilters.overlong_buffer",
+        f"{buffer} exceeds TaskConfig.max_response_len {cfg.task.max_response_len}",
     )
     rl_env = cfg.env.name and rl_stages
     _check(
-        not (rl_env and cfg.rl.partial_rollout_tokens),
+        not (rl_env and t),
         "EnvConfig.name",
-        "multi-turn episodes with RLConfig.partial_rollout_tokens are not built yet (a pass "
+        "multi-turn episodes with Asynchrony.partial_rollout_tokens are not built yet (a pass "
         "would have to stop and resume environments mid-episode)",
     )
     return cfg

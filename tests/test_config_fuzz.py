@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jrlhf.cli import train as train_cli
 from jrlhf.config import (
+    RL_SUB_CONFIGS,
     ROLES,
     DecodeConfig,
     DPOConfig,
@@ -35,6 +36,7 @@ SECTIONS = {
     "DPOConfig": DPOConfig,
     "RLConfig": RLConfig,
     "DecodeConfig": DecodeConfig,
+    **{cls.__name__: cls for cls in RL_SUB_CONFIGS.values()},
 }
 
 
@@ -92,7 +94,8 @@ def binding(draw) -> str:
     return draw(st.sampled_from([name, f"{name}==1", f"{name}=", f"={name}", f"{name}=(1,"]))
 
 
-NAMES_A_FIELD = re.compile(r"(^binding .|\w+Config[.:]|^config file )")
+SUB_CONFIGS = "|".join(cls.__name__ for cls in RL_SUB_CONFIGS.values())
+NAMES_A_FIELD = re.compile(rf"(^binding .|\w+Config[.:]|^config file |^({SUB_CONFIGS})\.)")
 
 
 @settings(
@@ -138,6 +141,9 @@ def test_each_reported_case_is_one_line_naming_the_field(tmp_path, capsys):
             "strings need quotes: 'flatten')"
         ),
         "RLConfig.kl_coef=1e999": "RLConfig.kl_coef: expects a finite number",
+        "Asynchrony.max_staleness=-1": "Asynchrony.max_staleness: must be >= 0",
+        "OffPolicy.is_cap=nan": "OffPolicy.is_cap: expects a finite number, got nan",
+        "RLConfig.memory=3": "RLConfig.memory: expects @Memory(), got 3",
         "actor/RoleConfig.model_overrides=(('nope', 1),)": "model_overrides: unknown model field",
         "actor/RoleConfig.model_overrides=(('num_layers', 0),)": "num_layers must be an integer >=",
         "critic/RoleConfig.model_overrides=(('num_kv_heads', -2),)": "num_kv_heads must be an",

@@ -8,7 +8,7 @@ turns its reports into a profile:
 * rates straight from its ``ceilings``: ``matmul_flops`` (the bf16 matmul rate),
   ``memory_bandwidth`` (the read rate: what a decode step's weight and KV reads and an update's
   streaming are priced against), ``host_bandwidth`` (the slower direction of the host link, on
-  the path ``RLConfig.offload`` parks state with);
+  the path ``Memory.offload`` parks state with);
 * ``decode_kv_efficiency``: the paged-attention kernel's measured fraction of the read bandwidth
   (the ``kernel`` section; fitted with the decode steps where no report has one);
 * efficiencies fitted so that the estimator's own prices of the measured calls match them:

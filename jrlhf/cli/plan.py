@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fixed-batches",
         action="store_true",
-        help="keep the config's batch and memory knobs (RLConfig.infer_batch_size, "
+        help="keep the config's batch and memory knobs (Memory.infer_batch_size, "
         "generation_copy, offload; RoleConfig.microbatches, remat_policy) instead of choosing "
         "them per plan (and writing them to the gin file)",
     )

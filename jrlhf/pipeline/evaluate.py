@@ -120,7 +120,7 @@ def evaluate_checkpoint(
 
     def frozen(source: ModelSource, fn):
         """A frozen role of the run (reference, reward) loaded onto the evaluation mesh."""
-        return frozen_infer(source, mesh, rules, fn, cfg.run.seed, cfg.rl.infer_batch_size)
+        return frozen_infer(source, mesh, rules, fn, cfg.run.seed, cfg.rl.memory.infer_batch_size)
 
     scorer = Scorer(
         P,

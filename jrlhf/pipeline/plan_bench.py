@@ -47,7 +47,7 @@ def trainer_bindings(
         "RLConfig.epochs=2",
         "TaskConfig.num_heldout=8",
         f"TaskConfig.max_response_len={workload['gen_len']}",
-        f"RLConfig.infer_batch_size={knobs.get('infer_batch_size', 0)}",
+        f"Memory.infer_batch_size={knobs.get('infer_batch_size', 0)}",
         f"actor/RoleConfig.microbatches={knobs.get('actor_microbatches', 1)}",
         f"critic/RoleConfig.microbatches={knobs.get('critic_microbatches', 1)}",
     ]

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jrlhf.config import Config, ConfigError, load_config, operative_config
+from jrlhf.config import RL_SUB_CONFIGS, Config, ConfigError, load_config, operative_config
 from jrlhf.meshes.processes import barrier, fetch, is_primary, post
 from jrlhf.pipeline.run_lock import (
     LOCK_FILE,
@@ -72,10 +72,16 @@ _SECTIONS = {
 
 
 def config_fields(cfg: Config) -> Iterator[tuple[str, Any]]:
-    """(gin name, value) of every field of ``cfg``, e.g. ``("actor/RoleConfig.init", "tiny")``."""
+    """(gin name, value) of every field of ``cfg``, e.g. ``("actor/RoleConfig.init", "tiny")``;
+    RLConfig's sub-configs by their own names (``("Asynchrony.max_staleness", 1)``)."""
     for attr, section in _SECTIONS.items():
         for f in dataclasses.fields(getattr(cfg, attr)):
-            yield f"{section}.{f.name}", getattr(getattr(cfg, attr), f.name)
+            value = getattr(getattr(cfg, attr), f.name)
+            if attr == "rl" and f.name in RL_SUB_CONFIGS:
+                for sub in dataclasses.fields(value):
+                    yield f"{type(value).__name__}.{sub.name}", getattr(value, sub.name)
+            else:
+                yield f"{section}.{f.name}", value
     for role, rc in cfg.roles.items():
         for f in dataclasses.fields(rc):
             yield f"{role}/RoleConfig.{f.name}", getattr(rc, f.name)

@@ -66,7 +66,7 @@ def train_batches(cfg: Config, stage: str) -> list[tuple[str, str, int]]:
         )
         setting = f"{name}.batch_size {section.batch_size} (pairs of rows)"
         return [(role, setting, 2 * section.batch_size)]
-    if cfg.rl.pack_samples:  # packed rows are counted per minibatch, split by construction
+    if cfg.rl.memory.pack_samples:  # packed rows are counted per minibatch, split by construction
         return []
     setting = f"RLConfig.minibatch_size {cfg.rl.minibatch_size}"
     trained = ["actor", "critic"] if stage == "ppo" else ["actor"]
@@ -103,15 +103,15 @@ def check_train_batch(cfg: Config, plan: ExecutionPlan, setup: RoleSetup, settin
 
 
 def check_infer_batch(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSetup]) -> None:
-    """RLConfig.infer_batch_size rows per scoring call must split over the batch shards of
+    """Memory.infer_batch_size rows per scoring call must split over the batch shards of
     every mesh that scores in chunks (jrlhf.runtime.roles.make_infer, which the RL trainer
     builds after loading every role's weights): the scoring roles' inference meshes and, with
     an off-policy correction, the actor's training mesh."""
-    rows = cfg.rl.infer_batch_size
+    rows = cfg.rl.memory.infer_batch_size
     if not rows:
         return
     calls = [(role, "infer") for role in ("reference", "reward", "critic") if role in roles]
-    if cfg.rl.off_policy_correction != "none":
+    if cfg.rl.off_policy.correction != "none":
         calls.append(("actor", "train"))
     for role, phase in calls:
         setup = roles[role]
@@ -119,7 +119,7 @@ def check_infer_batch(cfg: Config, plan: ExecutionPlan, roles: dict[str, RoleSet
         if rows % shards:
             mesh = mesh_setting(cfg, role, phase, plan.for_role(role, phase))
             raise ConfigError(
-                f"RLConfig.infer_batch_size {rows}: does not split over the {shards} batch "
+                f"Memory.infer_batch_size {rows}: does not split over the {shards} batch "
                 f"shards of {mesh}"
             )
 

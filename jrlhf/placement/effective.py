@@ -67,11 +67,11 @@ def effective_plan(
         base, name=name, placements=tuple(calls.items()), stage_placements=tuple(stages.items())
     )
     plan.validate(num_devices)
-    if cfg.rl.migrate_rows:  # the tail needs a generation replica to leave for
+    if cfg.rl.fusion.migrate_rows:  # the tail needs a generation replica to leave for
         replicas = len(tail_replicas(plan["actor_generate"]))
-        if cfg.rl.migrate_replicas >= replicas:
+        if cfg.rl.fusion.migrate_replicas >= replicas:
             raise ValueError(
-                f"RLConfig.migrate_replicas {cfg.rl.migrate_replicas} must be fewer than the "
+                f"Fusion.migrate_replicas {cfg.rl.fusion.migrate_replicas} must be fewer than the "
                 f"{replicas} data-parallel replica(s) of plan '{plan.name}''s actor_generate mesh "
                 f"{plan['actor_generate'].mesh}: nothing would be freed"
             )

@@ -54,7 +54,7 @@ of the trainer's compiled steps. A plan fits when every call's peak is within th
 
 Memory knobs (``tune_batches`` chooses them per plan with the batch knobs): the remat policy of
 each training call (in the role's ModelConfig), a dropped generation copy (no time: the reshard
-after the update rebuilds it anyway) and state offloaded to host memory (``RLConfig.offload``:
+after the update rebuilds it anyway) and state offloaded to host memory (``Memory.offload``:
 each item crosses the host link once each way per iteration, at ``host_bandwidth``, in the
 phases where the trainer moves it).
 """
@@ -1194,7 +1194,7 @@ def _resident_parts(
 ) -> list[tuple[str, str | None, frozenset[int], int]]:
     """Everything that can live on the devices across an iteration, as (what, knob, devices,
     bytes per device); ``knob`` names the memory knob that can take it off the devices
-    (an RLConfig.offload item or "generation_copy"), None for what always stays."""
+    (a Memory.offload item or "generation_copy"), None for what always stays."""
     out = []
     models = w.models()
     for role, (cfg, head) in models.items():
@@ -1611,7 +1611,7 @@ def fused_rollout_seconds(
     not use and devices run concurrently (not ``shared_host``); otherwise they queue behind the
     decode, each delaying it by its own time.
 
-    With ``migrate_rows`` (RLConfig.migrate_rows), at the end of the chunk after which at most
+    With ``migrate_rows`` (Fusion.migrate_rows), at the end of the chunk after which at most
     that many rows still decode, their KV moves to ``migrate_replicas`` generation replicas
     (``tail_placement``; priced at the link bandwidth, plus a call overhead), decode there at
     the tail placement's step time for that many rows, and from then on the scoring calls
@@ -1890,7 +1890,7 @@ def estimate_tuned(plan: ExecutionPlan, workload: Workload, profile: DeviceProfi
 
 def batch_bindings(workload: Workload) -> list[str]:
     """Gin bindings that make the trainer use ``workload``'s batch and memory knobs."""
-    lines = [f"RLConfig.infer_batch_size = {workload.infer_batch_size}"]
+    lines = [f"Memory.infer_batch_size = {workload.infer_batch_size}"]
     for role in ("actor", "critic") if workload.critic is not None else ("actor",):
         budget = workload.microbatch_tokens(role)
         if budget:  # the split follows the budget, as in the config the plan was made for
@@ -1899,8 +1899,8 @@ def batch_bindings(workload: Workload) -> list[str]:
             m = getattr(workload, f"{role}_microbatches")
             lines.append(f"{role}/RoleConfig.microbatches = {m}")
         lines.append(f"{role}/RoleConfig.remat_policy = {getattr(workload, role).remat_policy!r}")
-    lines.append(f"RLConfig.generation_copy = {workload.generation_copy!r}")
-    lines.append(f"RLConfig.offload = {tuple(workload.offload)!r}")
+    lines.append(f"Memory.generation_copy = {workload.generation_copy!r}")
+    lines.append(f"Memory.offload = {tuple(workload.offload)!r}")
     return lines
 
 

@@ -76,7 +76,7 @@ class DeviceProfile:
     inter_node_bandwidth: float = 1e10  # per device, one direction, across nodes
     devices_per_node: int = 8
     # device <-> host memory, per device, one direction (PCIe on GPUs): what parking state in
-    # host memory costs (RLConfig.offload). 0: unknown, and the planner does not offload.
+    # host memory costs (Memory.offload). 0: unknown, and the planner does not offload.
     host_bandwidth: float = 0.0
     # held back from memory_bytes in the fit check (allocator fragmentation, runtime buffers);
     # ``python -m jrlhf.plan --memory-reserve`` sets it

@@ -53,7 +53,7 @@ class Workload:
     # DecodeConfig.layer_loop: "unroll" (or "auto" on a shared-host CPU profile) holds a copy of
     # the layer weights while generating.
     decode_layer_loop: str = "auto"
-    # Rows per reference / reward / critic scoring call (RLConfig.infer_batch_size; 0 = all rows
+    # Rows per reference / reward / critic scoring call (Memory.infer_batch_size; 0 = all rows
     # in one call). The trainer scores in chunks of this many rows, one after another.
     infer_batch_size: int = 0
     # Gradient-accumulation micro-batches per minibatch (RoleConfig.microbatches of each role).
@@ -63,10 +63,10 @@ class Workload:
     # which then replace the counts above; priced for full-length rows).
     actor_microbatch_tokens: int = 0
     critic_microbatch_tokens: int = 0
-    # RLConfig.max_staleness: with >= 1, generation of the next batch may overlap the rest of
+    # Asynchrony.max_staleness: with >= 1, generation of the next batch may overlap the rest of
     # the iteration (jrlhf.placement.estimator.iteration_seconds).
     max_staleness: int = 0
-    # Memory knobs (RLConfig.generation_copy, RLConfig.offload; jrlhf.ppo.residency). The remat
+    # Memory knobs (Memory.generation_copy, Memory.offload; jrlhf.ppo.residency). The remat
     # policy of each training call is the role's ModelConfig.remat_policy.
     generation_copy: str = "kept"
     offload: tuple[str, ...] = ()
@@ -75,11 +75,11 @@ class Workload:
     # engine runs it: continuous batching over the decode slots
     # (jrlhf.placement.estimator.rollout_seconds).
     response_lengths: tuple[tuple[int, int], ...] = ()
-    # RLConfig.partial_rollout_tokens (T, with max_staleness k >= 1): each iteration generates
+    # Asynchrony.partial_rollout_tokens (T, with max_staleness k >= 1): each iteration generates
     # one pass of up to T tokens over every unfinished sample of the batches in flight.
     partial_rollout_tokens: int = 0
-    # Dynamic sampling (RLConfig.dynamic_sampling): the fraction of groups whose samples all
-    # score the same (no signal; 0: dynamic sampling off) and RLConfig.max_sampling_rounds.
+    # Dynamic sampling (SampleFilters.dynamic_sampling): the fraction of groups whose samples all
+    # score the same (no signal; 0: dynamic sampling off) and SampleFilters.max_sampling_rounds.
     no_signal_fraction: float = 0.0
     max_sampling_rounds: int = 4
     # LoRA adapters of the trained roles (RoleConfig.lora_rank; None: full fine-tuning). The
@@ -187,18 +187,18 @@ class Workload:
             decode_slots=cfg.decode.num_slots,
             decode_page_size=cfg.decode.page_size,
             decode_layer_loop=getattr(cfg.decode, "layer_loop", "auto"),
-            infer_batch_size=getattr(cfg.rl, "infer_batch_size", 0) or 0,
+            infer_batch_size=cfg.rl.memory.infer_batch_size,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,
             actor_microbatch_tokens=_microbatches(cfg, "actor", "microbatch_tokens"),
             critic_microbatch_tokens=(
                 _microbatches(cfg, "critic", "microbatch_tokens") if critic is not None else 0
             ),
-            max_staleness=getattr(cfg.rl, "max_staleness", 0) or 0,
-            partial_rollout_tokens=getattr(cfg.rl, "partial_rollout_tokens", 0) or 0,
-            max_sampling_rounds=getattr(cfg.rl, "max_sampling_rounds", 4),
-            generation_copy=getattr(cfg.rl, "generation_copy", "kept"),
-            offload=tuple(getattr(cfg.rl, "offload", ())),
+            max_staleness=cfg.rl.asynchrony.max_staleness,
+            partial_rollout_tokens=cfg.rl.asynchrony.partial_rollout_tokens,
+            max_sampling_rounds=cfg.rl.filters.max_sampling_rounds,
+            generation_copy=cfg.rl.memory.generation_copy,
+            offload=tuple(cfg.rl.memory.offload),
             actor_lora=_lora(cfg, "actor"),
             critic_lora=_lora(cfg, "critic") if critic is not None else None,
         )

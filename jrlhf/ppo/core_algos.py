@@ -645,7 +645,7 @@ def policy_loss_gspo(
     return loss, jax.lax.stop_gradient(metrics)
 
 
-# Off-policy correction (RLConfig.off_policy_correction): how the loss accounts for samples drawn
+# Off-policy correction (OffPolicy.correction): how the loss accounts for samples drawn
 # from a behaviour policy other than the one the update starts from (stale weights, a
 # generation engine whose numerics differ from training's).
 OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")

@@ -1,7 +1,7 @@
 """Inter-stage fusion (RLHFuse): score finished samples while the long tail still generates.
 
 Without fusion a rollout generates every sample, then scores them all (reference log-probs,
-reward, critic values). With ``RLConfig.fusion`` the decode engine hands over the rows that
+reward, critic values). With ``Fusion.enabled`` the decode engine hands over the rows that
 finished in each decode chunk (``DecodeEngine.generate(on_finished=...)``, called right after the
 next chunk is dispatched); once ``score_rows`` finished rows have accumulated they are packed and
 their scoring calls dispatched, and the rest are scored when generation ends. Every scoring call
@@ -22,9 +22,9 @@ the same up to float rounding: a row scored in a batch of ``score_rows`` rows ca
 same row scored among all rows in the last bits, because XLA may tile a matmul over the batch
 differently (tests/ppo/test_fusion.py bounds it).
 
-Migration (``RLConfig.migrate_rows``, RLHFuse's): once no prompt waits and at most that many
+Migration (``Fusion.migrate_rows``, RLHFuse's): once no prompt waits and at most that many
 rows are still decoding, the engine hands their KV pages and decode state over to a tail engine
-on ``RLConfig.migrate_replicas`` of the generation mesh's data-parallel replicas, chosen among
+on ``Fusion.migrate_replicas`` of the generation mesh's data-parallel replicas, chosen among
 those the scoring meshes use least (``tail_migration``), and they finish there. Scoring calls
 dispatched after that no longer queue behind the tail on the other devices (where devices run
 concurrently); the samples are the same, since the KV moves unchanged.
@@ -79,7 +79,7 @@ def tail_migration(
     total = axis_size(mesh, data or None)
     if replicas >= total:
         raise ValueError(
-            f"RLConfig.migrate_replicas {replicas} must be fewer than the generation mesh's "
+            f"Fusion.migrate_replicas {replicas} must be fewer than the generation mesh's "
             f"{total} data-parallel replicas ({dict(mesh.shape)}): nothing would be freed"
         )
     tail_mesh = replica_submesh(mesh, data, replicas, frozenset(avoid))

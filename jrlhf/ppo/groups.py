@@ -3,7 +3,7 @@
 A plan puts every call (the actor's generation, the scoring calls, the updates) on devices; the
 processes owning the actor's generation devices form the *generating group*, every other process
 the *training group* (scoring and the updates, however the plan splits them between its
-processes). When the two groups share no process and ``RLConfig.max_staleness >= 1``, each runs
+processes). When the two groups share no process and ``Asynchrony.max_staleness >= 1``, each runs
 its own calls at its own pace: host reads and agreements stay inside the group
 (``jrlhf.meshes.batch.process_group``), batches cross through the sample channel and weights
 through the weight channel, and the groups meet once per iteration. Any number of processes per
@@ -49,7 +49,7 @@ def role_groups(rl, roles: Mapping[str, RoleSetup]) -> RoleGroups | None:
     """The groups of an asynchronous run whose generation has processes of its own, else None
     (every process runs every call, in lockstep: one process, ``max_staleness = 0``, or a plan
     whose generation shares a process with another call, which is said in the log)."""
-    if not rl.max_staleness or jax.process_count() == 1:
+    if not rl.asynchrony.max_staleness or jax.process_count() == 1:
         return None
     gen = _owners(roles["actor"].meshes["generate"])
     rest = set().union(*(
@@ -60,29 +60,29 @@ def role_groups(rl, roles: Mapping[str, RoleSetup]) -> RoleGroups | None:
     ))  # fmt: skip
     if gen & rest:
         log.warning(
-            "RLConfig.max_staleness=%d: generation (processes %s) shares processes %s with the "
+            "Asynchrony.max_staleness=%d: generation (processes %s) shares processes %s with the "
             "other calls, so every process runs every call in lockstep, without overlap; give "
             "the actor's generate mesh processes of its own to overlap generation and training",
-            rl.max_staleness, sorted(gen), sorted(gen & rest),
+            rl.asynchrony.max_staleness, sorted(gen), sorted(gen & rest),
         )  # fmt: skip
         return None
     if 0 not in gen:
         # Process 0 writes the logs and the checkpoint's meta, whose batches in flight are the
         # generating group's.
         raise ValueError(
-            f"RLConfig.max_staleness={rl.max_staleness} with generation on processes "
+            f"Asynchrony.max_staleness={rl.asynchrony.max_staleness} with generation on processes "
             f"{sorted(gen)}: the generating group must include process 0 (it writes the logs "
             "and the checkpoint of the batches in flight); put the actor's generate mesh on "
             "the first processes' devices"
         )
-    if rl.generation_copy != "kept":
+    if rl.memory.generation_copy != "kept":
         raise ValueError(
-            "RLConfig.generation_copy='dropped' with generation on processes of its own: the "
+            "Memory.generation_copy='dropped' with generation on processes of its own: the "
             "copy lives on devices no other call uses, so dropping it frees nothing; keep it"
         )
-    if rl.migrate_rows:
+    if rl.fusion.migrate_rows:
         raise ValueError(
-            "RLConfig.migrate_rows with generation on processes of its own: no scoring call runs "
+            "Fusion.migrate_rows with generation on processes of its own: no scoring call runs "
             "on the generation devices, so moving the long tail off them frees nothing; set 0"
         )
     groups = RoleGroups(frozenset(gen), frozenset(range(jax.process_count())) - frozenset(gen))

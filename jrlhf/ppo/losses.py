@@ -37,7 +37,11 @@ class LossSettings:
 
     @classmethod
     def of(cls, rl) -> LossSettings:
-        return cls(**{f.name: getattr(rl, f.name) for f in dataclasses.fields(cls)})
+        """The settings of the RLConfig ``rl`` (logprob_chunk from its Memory section)."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"logprob_chunk"}
+        return cls(
+            **{name: getattr(rl, name) for name in own}, logprob_chunk=rl.memory.logprob_chunk
+        )
 
 
 def actor_loss(P: int, rl, kl_in_loss: bool, kl_estimator: str | None = None):

@@ -1,6 +1,6 @@
 """Partial rollouts: a batch generated a few tokens at a time across weight updates.
 
-With ``RLConfig.partial_rollout_tokens = T`` (and ``max_staleness = k >= 1``), batch ``j`` is
+With ``Asynchrony.partial_rollout_tokens = T`` (and ``max_staleness = k >= 1``), batch ``j`` is
 created at iteration ``max(j - k, 0)`` (as the bounded-staleness schedule wants it,
 jrlhf.ppo.staleness) but not generated in one go: every iteration runs one *pass* that gives each
 unfinished sample of every batch in flight at most T more tokens, under the weights of that

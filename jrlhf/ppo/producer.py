@@ -32,7 +32,7 @@ Draw = Callable[[], tuple[list[list[int]], Sequence[Mapping[str, Any]] | None]]
 class Producer:
     """Rounds in flight (``pending``), generated with ``rollout`` on the weight channel's
     generation weights and scored with ``scorer``; ``fused``: generate and score in one fused
-    rollout (one process with RLConfig.fusion)."""
+    rollout (one process with Fusion.enabled)."""
 
     def __init__(
         self,
@@ -82,16 +82,16 @@ class Producer:
     def short(self, index: int) -> bool:
         """Dynamic sampling: whether batch ``index`` takes another round now: every round it
         has is generated and scored, and they hold fewer groups with signal than the batch has
-        prompts, with rounds left (``RLConfig.max_sampling_rounds``)."""
+        prompts, with rounds left (``SampleFilters.max_sampling_rounds``)."""
         rounds = self.batch_rounds(index)
-        if not self.rl.dynamic_sampling or not rounds:
+        if not self.rl.filters.dynamic_sampling or not rounds:
             return False
         if any(j == index for j, _ in self.wanted):
             return False
         if not all(g.complete and g.signal is not None for g in rounds):
             return False
         signal = sum(g.signal for g in rounds)
-        return signal < len(rounds[0].prompts) and len(rounds) < self.rl.max_sampling_rounds
+        return signal < len(rounds[0].prompts) and len(rounds) < self.rl.filters.max_sampling_rounds
 
     def signals(self) -> dict[str, int]:
         """The signal counts of the rounds scored, by ``"batch/round"`` (what the training
@@ -118,7 +118,7 @@ class Producer:
         """Generate round ``round`` of batch ``index`` (the one iteration ``index`` trains on)
         with the current generation weights, policy ``version``; the sampling seed is that of
         round ``round`` of the synchronous iteration ``index``. Fused (one process with
-        ``RLConfig.fusion``): scored as its rows finish."""
+        ``Fusion.enabled``): scored as its rows finish."""
         sampling = self.rollout.sampling(index, salt=round)
         params = self.weights.gen_params
         arrays = None
@@ -149,7 +149,7 @@ class Producer:
         weights (version ``iteration``); returns the rounds that became complete (also kept in
         ``pending``), batch by batch."""
         starts, self.wanted = list(self.wanted), []
-        for j in batches_ahead(iteration, self.rl.max_staleness, self.rl.iterations):
+        for j in batches_ahead(iteration, self.rl.asynchrony.max_staleness, self.rl.iterations):
             if j >= self.next_batch:
                 starts.append((j, 0))
                 self.next_batch = j + 1
@@ -167,7 +167,7 @@ class Producer:
         round is generated whole; with them, one pass over every unfinished round in flight
         (only the new ones unless ``every_round``), then more passes over the batch due until
         it has ended (only while the pipeline fills: later batches have had k passes)."""
-        if not self.rl.partial_rollout_tokens:
+        if not self.rl.asynchrony.partial_rollout_tokens:
             new = []
             for j, r in starts:
                 prompts, meta = draw()
@@ -189,7 +189,7 @@ class Producer:
                 lambda contexts, sp: engine.generate(self.weights.gen_params, contexts, sp),
                 sampling,
                 version=iteration,
-                tokens=self.rl.partial_rollout_tokens,
+                tokens=self.rl.asynchrony.partial_rollout_tokens,
                 max_len=self.R,
                 run_seed=self.run_seed,
             )
@@ -216,7 +216,7 @@ class Producer:
     def _scored(self, g: GeneratedBatch, arrays: dict[str, np.ndarray]) -> None:
         arrays["train_scores"] = shaped_scores(self.rl, self.R, arrays)
         g.arrays = arrays
-        if self.rl.dynamic_sampling:
+        if self.rl.filters.dynamic_sampling:
             group = self.rl.samples_per_prompt
             g.signal = int(np.sum(algos.groups_with_signal(arrays["train_scores"], group)))
 

@@ -3,12 +3,12 @@
 An iteration runs the phases generate -> score -> train -> reshard. State a phase does not
 read can leave the devices for it:
 
-* ``RLConfig.offload``: the reference's and reward model's parameters are read only while
+* ``Memory.offload``: the reference's and reward model's parameters are read only while
   scoring, the actor's and critic's AdamW state only by the update; an offloaded item lives in
   host memory outside its phases (``jrlhf.config.OFFLOAD_PHASES``) and is copied back when its
   phase begins. The copies keep every value and sharding (``jrlhf.reshard.memory``: a
   ``pinned_host`` memory kind where the backend has one), so the numbers do not change.
-* ``RLConfig.generation_copy = "dropped"``: the actor's generation-layout copy is freed when
+* ``Memory.generation_copy = "dropped"``: the actor's generation-layout copy is freed when
   generation ends; the reshard after the update rebuilds it from the training copy (as it does
   with a kept copy). Only a second generation round in one iteration (dynamic sampling) needs
   it rebuilt here, from unchanged training weights, so it is the same copy.
@@ -42,8 +42,8 @@ class Residency:
             "actor_optimizer": "actor" in trainer.states,
             "critic_optimizer": "critic" in trainer.states,
         }
-        self.items = [item for item in rl.offload if present[item]]
-        self.drop_copy = rl.generation_copy == "dropped"
+        self.items = [item for item in rl.memory.offload if present[item]]
+        self.drop_copy = rl.memory.generation_copy == "dropped"
         self.parked: dict[str, ParkedTree] = {}
         self.host_bytes = 0  # bytes copied to and from host memory so far
 

@@ -4,7 +4,7 @@ One path for every caller: the trainer's iterations, its held-out evaluation, ``
 jrlhf.evaluate`` and ``python -m jrlhf.generate`` (generation only). The engine's shapes come
 from the config in one place (``engine_config``), and the evaluation's sampling seed is fixed
 here (``Rollout.evaluation_sampling``), so the in-run and the command-line held-out scores of one
-checkpoint are the same numbers. With ``fusion_rows`` (RLConfig.fusion) finished samples are
+checkpoint are the same numbers. With ``fusion_rows`` (Fusion.enabled) finished samples are
 scored while generation goes on (jrlhf.ppo.fusion).
 """
 
@@ -41,8 +41,10 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
     """The decode engine's shapes for ``cfg``: slots for one iteration's rows (or
     DecodeConfig.num_slots), rounded up to the mesh's data shards."""
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
-    if cfg.rl.partial_rollout_tokens:  # continued samples come back as prompt + tokens so far
-        P += R - cfg.rl.partial_rollout_tokens
+    if (
+        cfg.rl.asynchrony.partial_rollout_tokens
+    ):  # continued samples come back as prompt + tokens so far
+        P += R - cfg.rl.asynchrony.partial_rollout_tokens
     rows = cfg.rl.prompts_per_iteration * cfg.rl.samples_per_prompt
     slots = round_slots(cfg.decode.num_slots or rows, mesh, rules)
     return EngineConfig(

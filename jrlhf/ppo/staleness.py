@@ -1,7 +1,7 @@
 """Asynchronous RL with bounded staleness: the schedule, per-token policy versions, and the check.
 
 A *policy version* counts the actor's updates: the weights an iteration ``i`` starts from are
-version ``i``. With ``RLConfig.max_staleness = k``, the batch iteration ``i`` trains on is
+version ``i``. With ``Asynchrony.max_staleness = k``, the batch iteration ``i`` trains on is
 generated with version :func:`generation_version` ``(i, k) = max(i - k, 0)``: at the start of
 iteration ``i`` the trainer generates batch ``i + k`` with the current weights (version ``i``)
 and then trains on batch ``i``, generated ``k`` updates ago. With ``k = 0`` this is the
@@ -186,5 +186,5 @@ def check_staleness(
     if worst > max_staleness or newest < 0:
         raise StalenessError(
             f"training version {current} on tokens {worst if worst > max_staleness else newest} "
-            f"versions old (RLConfig.max_staleness={max_staleness})"
+            f"versions old (Asynchrony.max_staleness={max_staleness})"
         )

@@ -9,7 +9,7 @@ One iteration::
             -> trained weights to the layouts that read them next      weights.py
 
 A schedule (jrlhf.ppo.schedules) decides which batch each part works on and who waits for whom:
-synchronous, or bounded staleness (``RLConfig.max_staleness``), where generation of the next
+synchronous, or bounded staleness (``Asynchrony.max_staleness``), where generation of the next
 batches runs while this one trains and batches cross between process groups through the sample
 channel (jrlhf.ppo.samples). :meth:`RLTrainer.fit` is the loop: schedule -> log -> checkpoint.
 
@@ -78,9 +78,11 @@ class RLTrainer:
         actor = roles["actor"]
         scoring = [roles[r] for r in ("reference", "reward", "critic") if r in roles]
         fusion_rows = 0
-        if self.rl.fusion:  # scoring calls of this many rows must split over every scoring mesh
+        if (
+            self.rl.fusion.enabled
+        ):  # scoring calls of this many rows must split over every scoring mesh
             fusion_rows = fusion_score_rows(
-                self.rl.fusion_score_rows,
+                self.rl.fusion.score_rows,
                 self.rl.prompts_per_iteration * self.rl.samples_per_prompt,
                 [(r.meshes["infer"], r.rules["infer"]) for r in scoring],
             )
@@ -89,16 +91,16 @@ class RLTrainer:
             data.stop_ids, fusion_rows, env=env,
         )  # fmt: skip
         self.weights = WeightChannel(plan, roles, self.trained)
-        if self.rl.migrate_rows:  # RLHFuse's migration: the tail leaves the scoring devices
+        if self.rl.fusion.migrate_rows:  # RLHFuse's migration: the tail leaves the scoring devices
             self.rollout.migration = tail_migration(
                 self.rollout.engine,
-                self.rl.migrate_rows,
-                self.rl.migrate_replicas,
+                self.rl.fusion.migrate_rows,
+                self.rl.fusion.migrate_replicas,
                 avoid=set().union(*(mesh_devices(r.meshes["infer"]) for r in scoring)),
                 transfer=self.weights.resharder,
             )
         self.weights.sync(self.states)
-        # The memory knobs (RLConfig.offload, generation_copy): idle state off the devices.
+        # The memory knobs (Memory.offload, generation_copy): idle state off the devices.
         self.residency = Residency(self)
         self.iteration = 0
         parts = (self.rollout, self.scorer, self.residency, self.weights)
@@ -116,7 +118,7 @@ class RLTrainer:
     def _build_scorer(self, reward_fn: RewardFn | None) -> Scorer:
         """Reference log-probs, reward (a frozen model or ``reward_fn``) and critic values on
         their inference meshes; the critic reads the weight channel's inference copy."""
-        cfg, roles, batch_size = self.cfg, self.roles, self.rl.infer_batch_size
+        cfg, roles, batch_size = self.cfg, self.roles, self.rl.memory.infer_batch_size
 
         def frozen(role: str, fn):
             setup = roles[role]
@@ -203,7 +205,7 @@ class RLTrainer:
         """Run the configured schedule until ``RLConfig.iterations``; ``draw()`` gives the next
         prompts and their meta, ``on_iteration(metrics)`` logs and checkpoints."""
         while self.iteration < self.rl.iterations:
-            if self.rl.max_staleness:
+            if self.rl.asynchrony.max_staleness:
                 metrics = self.run_async_iteration(draw)
             else:
                 # Dynamic sampling draws more batches from the loader through ``draw``.
@@ -278,12 +280,12 @@ class RLTrainer:
         }
         if "gt_score" in summary:
             metrics["gt_score"] = summary["gt_score"]
-        if self.rl.overlong_buffer:
+        if self.rl.filters.overlong_buffer:
             penalty = arrays["scores"] - arrays["train_scores"]
             metrics["overlong/frac"] = float(np.mean(penalty > 0))
             metrics["overlong/penalty_mean"] = float(np.mean(penalty))
         metrics.update(update_metrics)
-        if self.rollout.fusion_rows:  # RLConfig.fusion: chunks scored early, rows migrated
+        if self.rollout.fusion_rows:  # Fusion.enabled: chunks scored early, rows migrated
             metrics.update({k: float(v) for k, v in self.rollout.fusion_stats.items()})
         metrics.update(env_metrics(arrays))  # multi-turn: turns, tool calls, tokens by source
         return metrics
@@ -312,7 +314,7 @@ class RLTrainer:
             "kl_coef": float(self.update.kl_ctl.value),
             "seed": self.cfg.run.seed,
         }
-        if self.rl.max_staleness:
+        if self.rl.asynchrony.max_staleness:
             # Generated, not yet trained on: a resume trains on these very samples.
             meta["pending"] = [g.to_json() for g in self.pending]
         for role in self.trained:

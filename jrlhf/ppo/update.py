@@ -68,11 +68,11 @@ def optimizer_config(setup: RoleSetup) -> OptimizerConfig:
 
 def shaped_scores(rl, max_response_len: int, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     """The scores advantages see: the reward's, minus DAPO's overlong penalty when
-    ``RLConfig.overlong_buffer`` is set."""
-    if not rl.overlong_buffer:
+    ``SampleFilters.overlong_buffer`` is set."""
+    if not rl.filters.overlong_buffer:
         return arrays["scores"]
     penalty = algos.overlong_penalty(
-        arrays["mask"], rl.overlong_buffer, rl.overlong_penalty, max_response_len
+        arrays["mask"], rl.filters.overlong_buffer, rl.filters.overlong_penalty, max_response_len
     )
     return (arrays["scores"] - np.asarray(penalty)).astype(np.float32)
 
@@ -116,14 +116,14 @@ class Update:
         # Off-policy correction: the actor's proximal log-probs, recomputed on its training mesh
         # with the weights the update starts from.
         self.prox_logprobs = None
-        if self.rl.off_policy_correction != "none":
+        if self.rl.off_policy.correction != "none":
             actor = roles["actor"]
             self.prox_logprobs = make_infer(
                 actor.model,
                 actor.meshes["train"],
                 actor.rules["train"],
                 rl_batch.logprobs_fn(self.P),
-                self.rl.infer_batch_size,
+                self.rl.memory.infer_batch_size,
             )
         # A mixture-of-experts actor whose rollouts record their routes (DecodeConfig.
         # record_routes): the training pass's routes and log-probs, compared in the metrics.
@@ -135,7 +135,7 @@ class Update:
                 actor.meshes["train"],
                 actor.rules["train"],
                 rl_batch.routes_fn(self.P),
-                self.rl.infer_batch_size,
+                self.rl.memory.infer_batch_size,
             )
         self.group = cfg.rl.samples_per_prompt
         self.advantages = make_advantage_fn(self.rl, algorithm, self.group)
@@ -191,7 +191,7 @@ class Update:
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The ``n_groups`` groups to train on, and the sampling metrics (none without dynamic
         sampling, which trains on everything generated)."""
-        if not self.rl.dynamic_sampling:
+        if not self.rl.filters.dynamic_sampling:
             return arrays, {}
         keep_g = np.asarray(algos.groups_with_signal(arrays["train_scores"], self.group))
         chosen_g = np.asarray(algos.select_groups(keep_g, n_groups))
@@ -223,7 +223,7 @@ class Update:
         )
 
     def correct_off_policy(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        """With ``RLConfig.off_policy_correction``: recompute the proximal log-probs with the
+        """With ``OffPolicy.correction``: recompute the proximal log-probs with the
         actor's training weights, make them the ``old_logprobs`` the PPO ratio is taken against,
         keep the generation's as ``behaviour_logprobs``, and add the per-token importance
         weights (``is_weights``). Returns the ``offpolicy/*`` metrics (none when off)."""
@@ -233,8 +233,8 @@ class Update:
         prox = self.prox_logprobs(self.states["actor"].params, {k: batch[k] for k in keys})
         prox = np.asarray(to_host(prox), np.float32)
         weights, m = algos.behaviour_importance_weights(
-            prox, batch["old_logprobs"], loss_mask(batch), self.rl.off_policy_correction,
-            self.rl.is_cap,
+            prox, batch["old_logprobs"], loss_mask(batch), self.rl.off_policy.correction,
+            self.rl.off_policy.is_cap,
         )  # fmt: skip
         batch["behaviour_logprobs"] = batch["old_logprobs"]
         batch["old_logprobs"] = prox
@@ -243,7 +243,7 @@ class Update:
 
     # -- the steps -------------------------------------------------------------------------------
     def pack(self, batch: dict[str, np.ndarray], role: str) -> tuple[dict[str, np.ndarray], int]:
-        """(batch, micro-batches) for the role's train step. With ``RLConfig.pack_samples``,
+        """(batch, micro-batches) for the role's train step. With ``Memory.pack_samples``,
         the minibatch's samples packed into rows without padding (jrlhf.ppo.batch.pack_segments),
         one block per micro-batch. With ``RoleConfig.microbatch_tokens``, the fewest
         micro-batches within that many tokens per device (jrlhf.data.batch.fit_microbatches),
@@ -252,10 +252,12 @@ class Update:
         shards = batch_shards(setup.meshes["train"], setup.rules["train"])
         budget = setup.config.microbatch_tokens
         if budget:
-            m, batch = fit_microbatches(batch, budget, shards, self.P, pack=self.rl.pack_samples)
+            m, batch = fit_microbatches(
+                batch, budget, shards, self.P, pack=self.rl.memory.pack_samples
+            )
             return batch, m
         m = setup.config.microbatches
-        if not self.rl.pack_samples:
+        if not self.rl.memory.pack_samples:
             return batch, m
         packed = rl_batch.pack_segments(batch, self.P, self.P + self.R, m, shards)
         return packed, m

@@ -7,7 +7,7 @@ symbols of the prompt's majority class, then ``<eos>``. K comes from a geometric
 proportional to ``2 ** (-tail_index * j / 2)``: a discretized Pareto law, P(K > x) ~ x^-tail_index,
 capped by the grid. With the defaults the median target is 4 tokens, about 8% of prompts ask for
 24 or more and 2% for 48 (12x the median): the long tail that leaves most generation slots idle
-while a few sequences finish, which is what inter-stage fusion (RLConfig.fusion) exploits.
+while a few sequences finish, which is what inter-stage fusion (Fusion.enabled) exploits.
 
 Everything else (ground truth with K read from the prompt, mediocre SFT demonstrations of the
 right length, preference pairs, splits, the tokenizer) is :class:`SyntheticTask`'s, except that

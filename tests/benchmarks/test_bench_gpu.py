@@ -26,7 +26,7 @@ def test_bench_gpu_small_runs_every_section(tmp_path, capsys):
     assert out["backend"] == jax.default_backend() and "no GPU" in out["note"]
     assert not [s for s in bench.SECTIONS if "error" in out[s]], out
     assert out["ceilings"]["read_gbps"] > 0 and out["ceilings"]["matmul_bf16_tflops"] > 0
-    link = out["ceilings"]["host_link"]  # parked and restored as RLConfig.offload does
+    link = out["ceilings"]["host_link"]  # parked and restored as Memory.offload does
     assert link["path"] in ("memory_kind:pinned_host", "memory_kind:unpinned_host", "numpy")
     assert link["to_host_gbps"] > 0 and link["from_host_gbps"] > 0
     kernels = out["kernel"]["bf16_case"]["kernels"]

@@ -307,7 +307,7 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
 
 def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, monkeypatch):
     """configs/calculator_grpo.gin, shortened, with episodes generated one policy version ahead
-    (RLConfig.max_staleness=1: the batches in flight carry their masks and episode records to
+    (Asynchrony.max_staleness=1: the batches in flight carry their masks and episode records to
     the update): GRPO from a random policy, whose episodes call the calculator (env/* metrics), the
     environment's tokens masked; `python -m jrlhf.evaluate` on the final checkpoint reports the
     run's own held-out numbers (the same episodes). The same run preempted in its second
@@ -326,7 +326,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, mon
         "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
         "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16",
         "RunConfig.tensorboard=False",
-        "RLConfig.max_staleness=1",
+        "Asynchrony.max_staleness=1",
     ]  # fmt: skip
     args = ["--config", "configs/calculator_grpo.gin", "--quiet", *short]
     assert train.main(["--run-dir", str(run), *args]) == 0

@@ -170,8 +170,8 @@ def test_grpo_evaluate_export_and_generate_as_two_processes(single, tmp_path):
         "RLConfig.iterations=2",
         "TaskConfig.num_heldout=8",
         "RunConfig.tensorboard=False",
-        "RLConfig.fusion=True",
-        "RLConfig.migrate_rows=24",
+        "Fusion.enabled=True",
+        "Fusion.migrate_rows=24",
         "DecodeConfig.chunk_steps=2",  # rows finish over several chunks: a tail to migrate
     ]  # fmt: skip
     two, one = tmp_path / "grpo2", tmp_path / "grpo1"
@@ -347,8 +347,8 @@ ASYNC = [
     "RunConfig.placement='separate'",
     *[f"{role}/RoleConfig.init='tiny'" for role in ("actor", "reference", "reward", "critic")],
     *PIPELINE[4:],
-    "RLConfig.max_staleness=1",
-    "RLConfig.off_policy_correction='tis'",
+    "Asynchrony.max_staleness=1",
+    "OffPolicy.correction='tis'",
 ]
 
 
@@ -390,12 +390,12 @@ GROUPS = [
     *PIPELINE[4:],
     "TaskConfig.reward_fn='synthetic_ground_truth'",
     "RLConfig.samples_per_prompt=4",
-    "RLConfig.dynamic_sampling=True",
-    "RLConfig.max_sampling_rounds=3",
-    "RLConfig.fusion=True",
-    "RLConfig.max_staleness=2",
-    "RLConfig.partial_rollout_tokens=6",  # half a response a pass
-    "RLConfig.off_policy_correction='tis'",
+    "SampleFilters.dynamic_sampling=True",
+    "SampleFilters.max_sampling_rounds=3",
+    "Fusion.enabled=True",
+    "Asynchrony.max_staleness=2",
+    "Asynchrony.partial_rollout_tokens=6",  # half a response a pass
+    "OffPolicy.correction='tis'",
     # a LoRA actor: the training group merges the adapters and the merged kernels cross
     "actor/RoleConfig.lora_rank=4",
     "actor/RoleConfig.learning_rate=1e-3",

@@ -332,13 +332,13 @@ def test_check_refuses_an_rl_iteration_the_planners_memory_model_puts_over_the_d
 def test_check_refuses_scoring_chunks_that_do_not_split_over_a_scoring_mesh(capsys):
     # The run would build its scoring calls only after SFT, reward-model training and loading
     # every role's weights.
-    assert train.main(["--check", "RLConfig.infer_batch_size=6"]) == 2
+    assert train.main(["--check", "Memory.infer_batch_size=6"]) == 2
     assert _one_line(capsys) == (
-        "error: RLConfig.infer_batch_size 6: does not split over the 4 batch shards of the "
+        "error: Memory.infer_batch_size 6: does not split over the 4 batch shards of the "
         "reference infer mesh fsdp=4,tensor=2@0,1,2,3,4,5,6,7 [fsdp_tp] of "
         "RunConfig.placement='flatten' (set reference/RoleConfig.infer_mesh to choose another)"
     )
-    assert train.main(["--check", "RLConfig.infer_batch_size=8"]) == 0
+    assert train.main(["--check", "Memory.infer_batch_size=8"]) == 0
 
 
 def test_check_refuses_a_run_directory_another_run_holds_without_taking_it(tmp_path, capsys):

@@ -43,18 +43,18 @@ SPLITS = ("train/microbatches", "train/critic/microbatches")
 def test_every_plan_gives_the_same_metrics(placement, base_run, colocated_run, tmp_path):
     """Flatten (the colocated run), separate, interleave and the searched plan: same seed, same
     numbers. The searched plan's run also scores in chunks of 8 rows
-    (RLConfig.infer_batch_size), and the separated one fuses scoring into generation in calls of
-    4 rows (RLConfig.fusion) and migrates its last 4 decoding rows onto one of the generation
-    mesh's replicas (RLConfig.migrate_rows), which must not change a number either. The
+    (Memory.infer_batch_size), and the separated one fuses scoring into generation in calls of
+    4 rows (Fusion.enabled) and migrates its last 4 decoding rows onto one of the generation
+    mesh's replicas (Fusion.migrate_rows), which must not change a number either. The
     interleaved one trains actor and critic in micro-batches sized by tokens
     (RoleConfig.microbatch_tokens: one 22-token row per device), likewise."""
     run_dir = tmp_path / placement
     budget = "RoleConfig.microbatch_tokens=22"  # TaskConfig.max_prompt_len + max_response_len
     extra = {
         "interleave": [f"actor/{budget}", f"critic/{budget}"],
-        "search": ["RLConfig.infer_batch_size=8"],
+        "search": ["Memory.infer_batch_size=8"],
         "separate": [
-            "RLConfig.fusion=True", "RLConfig.fusion_score_rows=4", "RLConfig.migrate_rows=4",
+            "Fusion.enabled=True", "Fusion.score_rows=4", "Fusion.migrate_rows=4",
             "DecodeConfig.chunk_steps=2",  # rows finish in several chunks: a tail to migrate
         ],
     }.get(placement, [])  # fmt: skip
@@ -122,7 +122,7 @@ def test_grpo_with_verifiable_reward_improves(base_run, tmp_path):
 @pytest.mark.parametrize(
     "extra",
     [
-        ["RLConfig.advantage_estimator='rloo'", "RLConfig.off_policy_correction='tis'"],
+        ["RLConfig.advantage_estimator='rloo'", "OffPolicy.correction='tis'"],
         ["RLConfig.policy_loss='gspo'", "RLConfig.loss_agg='seq-mean-token-mean'",
          "RLConfig.clip_eps=3e-3", "RLConfig.advantage_estimator='drgrpo'"],
     ],
@@ -154,7 +154,7 @@ def test_grpo_stage_runs_the_registered_algorithms(extra, base_run, tmp_path):
         assert {"train/policy_loss", "train/kl_loss", "train/clipfrac", "kl_token_mean"} <= set(row)
         for k, v in row.items():
             assert np.isfinite(v), (k, v)
-        if "RLConfig.off_policy_correction='tis'" in extra:
+        if "OffPolicy.correction='tis'" in extra:
             assert row["offpolicy/mismatch_abs"] < 1e-4 and row["offpolicy/is_clipfrac"] == 0
             assert abs(row["offpolicy/is_weight_mean"] - 1) < 1e-4
         else:
@@ -239,8 +239,8 @@ def test_dynamic_sampling_trains_full_batches_of_groups_with_signal(
         "TaskConfig.reward_fn='run_helpers:parity_reward'",  # no signal for about half
         "RLConfig.iterations=1",
         "RLConfig.samples_per_prompt=4",
-        "RLConfig.dynamic_sampling=True",
-        "RLConfig.max_sampling_rounds=2",
+        "SampleFilters.dynamic_sampling=True",
+        "SampleFilters.max_sampling_rounds=2",
         *SMALL,
     ]
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0

@@ -343,7 +343,7 @@ def test_lora_ppo_resumes_exactly_on_a_separated_plan(base_run, tmp_path, monkey
     sep_dir = tmp_path / "separate"
     args = [
         "--run-dir", str(sep_dir), "--quiet", *bindings, "RunConfig.placement='separate'",
-        "RLConfig.generation_copy='dropped'",
+        "Memory.generation_copy='dropped'",
     ]  # fmt: skip
     # Killed in its fourth iteration (index 3), in this process: the preemption hook raises
     # instead of exiting, and nothing after it runs (the hard exit: tests/e2e/test_trainer.py).
@@ -374,7 +374,7 @@ def test_lora_with_generation_on_processes_of_its_own_forms_groups(monkeypatch):
 
     import gin
 
-    from jrlhf.config import RLConfig
+    from jrlhf.config import Asynchrony, RLConfig
     from jrlhf.ppo.groups import role_groups
 
     gin.clear_config()  # RLConfig reads gin: no binding left by an earlier test's run applies
@@ -390,7 +390,7 @@ def test_lora_with_generation_on_processes_of_its_own_forms_groups(monkeypatch):
             model=ModelDef(tiny_config(), lora=LORA), meshes={"generate": mesh(0), "train": mesh(1)}
         )
     }
-    groups = role_groups(RLConfig(max_staleness=1), roles)
+    groups = role_groups(RLConfig(asynchrony=Asynchrony(max_staleness=1)), roles)
     assert groups.generate == {0} and groups.train == {1}
 
 

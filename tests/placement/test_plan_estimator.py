@@ -488,7 +488,7 @@ def test_from_config_reads_slots_chunks_and_microbatches():
     w = Workload.from_config(cfg, {"actor": tiny_config()})
     assert w.decode_slots == w.slots == 128
     assert w.decode_page_size == 32
-    assert w.infer_batch_size == getattr(cfg.rl, "infer_batch_size", 0)
+    assert w.infer_batch_size == cfg.rl.memory.infer_batch_size
     assert w.actor_microbatches == cfg.roles["actor"].microbatches == 4
     assert w.critic_microbatches == cfg.roles["critic"].microbatches == 4
     default = Workload.from_config(load_config([], []), {"actor": tiny_config()})
@@ -765,7 +765,7 @@ def test_tune_batches_picks_the_fastest_chunk_and_microbatches_that_fit():
     assert w.minibatch_size % tuned.actor_microbatches == 0
     lines = est.batch_bindings(tuned)
     assert f"actor/RoleConfig.microbatches = {tuned.actor_microbatches}" in lines
-    assert f"RLConfig.infer_batch_size = {tuned.infer_batch_size}" in lines
+    assert f"Memory.infer_batch_size = {tuned.infer_batch_size}" in lines
 
 
 def test_async_iteration_is_the_slower_of_generation_and_the_rest_on_separated_plans():
@@ -928,7 +928,7 @@ def test_remat_policy_is_chosen_per_training_call_and_written_to_the_plan():
     assert e.iteration_seconds <= est.estimate(plan, full, tight).iteration_seconds
     lines = est.batch_bindings(e.workload)
     assert f"actor/RoleConfig.remat_policy = {e.workload.actor.remat_policy!r}" in lines
-    assert f"RLConfig.offload = {tuple(e.workload.offload)!r}" in lines
+    assert f"Memory.offload = {tuple(e.workload.offload)!r}" in lines
 
 
 def test_memory_reserve_is_held_back_in_the_fit_check():

@@ -425,7 +425,7 @@ def test_cli_writes_a_gin_that_reproduces_the_plan(tmp_path, capsys, fake_profil
         in _run_cli([*args, "--output", str(out)], capsys)[1]
     )
     cfg = load_config(["configs/ppo_tiny.gin", str(out)], [])
-    assert cfg.rl.infer_batch_size == 8
+    assert cfg.rl.memory.infer_batch_size == 8
     assert cfg.roles["actor"].microbatches == 2 and cfg.roles["critic"].microbatches == 4
     rc, stdout, _ = _run_cli([*args, "--output", str(out), "--fixed-batches"], capsys)
     assert rc == 0 and "infer_batch_size" not in out.read_text()
@@ -541,7 +541,7 @@ def test_cli_with_the_real_estimator(tmp_path, capsys):
     args = ["--config", "configs/llama3_8b_ppo.gin", "--devices", "16", "--device-kind", "h100"]
     args += ["--actor", "llama3_8b", "--critic", "llama3_8b", "--reference", "llama3_8b"]
     args += ["--reward", "llama3_8b", "--steps", "40", "--restarts", "2", "--output", str(out)]
-    args += ["RLConfig.infer_batch_size=64"]  # chunked scoring: it fits
+    args += ["Memory.infer_batch_size=64"]  # chunked scoring: it fits
     rc, stdout, err = _run_cli([*args, "--json"], capsys)
     assert rc in (0, 1), err  # 1: nothing fits (the plan is still written)
     got = json.loads(stdout)

@@ -223,9 +223,9 @@ def test_migration_pricing_frees_the_scoring_devices():
 @pytest.mark.parametrize(
     "bindings, message",
     [
-        (["RLConfig.migrate_rows=4"], "RLConfig.migrate_rows.*needs RLConfig.fusion"),
-        (["RLConfig.fusion=True", "RLConfig.migrate_rows=-1"], "RLConfig.migrate_rows"),
-        (["RLConfig.fusion=True", "RLConfig.migrate_replicas=0"], "RLConfig.migrate_replicas"),
+        (["Fusion.migrate_rows=4"], "Fusion.migrate_rows.*needs Fusion.enabled"),
+        (["Fusion.enabled=True", "Fusion.migrate_rows=-1"], "Fusion.migrate_rows"),
+        (["Fusion.enabled=True", "Fusion.migrate_replicas=0"], "Fusion.migrate_replicas"),
     ],
 )
 def test_migration_settings_refused_in_one_line(bindings, message):
@@ -247,11 +247,11 @@ def test_migration_needs_fewer_replicas_than_the_generation_mesh():
 def test_migration_replicas_checked_against_the_plan_at_start_up():
     """Before any model is built: flatten on 8 devices generates on 4 replicas (data=4 x
     tensor=2), so the tail may take 1 to 3 of them."""
-    fused = ["RLConfig.fusion=True", "RLConfig.migrate_rows=4"]
-    plan = effective_plan(load_config([], [*fused, "RLConfig.migrate_replicas=3"]), 8)
+    fused = ["Fusion.enabled=True", "Fusion.migrate_rows=4"]
+    plan = effective_plan(load_config([], [*fused, "Fusion.migrate_replicas=3"]), 8)
     assert len(estimator.tail_replicas(plan["actor_generate"])) == 4
     with pytest.raises(ValueError, match="migrate_replicas 4 must be fewer than the 4") as err:
-        effective_plan(load_config([], [*fused, "RLConfig.migrate_replicas=4"]), 8)
+        effective_plan(load_config([], [*fused, "Fusion.migrate_replicas=4"]), 8)
     assert "\n" not in str(err.value)
 
 

@@ -1,4 +1,4 @@
-"""Packed training (RLConfig.pack_samples) and chunked log-probs (RLConfig.logprob_chunk): samples
+"""Packed training (Memory.pack_samples) and chunked log-probs (Memory.logprob_chunk): samples
 laid end to end in rows with segment ids, log-probs computed a chunk of positions at a time, give
 the padded layout's log-probs, loss and update (to 1e-5), on one device and sharded with
 micro-batches; the packing itself is checked against the samples it came from."""
@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jrlhf.config import ConfigError, RLConfig, load_config
+from jrlhf.config import ConfigError, Memory, RLConfig, load_config
 from jrlhf.data.batch import fit_microbatches, microbatch_splits
 from jrlhf.meshes import make_mesh
 from jrlhf.meshes.batch import batch_shards
@@ -114,11 +114,11 @@ def test_packed_step_equals_padded_step(head, mesh_spec="data=2,fsdp=2", microba
     """One update of the actor (or critic) loss on the packed minibatch gives the padded one's
     loss, metrics and parameters within 1e-5, sharded and in two micro-batches (each
     micro-batch's packed rows split over the data shards). The packed actor step also computes
-    its log-probs 7 positions at a time (RLConfig.logprob_chunk, a chunk that divides nothing):
+    its log-probs 7 positions at a time (Memory.logprob_chunk, a chunk that divides nothing):
     packing and chunking together give the padded, all-at-once update. (Packed rows without
     chunks: the token-budget test below.)"""
     rl = RLConfig(entropy_coef=0.01, kl_in_loss=True, clip_eps=0.1)
-    chunked = dataclasses.replace(rl, logprob_chunk=7)
+    chunked = dataclasses.replace(rl, memory=Memory(logprob_chunk=7))
     if head == "lm":
         loss_fns = actor_loss(P, rl, kl_in_loss=True), actor_loss(P, chunked, kl_in_loss=True)
     else:
@@ -201,7 +201,7 @@ def test_bad_token_budgets_are_refused_in_one_line(bindings, message):
 
 
 def test_chunked_logprobs_equal_whole(lm_model):
-    """RLConfig.logprob_chunk: log-probs and entropies computed 7 positions at a time (a chunk
+    """Memory.logprob_chunk: log-probs and entropies computed 7 positions at a time (a chunk
     that does not divide the positions) are the all-at-once values."""
     import jax
 

@@ -1,4 +1,4 @@
-"""Partial rollouts (RLConfig.partial_rollout_tokens, jrlhf.ppo.partial): samples generated a
+"""Partial rollouts (Asynchrony.partial_rollout_tokens, jrlhf.ppo.partial): samples generated a
 few tokens per pass, continued across weight updates with their KV recomputed."""
 
 import jax
@@ -96,23 +96,23 @@ def test_a_sample_ends_at_its_stop_id_and_is_not_continued():
 @pytest.mark.parametrize(
     "bindings, message",
     [
-        (["RLConfig.partial_rollout_tokens=4"], "needs RLConfig.max_staleness >= 1"),
+        (["Asynchrony.partial_rollout_tokens=4"], "needs Asynchrony.max_staleness >= 1"),
         (
-            ["RLConfig.partial_rollout_tokens=5", "RLConfig.max_staleness=4"],
+            ["Asynchrony.partial_rollout_tokens=5", "Asynchrony.max_staleness=4"],
             "5 must divide TaskConfig.max_response_len 16",
         ),
         (
-            ["RLConfig.partial_rollout_tokens=4", "RLConfig.max_staleness=2"],
-            "times RLConfig.max_staleness 2, reach it",
+            ["Asynchrony.partial_rollout_tokens=4", "Asynchrony.max_staleness=2"],
+            "times Asynchrony.max_staleness 2, reach it",
         ),
         (
             [
-                "RLConfig.partial_rollout_tokens=8",
-                "RLConfig.max_staleness=2",
-                "RLConfig.fusion=True",
-                "RLConfig.migrate_rows=4",
+                "Asynchrony.partial_rollout_tokens=8",
+                "Asynchrony.max_staleness=2",
+                "Fusion.enabled=True",
+                "Fusion.migrate_rows=4",
             ],
-            "^RLConfig.migrate_rows: .*nothing waits on a tail",
+            "^Fusion.migrate_rows: .*nothing waits on a tail",
         ),
     ],
 )
@@ -127,7 +127,7 @@ def test_trainer_continues_samples_across_updates(tmp_path):
     takes its second pass at once: the pipeline is filling), batch 3 at iteration 1, when
     batch 1 takes its second pass under the updated weights. Every trained token is at most 2
     versions old (the trainer checks it)."""
-    bindings = ["RLConfig.max_staleness=2", "RLConfig.partial_rollout_tokens=8"]
+    bindings = ["Asynchrony.max_staleness=2", "Asynchrony.partial_rollout_tokens=8"]
     trainer, loader = build_trainer(tmp_path, *bindings, "RLConfig.iterations=4")
 
     def draw():

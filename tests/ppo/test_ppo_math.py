@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrlhf.config import DPO_LOSS_TYPES, ConfigError, RLConfig, load_config
+from jrlhf.config import (
+    DPO_LOSS_TYPES,
+    ConfigError,
+    OffPolicy,
+    RLConfig,
+    SampleFilters,
+    load_config,
+)
 from jrlhf.models import logprobs
 from jrlhf.ppo import core_algos as ca
 
@@ -1009,16 +1016,16 @@ def test_group_filter_and_selection_match_numpy():
 
 
 def test_dapo_config_is_validated_in_one_line():
-    RLConfig(dynamic_sampling=True, samples_per_prompt=2).validate("grpo")
-    with pytest.raises(ConfigError, match=r"^RLConfig.dynamic_sampling: .*>= 2, got 1$"):
-        RLConfig(dynamic_sampling=True).validate("ppo")
+    RLConfig(filters=SampleFilters(dynamic_sampling=True), samples_per_prompt=2).validate("grpo")
+    with pytest.raises(ConfigError, match=r"^SampleFilters.dynamic_sampling: .*>= 2, got 1$"):
+        RLConfig(filters=SampleFilters(dynamic_sampling=True)).validate("ppo")
     for field, value in (("overlong_buffer", -1), ("overlong_penalty", -0.5)):
-        with pytest.raises(ConfigError, match=f"^RLConfig.{field}: must be >= 0"):
-            RLConfig(**{field: value}).validate()
-    with pytest.raises(ConfigError, match="^RLConfig.max_sampling_rounds: must be >= 1"):
-        RLConfig(max_sampling_rounds=0).validate()
-    with pytest.raises(ConfigError, match="^RLConfig.overlong_buffer: 17 exceeds TaskConfig.max_"):
-        load_config([], ["RLConfig.overlong_buffer=17", "TaskConfig.max_response_len=16"])
+        with pytest.raises(ConfigError, match=f"^SampleFilters.{field}: must be >= 0"):
+            RLConfig(filters=SampleFilters(**{field: value})).validate()
+    with pytest.raises(ConfigError, match="^SampleFilters.max_sampling_rounds: must be >= 1"):
+        RLConfig(filters=SampleFilters(max_sampling_rounds=0)).validate()
+    with pytest.raises(ConfigError, match="^SampleFilters.overlong_buffer: 17 exceeds TaskConf"):
+        load_config([], ["SampleFilters.overlong_buffer=17", "TaskConfig.max_response_len=16"])
 
 
 # ----------------------------------------------------------------------------- DPO
@@ -1180,10 +1187,10 @@ def test_importance_weights_edge_cases_and_errors():
         ca.behaviour_importance_weights(lp, lp, m, "is")
     with pytest.raises(ValueError, match="cap must be >= 1"):
         ca.behaviour_importance_weights(lp, lp, m, "tis", cap=0.5)
-    with pytest.raises(ConfigError, match="^RLConfig.off_policy_correction: unknown correction"):
-        RLConfig(off_policy_correction="is").validate()
-    with pytest.raises(ConfigError, match="^RLConfig.is_cap: must be >= 1"):
-        RLConfig(is_cap=0.5).validate()
+    with pytest.raises(ConfigError, match="^OffPolicy.correction: unknown correction"):
+        RLConfig(off_policy=OffPolicy(correction="is")).validate()
+    with pytest.raises(ConfigError, match="^OffPolicy.is_cap: must be >= 1"):
+        RLConfig(off_policy=OffPolicy(is_cap=0.5)).validate()
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "gspo"])

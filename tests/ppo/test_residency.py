@@ -1,4 +1,4 @@
-"""The trainer's memory knobs (RLConfig.offload, RLConfig.generation_copy): they move state
+"""The trainer's memory knobs (Memory.offload, Memory.generation_copy): they move state
 between device and host memory and never change a number.
 
 Each trainer is built in this process on tiny random models (no SFT stage) and runs two PPO
@@ -26,8 +26,8 @@ from jrlhf.runtime.model_source import resolve_model, role_models
 from jrlhf.runtime.roles import setup_role
 
 ALL_KNOBS = (
-    "RLConfig.offload=('reference', 'reward', 'actor_optimizer', 'critic_optimizer')",
-    "RLConfig.generation_copy='dropped'",
+    "Memory.offload=('reference', 'reward', 'actor_optimizer', 'critic_optimizer')",
+    "Memory.generation_copy='dropped'",
 )
 TINY = (
     "RunConfig.stages=('ppo',)",
@@ -142,7 +142,7 @@ def test_knobs_follow_the_asynchronous_schedule(plain_rows, tmp_path):
     """With max_staleness=1 on one process the knobs still move state at each phase: the first
     iteration trains on batch 0 from version 0, the synchronous run's numbers, and the second
     on a one-version-old batch that was generated with the copy rebuilt."""
-    trainer, loader = build_trainer(tmp_path, *ALL_KNOBS, "RLConfig.max_staleness=1")
+    trainer, loader = build_trainer(tmp_path, *ALL_KNOBS, "Asynchrony.max_staleness=1")
 
     def draw():
         batch = loader.next_batch()
@@ -158,9 +158,9 @@ def test_knobs_follow_the_asynchronous_schedule(plain_rows, tmp_path):
 @pytest.mark.parametrize(
     "binding, message",
     [
-        ("RLConfig.generation_copy='parked'", "RLConfig.generation_copy: unknown 'parked'"),
-        ("RLConfig.offload=('ref',)", "RLConfig.offload: unknown item 'ref'"),
-        ("RLConfig.offload=('reward', 'reward')", "RLConfig.offload: lists an item twice"),
+        ("Memory.generation_copy='parked'", "Memory.generation_copy: unknown 'parked'"),
+        ("Memory.offload=('ref',)", "Memory.offload: unknown item 'ref'"),
+        ("Memory.offload=('reward', 'reward')", "Memory.offload: lists an item twice"),
     ],
 )
 def test_bad_knobs_are_refused_in_one_line(binding, message):
@@ -171,7 +171,7 @@ def test_bad_knobs_are_refused_in_one_line(binding, message):
 def test_grpo_has_no_critic_optimizer_to_offload():
     bindings = [*TINY, "RunConfig.stages=('grpo',)", "RLConfig.samples_per_prompt=2"]
     with pytest.raises(ConfigError, match="GRPO trains no critic"):
-        load_config([], [*bindings, "RLConfig.offload=('critic_optimizer',)"])
+        load_config([], [*bindings, "Memory.offload=('critic_optimizer',)"])
 
 
 # ------------------------------------------------------- the 4 x 70B plan, scaled down to CPU
@@ -214,9 +214,7 @@ def test_the_70b_plan_runs_scaled_down_and_matches_a_plain_run(plain_rows, tmp_p
     generation copy, offload). The trainer accepts it, and its metrics are the plain flatten
     run's (other shardings and remat change only float rounding)."""
     bindings = scaled_plan_bindings()
-    knobs = [
-        b for b in bindings if re.match(r"(\w+/)?(RLConfig|RoleConfig)\.(?!.*_(mesh|rules))", b)
-    ]
+    knobs = [b for b in bindings if re.match(r"(\w+/)?(Memory|RoleConfig)\.(?!.*_(mesh|rules))", b)]
     assert any("remat_policy" in b for b in knobs) and any("generation_copy" in b for b in knobs)
     trainer, loader = build_trainer(tmp_path, *bindings, placement="custom")
     assert trainer.cfg.roles["actor"].generate_mesh.startswith("data=1,tensor=8@")

@@ -1,13 +1,15 @@
-"""Asynchronous RL with bounded staleness (RLConfig.max_staleness, jrlhf.ppo.staleness): the
+"""Asynchronous RL with bounded staleness (Asynchrony.max_staleness, jrlhf.ppo.staleness): the
 schedule, per-token versions, the bound, identity with the synchronous loop at 0, exact resume.
 
 Everything here runs on one process, where nothing overlaps: the schedule and its numbers are
 the same as with separate generation and training processes (tests/e2e/test_multiprocess.py)."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
+import gin
 import jax
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from run_helpers import SMALL, assert_rows_close, metric_rows, ppo_bindings
 
 from jrlhf import checkpoint
 from jrlhf.cli import train
-from jrlhf.config import ConfigError, RLConfig
+from jrlhf.config import Asynchrony, ConfigError, Fusion, Memory, RLConfig, SampleFilters
 from jrlhf.ppo import samples, staleness
 from jrlhf.ppo.schedules import BoundedStaleness
 from jrlhf.ppo.trainer import RLTrainer
@@ -106,10 +108,15 @@ def test_generated_batch_survives_the_data_plane_exactly(extra):
 
 
 def test_config_checks():
-    with pytest.raises(ConfigError, match="^RLConfig.max_staleness: must be >= 0"):
-        RLConfig(max_staleness=-1).validate()
+    with pytest.raises(ConfigError, match="^Asynchrony.max_staleness: must be >= 0"):
+        RLConfig(asynchrony=Asynchrony(max_staleness=-1)).validate()
     # asynchrony composes with dynamic sampling and fusion (see the tests below)
-    RLConfig(max_staleness=2, dynamic_sampling=True, samples_per_prompt=2, fusion=True).validate()
+    RLConfig(
+        asynchrony=Asynchrony(max_staleness=2),
+        filters=SampleFilters(dynamic_sampling=True),
+        samples_per_prompt=2,
+        fusion=Fusion(enabled=True),
+    ).validate()
 
 
 def test_schedule_at_zero_staleness_is_the_synchronous_loop(base_run, colocated_run, tmp_path):
@@ -119,7 +126,7 @@ def test_schedule_at_zero_staleness_is_the_synchronous_loop(base_run, colocated_
     original = RLTrainer.run_iteration
 
     def through_the_schedule(self, prompts, meta=None, refill=None):
-        assert self.rl.max_staleness == 0
+        assert self.rl.asynchrony.max_staleness == 0
         drawn = [(prompts, meta)]
         return self.run_async_iteration(lambda: drawn.pop())
 
@@ -135,7 +142,7 @@ def test_schedule_at_zero_staleness_is_the_synchronous_loop(base_run, colocated_
         assert a == b
 
 
-ASYNC = ["RLConfig.max_staleness=1", "RLConfig.off_policy_correction='tis'"]
+ASYNC = ["Asynchrony.max_staleness=1", "OffPolicy.correction='tis'"]
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +235,9 @@ def test_async_run_resumes_exactly(async_run, base_run, tmp_path):
 
 
 PARTIAL = [
-    "RLConfig.max_staleness=2",
-    "RLConfig.partial_rollout_tokens=6",
-    "RLConfig.off_policy_correction='tis'",
+    "Asynchrony.max_staleness=2",
+    "Asynchrony.partial_rollout_tokens=6",
+    "OffPolicy.correction='tis'",
 ]
 
 
@@ -258,8 +265,8 @@ DAPO = [
     "RunConfig.stages=('grpo',)",
     "TaskConfig.reward_fn='run_helpers:parity_reward'",
     "RLConfig.samples_per_prompt=4",
-    "RLConfig.dynamic_sampling=True",
-    "RLConfig.max_sampling_rounds=3",
+    "SampleFilters.dynamic_sampling=True",
+    "SampleFilters.max_sampling_rounds=3",
     "RLConfig.iterations=4",
     "RLConfig.checkpoint_every=2",
     "RLConfig.kl_coef=0.0",
@@ -299,10 +306,10 @@ def test_dynamic_sampling_at_zero_staleness_is_the_synchronous_loop(base_run, tm
 
 
 ASYNC_DAPO = [
-    "RLConfig.max_staleness=2",
-    "RLConfig.partial_rollout_tokens=6",
-    "RLConfig.fusion=True",
-    "RLConfig.off_policy_correction='tis'",
+    "Asynchrony.max_staleness=2",
+    "Asynchrony.partial_rollout_tokens=6",
+    "Fusion.enabled=True",
+    "OffPolicy.correction='tis'",
 ]
 
 
@@ -341,7 +348,7 @@ def test_fused_async_run_equals_the_unfused_one(async_run, base_run, tmp_path):
     finish (one iteration before it trains), the critic's values are taken again when it trains;
     every metric equals the unfused run's to float rounding."""
     fused = tmp_path / "fused"
-    bindings = ppo_bindings(base_run, *ASYNC, "RLConfig.fusion=True")
+    bindings = ppo_bindings(base_run, *ASYNC, "Fusion.enabled=True")
     assert train.main(["--run-dir", str(fused), "--quiet", *bindings]) == 0
     rows = metric_rows(fused)
     assert all(r["fusion/chunks"] >= 1 for r in rows if "reward" in r)
@@ -369,15 +376,16 @@ def test_role_groups_and_their_refusals(monkeypatch):
     would free nothing on devices no other call uses)."""
     from jrlhf.ppo.groups import role_groups
 
+    gin.clear_config()  # RLConfig reads gin: no binding left by an earlier test's run applies
     monkeypatch.setattr(jax, "process_count", lambda: 4)
     roles = {
         "actor": _Role(generate=_Mesh(0, 1), train=_Mesh(2, 3)),
         "reference": _Role(infer=_Mesh(2, 3)),
     }
-    rl = RLConfig(max_staleness=2)
+    rl = RLConfig(asynchrony=Asynchrony(max_staleness=2))
     groups = role_groups(rl, roles)
     assert (groups.generate, groups.train) == ({0, 1}, {2, 3})
-    assert role_groups(RLConfig(max_staleness=0), roles) is None  # synchronous: lockstep
+    assert role_groups(RLConfig(asynchrony=Asynchrony(max_staleness=0)), roles) is None  # lockstep
     shared = {**roles, "reference": _Role(infer=_Mesh(1, 2))}
     assert role_groups(rl, shared) is None  # generation shares process 1: lockstep, warned
     for bad, roles_, why in (
@@ -386,8 +394,16 @@ def test_role_groups_and_their_refusals(monkeypatch):
             {"actor": _Role(generate=_Mesh(2, 3), train=_Mesh(0, 1)), "critic": _Role(i=_Mesh(1))},
             "include process 0",
         ),
-        (RLConfig(max_staleness=2, generation_copy="dropped"), roles, "frees nothing; keep it"),
-        (RLConfig(max_staleness=2, fusion=True, migrate_rows=4), roles, "frees nothing; set 0"),
+        (
+            dataclasses.replace(rl, memory=Memory(generation_copy="dropped")),
+            roles,
+            "frees nothing; keep it",
+        ),
+        (
+            dataclasses.replace(rl, fusion=Fusion(enabled=True, migrate_rows=4)),
+            roles,
+            "frees nothing; set 0",
+        ),
     ):
         with pytest.raises(ValueError, match=why):
             role_groups(bad, roles_)

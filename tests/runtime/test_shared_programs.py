@@ -8,7 +8,7 @@ import dataclasses
 
 import jax
 
-from jrlhf.config import RLConfig
+from jrlhf.config import Asynchrony, RLConfig
 from jrlhf.decode import DecodeEngine, EngineConfig, SamplingParams
 from jrlhf.meshes import make_mesh
 from jrlhf.models.config import tiny_config
@@ -67,7 +67,9 @@ def test_training_losses_are_shared_by_configs_that_differ_only_outside_the_loss
     staleness) get the same loss functions, hence the same train steps; a loss setting, or the
     KL estimator of a KL loss term, gives another."""
     base = RLConfig(clip_eps=0.2, loss_agg="token-mean")
-    elsewhere = dataclasses.replace(base, iterations=3, async_checkpoint=False, max_staleness=1)
+    elsewhere = dataclasses.replace(
+        base, iterations=3, async_checkpoint=False, asynchrony=Asynchrony(max_staleness=1)
+    )
     assert actor_loss(8, base, True) is actor_loss(8, elsewhere, True)
     assert critic_loss(8, base) is critic_loss(8, elsewhere)
     assert actor_loss(8, base, True) is not actor_loss(

@@ -4,7 +4,7 @@ whom. Each composes the same parts (the rollout, the scorer, the update through 
 
 * :class:`Synchronous`: generate, score, train on the same batch (with dynamic sampling's
   extra rounds);
-* :class:`BoundedStaleness`: train on a batch generated up to ``RLConfig.max_staleness``
+* :class:`BoundedStaleness`: train on a batch generated up to ``Asynchrony.max_staleness``
   updates earlier while the next ones are generated (partial rollouts continue unfinished
   samples across updates).
 """

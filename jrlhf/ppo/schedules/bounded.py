@@ -1,18 +1,18 @@
-"""The bounded-staleness schedule (``RLConfig.max_staleness = k``; see jrlhf.ppo.staleness).
+"""The bounded-staleness schedule (``Asynchrony.max_staleness = k``; see jrlhf.ppo.staleness).
 
 At the start of iteration ``i`` the batches due are generated with the current weights (batch
 ``i + k`` once the pipeline is full), then batch ``i``, generated with version ``max(i - k, 0)``,
 is scored and trained on. With ``k = 0`` this is the synchronous loop without dynamic sampling,
-number for number. With ``RLConfig.partial_rollout_tokens`` every unfinished sample in flight
+number for number. With ``Asynchrony.partial_rollout_tokens`` every unfinished sample in flight
 takes one pass of that many tokens per iteration under the newest weights (jrlhf.ppo.partial).
 
-A batch is one or more *rounds* of prompts. With ``RLConfig.dynamic_sampling`` (DAPO) each round
-is scored once it has been generated (its reference log-probs and rewards: the models that give
-them never change), and a batch whose rounds hold fewer groups with signal than it has prompts
+A batch is one or more *rounds* of prompts. With ``SampleFilters.dynamic_sampling`` (DAPO) each
+round is scored once it has been generated (its reference log-probs and rewards: the models that
+give them never change), and a batch whose rounds hold fewer groups with signal than it has prompts
 gets another round of the loader's next prompts at the next iteration's generation, under that
 iteration's weights, up to ``max_sampling_rounds`` rounds; a batch still short when it is due
 gets its remaining rounds at once, under the weights it is trained from. With
-``RLConfig.fusion`` rounds are scored as they are generated too: in one process the rollout
+``Fusion.enabled`` rounds are scored as they are generated too: in one process the rollout
 scores finished rows while the rest decode (jrlhf.ppo.fusion); where the scoring models live on
 other processes, the training group scores each round when it arrives. A critic's values are
 always taken when the batch is trained, by the critic being trained.
@@ -87,8 +87,8 @@ class BoundedStaleness:
         self.side = groups.side if groups else None
         self.channel = sample_channel(update.roles, groups) if groups else None
         # Rounds scored as soon as they are generated (see the module docstring).
-        self.early = bool(rl.fusion or rl.dynamic_sampling)
-        fused = bool(rl.fusion and self.side is None and rollout.fusion_rows)
+        self.early = bool(rl.fusion.enabled or rl.filters.dynamic_sampling)
+        fused = bool(rl.fusion.enabled and self.side is None and rollout.fusion_rows)
         self.producer = Producer(rl, max_response_len, run_seed, rollout, scorer, weights, fused)
 
     @property
@@ -141,12 +141,12 @@ class BoundedStaleness:
         versions = versions_bt([v for g in rounds for v in g.token_versions], self.R)
         mask = np.concatenate([g.arrays["mask"] for g in rounds])
         # The bound, checked on the tokens themselves, whatever produced them.
-        check_staleness(versions, mask, iteration, self.rl.max_staleness)
+        check_staleness(versions, mask, iteration, self.rl.asynchrony.max_staleness)
         scored = [(g.sample_prompts, g.completions, g.arrays) for g in rounds]
         metrics = self.learn(scored, len(rounds[0].prompts), timer, iteration, before_sync)
-        if self.rl.max_staleness:
+        if self.rl.asynchrony.max_staleness:
             metrics.update(staleness_metrics(versions, mask, iteration))
-        if self.rl.partial_rollout_tokens:
+        if self.rl.asynchrony.partial_rollout_tokens:
             metrics.update(partial.continuation_metrics(rounds))
             metrics.update({name: float(v) for name, v in self.producer.partial_stats.items()})
         return metrics
@@ -160,7 +160,7 @@ class BoundedStaleness:
         exit_if_asked(iteration)  # a test's preemption, between generating and sending
         self.channel.send(f"{iteration}", new)
         step = 0
-        while self.rl.dynamic_sampling and self.channel.asked(iteration, step):
+        while self.rl.filters.dynamic_sampling and self.channel.asked(iteration, step):
             step += 1  # the batch due is still short: one more round of it, now
             with process_group(self.groups.generate), timer.phase("generate"):
                 more = self.producer.extra_round(iteration, draw)
@@ -207,7 +207,7 @@ class BoundedStaleness:
                     if g is None:
                         raise StalenessError(f"batch {iteration} did not arrive in time")
                     self._arrive(g)
-                if self.rl.dynamic_sampling:
+                if self.rl.filters.dynamic_sampling:
                     step = 0
                     # Still short: the rest of this iteration's rounds come first.
                     if self.producer.short(iteration):

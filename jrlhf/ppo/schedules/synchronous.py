@@ -1,8 +1,8 @@
 """The synchronous schedule: an iteration generates, scores and trains on the same batch.
 
-With ``RLConfig.dynamic_sampling`` (DAPO) an iteration generates and scores more rounds, from the
-loader's next prompts, until ``prompts_per_iteration`` groups with unequal scores are there (or
-``max_sampling_rounds`` ran out). With ``RLConfig.fusion`` finished samples are scored while the
+With ``SampleFilters.dynamic_sampling`` (DAPO) an iteration generates and scores more rounds, from
+the loader's next prompts, until ``prompts_per_iteration`` groups with unequal scores are there (or
+``max_sampling_rounds`` ran out). With ``Fusion.enabled`` finished samples are scored while the
 rest still generate (the rollout's fused call).
 """
 
@@ -65,7 +65,7 @@ class Synchronous:
                 # Round 0 samples as an iteration without dynamic sampling does.
                 sampling = self.rollout.sampling(iteration, salt=len(rounds))
                 params = self.weights.gen_params
-                if self.rollout.fusion_rows:  # RLConfig.fusion: scored as they finish
+                if self.rollout.fusion_rows:  # Fusion.enabled: scored as they finish
                     fused = self.rollout(params, prompts, sampling, meta=meta)
                     rep_prompts, result, arrays = fused.prompts, fused.result, fused.arrays
                 else:
@@ -86,11 +86,15 @@ class Synchronous:
                 if result.routes is not None:  # DecodeConfig.record_routes: moe/* metrics
                     arrays["rollout_routes"] = padded_routes(result.routes, self.R)
             rounds.append((rep_prompts, result.completion_ids, arrays))
-            if not self.rl.dynamic_sampling:
+            if not self.rl.filters.dynamic_sampling:
                 break
             group = self.rl.samples_per_prompt
             kept += int(np.sum(algos.groups_with_signal(arrays["train_scores"], group)))
-            if kept >= n_groups or len(rounds) >= self.rl.max_sampling_rounds or refill is None:
+            if (
+                kept >= n_groups
+                or len(rounds) >= self.rl.filters.max_sampling_rounds
+                or refill is None
+            ):
                 break
             prompts, meta = refill()
         return self.learn(rounds, n_groups, timer, iteration)
