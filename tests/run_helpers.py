@@ -49,6 +49,19 @@ def preempt_at(monkeypatch, iteration: int) -> None:
         monkeypatch.setattr(module, "exit_if_asked", hook)
 
 
+def preempt_at_step(monkeypatch, where: str) -> None:
+    """Make the supervised stages' preemption hook raise ``Preempted`` right after step
+    ``where`` (``"stage:step"``, e.g. ``"sft:15"``) in this process; undo with
+    ``monkeypatch.undo()``."""
+    from jrlhf.pipeline import supervised
+
+    def hook(stage: str, step: int) -> None:
+        if f"{stage}:{step}" == where:
+            raise Preempted(where)
+
+    monkeypatch.setattr(supervised, "exit_at_step_if_asked", hook)
+
+
 def ppo_bindings(base: Path, *extra: str) -> list[str]:
     return [
         "RunConfig.stages=('ppo',)",

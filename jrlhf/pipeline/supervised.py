@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ from jrlhf.ppo.core_algos import (
 from jrlhf.runtime.gc_freeze import warm_freeze
 from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import ModelSource, load_weights
+from jrlhf.runtime.preempt import exit_at_step_if_asked
 from jrlhf.runtime.roles import RoleSetup, make_infer
 from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import (
@@ -58,9 +58,6 @@ from jrlhf.runtime.storage import write_atomic
 log = logging.getLogger("jrlhf")
 
 # Test hook: exit abruptly (like a preempted job) right after this step, e.g. "sft:40".
-EXIT_AT_STEP_ENV = "JRLHF_DEBUG_EXIT_AT_STEP"
-
-
 # Stages whose batches are preference pairs (a chosen row, then its rejected row).
 PAIR_STAGES = ("rm", "dpo")
 
@@ -207,8 +204,7 @@ def _supervised_stage(
             pending.append(metrics["skipped"])
             freezer.step_done()
             step = i + 1
-            if os.environ.get(EXIT_AT_STEP_ENV) == f"{name}:{step}":
-                os._exit(137)  # test hook: a preempted job, no cleanup
+            exit_at_step_if_asked(name, step)  # a test's preemption, no cleanup
             if step % 25 == 0 or step == steps:
                 skipped = guard.record(role, to_host(pending), f"step {step}")
                 pending = []

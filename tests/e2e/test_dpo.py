@@ -5,7 +5,7 @@ model source; and its configuration errors are one line naming the field."""
 import json
 
 import pytest
-from run_helpers import ROOT, SMALL, metric_rows
+from run_helpers import ROOT, SMALL, Preempted, metric_rows, preempt_at_step
 
 from jrlhf.cli import evaluate, train
 from jrlhf.config import load_config
@@ -39,11 +39,6 @@ def counting_reference(monkeypatch):
     return calls
 
 
-class Preempted(Exception):
-    """What the stage's preemption hook (``supervised.EXIT_AT_STEP_ENV``) raises here instead
-    of ending the process."""
-
-
 @pytest.fixture(scope="module")
 def dpo_run(base_run, tmp_path_factory):
     """30 DPO steps from base_run's SFT policy, which is also the reference: cut off after step
@@ -51,12 +46,7 @@ def dpo_run(base_run, tmp_path_factory):
     reference pass of the resumed process scored, and its stderr."""
     run_dir = tmp_path_factory.mktemp("dpo") / "run"
     with pytest.MonkeyPatch.context() as mp:
-
-        def preempt(code):
-            raise Preempted(code)
-
-        mp.setattr(supervised.os, "_exit", preempt)
-        mp.setenv(supervised.EXIT_AT_STEP_ENV, "dpo:16")
+        preempt_at_step(mp, "dpo:16")
         with pytest.raises(Preempted):
             train.main(dpo_args(base_run, run_dir))
     with pytest.MonkeyPatch.context() as mp:
