@@ -1194,13 +1194,6 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
         "SampleFilters.overlong_buffer",
         f"{buffer} exceeds TaskConfig.max_response_len {cfg.task.max_response_len}",
     )
-    rl_env = cfg.env.name and rl_stages
-    _check(
-        not (rl_env and t),
-        "EnvConfig.name",
-        "multi-turn episodes with Asynchrony.partial_rollout_tokens are not built yet (a pass "
-        "would have to stop and resume environments mid-episode)",
-    )
     return cfg
 
 

@@ -300,6 +300,7 @@ class _Request:
     seed: int
     derived_seed: bool
     max_new: int
+    turn_sampled: int = 0  # multi-turn: tokens its current turn sampled before this call
 
     @property
     def max_cached(self) -> int:
@@ -907,16 +908,25 @@ class DecodeEngine:
             "decode_chunk": self._decode_chunk._cache_size(),
         }
 
-    def _requests(self, prompts, sp: SamplingParams, max_new: int) -> list[_Request]:
+    def _requests(
+        self, prompts, sp: SamplingParams, max_new: int, turns: Turns | None = None
+    ) -> list[_Request]:
         ec = self.config
         if sp.seeds is not None and len(sp.seeds) != len(prompts):
             raise ValueError(f"{len(sp.seeds)} seeds given for {len(prompts)} prompts")
+        sampled = turns.sampled if turns is not None and turns.sampled is not None else None
+        if sampled is not None and len(sampled) != len(prompts):
+            raise ValueError(f"Turns.sampled has {len(sampled)} counts for {len(prompts)} prompts")
+        budgets = sp.max_new_per_prompt
+        if budgets is not None and len(budgets) != len(prompts):
+            raise ValueError(f"{len(budgets)} max_new_per_prompt given for {len(prompts)} prompts")
         capacity = min(ec.max_pages_per_seq, self.pages_per_shard) * ec.page_size
         reqs = []
         for p, prompt in enumerate(prompts):
             prompt = [int(t) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {p} is empty")
+            new = max_new if budgets is None else min(max_new, int(budgets[p]))
             if len(prompt) > ec.max_prompt_len:
                 raise ValueError(
                     f"prompt {p} has {len(prompt)} tokens, more than max_prompt_len "
@@ -927,10 +937,10 @@ class DecodeEngine:
                 raise ValueError(
                     f"prompt {p}: token id {bad[0]} outside vocab {self.cfg.vocab_size}"
                 )
-            if len(prompt) + max_new - 1 > capacity:
+            if len(prompt) + new - 1 > capacity:
                 raise ValueError(
-                    f"prompt {p}: {len(prompt)} + {max_new} new tokens needs "
-                    f"{pages_for(len(prompt) + max_new - 1, ec.page_size)} pages, but one data "
+                    f"prompt {p}: {len(prompt)} + {new} new tokens needs "
+                    f"{pages_for(len(prompt) + new - 1, ec.page_size)} pages, but one data "
                     f"shard's pool holds {self.pages_per_shard} (and a sequence at most "
                     f"{ec.max_pages_per_seq})"
                 )
@@ -938,9 +948,10 @@ class DecodeEngine:
                 seed = sp.seeds[p] if sp.seeds is not None else sp.seed
                 reqs.append(
                     _Request(
-                        len(reqs), prompt, p, s, int(seed) & 0xFFFFFFFF, sp.seeds is None, max_new
+                        len(reqs), prompt, p, s, int(seed) & 0xFFFFFFFF, sp.seeds is None,
+                        new, 0 if sampled is None else int(sampled[p]),
                     )
-                )
+                )  # fmt: skip
         return reqs
 
     def generate(
@@ -976,7 +987,7 @@ class DecodeEngine:
                 raise ValueError("EngineConfig.record_routes does not follow migrated sequences")
             self._check_tail(migration.engine)
         self._check_turns(turns)
-        requests = self._requests(prompts, sp, max_new)
+        requests = self._requests(prompts, sp, max_new, turns)
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop_ids[: len(stops)] = stops
         turn_stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
@@ -1319,6 +1330,9 @@ class DecodeEngine:
         prompt_idx = np.full((samples,), -1, np.int32)
         sample_idx = np.zeros((samples,), np.int32)
         max_new = np.zeros((samples,), np.int32)
+        # The first turn's budget, per sample: what is left of a turn continued from an
+        # earlier call (Turns.sampled).
+        turn_tokens = np.full((samples,), scalars[2], np.int32)
         for i, (slot, req, row) in enumerate(admitted):
             slots[i] = slot
             src[i] = row
@@ -1329,6 +1343,7 @@ class DecodeEngine:
             prompt_idx[i] = req.prompt_index if req.derived_seed else -1
             sample_idx[i] = req.sample_index
             max_new[i] = req.max_new
+            turn_tokens[i] -= req.turn_sampled
         return self._insert(
             params,
             state,
@@ -1342,6 +1357,9 @@ class DecodeEngine:
             prompt_idx,
             sample_idx,
             max_new,
-            *scalars,
+            scalars[0],
+            scalars[1],
+            turn_tokens,
+            *scalars[3:],
             **flags,
         )

@@ -27,7 +27,9 @@ class SamplingParams:
     groups). Randomness is a pure function of (seed of the prompt, sample index, step), so results
     do not depend on slot assignment, batch composition or mesh. ``seeds`` (one per prompt)
     overrides the per-prompt seed derived from ``seed``. Generation stops at ``stop_ids`` (None
-    means the model's EOS ids), after ``max_new_tokens`` (None means the engine's limit).
+    means the model's EOS ids), after ``max_new_tokens`` (None means the engine's limit), or
+    after ``max_new_per_prompt[p]`` tokens for prompt ``p`` where given (one per prompt, each
+    >= 1: what is left of a sample continued from an earlier call, jrlhf.ppo.partial).
     """
 
     greedy: bool = False
@@ -39,6 +41,7 @@ class SamplingParams:
     seeds: tuple[int, ...] | None = None
     stop_ids: tuple[int, ...] | None = None
     max_new_tokens: int | None = None
+    max_new_per_prompt: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not self.greedy and not self.temperature > 0:
@@ -51,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"num_samples must be >= 1 (got {self.num_samples})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.max_new_per_prompt is not None and min(self.max_new_per_prompt, default=1) < 1:
+            raise ValueError(f"max_new_per_prompt must be >= 1 (got {self.max_new_per_prompt})")
 
     @property
     def filtered(self) -> bool:

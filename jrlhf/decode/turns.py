@@ -56,7 +56,10 @@ class Turns:
     """Multi-turn generation for one ``DecodeEngine.generate`` call (see the module docstring).
 
     ``stop_ids``: tokens that end a turn (at most ``MAX_STOP_IDS`` of the engine); ``max_tokens``:
-    sampled tokens per turn (0: no limit but the episode's); ``handler``: see ``TurnHandler``.
+    sampled tokens per turn (0: no limit but the episode's); ``handler``: see ``TurnHandler``;
+    ``sampled`` (one per prompt; None: all 0): tokens each prompt's current turn has sampled
+    already, when a prompt is an episode continued from an earlier call (jrlhf.ppo.partial),
+    so its turn may sample ``max_tokens`` minus that many more.
     An observation longer than the engine's ``max_observation_tokens`` is refused by the engine
     in one line naming the request.
     """
@@ -64,10 +67,13 @@ class Turns:
     handler: TurnHandler
     stop_ids: tuple[int, ...] = ()
     max_tokens: int = 0
+    sampled: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.max_tokens < 0:
             raise ValueError(f"Turns.max_tokens must be >= 0 (got {self.max_tokens})")
+        if self.sampled is not None and any(n < 0 for n in self.sampled):
+            raise ValueError(f"Turns.sampled must be >= 0 (got {self.sampled})")
         if not self.stop_ids and not self.max_tokens:
             raise ValueError("Turns needs stop_ids or max_tokens: otherwise no turn ever ends")
 

@@ -279,6 +279,87 @@ class EpisodeRunner:
             shared[k] = _Outcome(ids, reward, bool(row[1]))
         return shared
 
+    # -- across partial passes and resumes ------------------------------------------------------
+    def restore(self, episodes: Mapping[str, np.ndarray], indices: Sequence[int]) -> None:
+        """Take the records of episodes ``indices`` (finished ones: their records are final)
+        saved with a round (``episode_arrays``' form) as this runner's. An episode under way
+        gets its record back from ``replay``."""
+        for i in indices:
+            reward = float(episodes["env_reward"][i])
+            self.stats[i] = EpisodeStats(
+                turns=int(episodes["turns"][i]),
+                tool_calls=int(episodes["tool_calls"][i]),
+                tool_errors=int(episodes["tool_errors"][i]),
+                failure="failed before the resume" if episodes["failed"][i] else None,
+                reward=None if math.isnan(reward) else reward,
+            )
+
+    def replay(self, episodes: Sequence[tuple[int, int, list[int], list[int], np.ndarray]]):
+        """Rebuild the environments of unfinished episodes after a resume (environments are
+        Python objects no checkpoint holds): each ``(index, prompt_index, prompt, tokens,
+        policy)`` gets a fresh environment, reset with its prompt's meta and stepped at every
+        recorded turn end that an observation followed, which must answer that observation
+        again. Returns the indices of the episodes whose environment failed or answered
+        otherwise (not replayable: their failure is recorded and they end). The group's first
+        process steps the environments and the others take its verdict."""
+        lost = np.zeros((len(episodes),), np.int32)
+        if jax.process_index() == min(host_group()):
+            for n, (index, prompt_index, prompt, tokens, policy) in enumerate(episodes):
+                why = self._replay_one(index, prompt_index, prompt, tokens, policy)
+                if why is not None:
+                    lost[n] = 1
+                    self.stats.setdefault(
+                        index, EpisodeStats()
+                    ).failure = (
+                        f"episode {index} (prompt {prompt_index}) not replayable on resume: {why}"
+                    )
+        if len(host_group()) > 1:
+            lost = broadcast_from_first(lost)
+        out = [episodes[n][0] for n in np.flatnonzero(lost)]
+        for index in out:  # the other processes record the first one's verdict
+            stats = self.stats.setdefault(index, EpisodeStats())
+            stats.failure = stats.failure or "not replayable on resume (see the first process)"
+        return out
+
+    def _replay_one(self, index, prompt_index, prompt, tokens, policy) -> str | None:
+        """Why episode ``index``'s environment cannot be rebuilt from its tokens (None: it
+        was)."""
+        policy = np.asarray(policy, bool)
+        meta = self.meta[prompt_index]
+        env = self.envs[index] = self.factory()
+        ends = [i for i in range(len(policy) - 1) if policy[i] and not policy[i + 1]]
+        # Every turn of an episode under way ended with an observation (a tool call); its
+        # errors and rewards come back from the environment's answers.
+        stats = self.stats[index] = EpisodeStats(turns=len(ends), tool_calls=len(ends))
+        for turn, i in enumerate(ends, start=1):
+            recorded = i + 1
+            while recorded < len(policy) and not policy[recorded]:
+                recorded += 1
+            conversation = Conversation(
+                prompt, tokens[: i + 1], policy[: i + 1], turn, meta, self.decode
+            )
+
+            def job(fresh=turn == 1, conversation=conversation):
+                if fresh:
+                    env.reset(meta)
+                return env.step(conversation)
+
+            outcome = self._outcome(None, self._run({0: job})[0])
+            if outcome.failure is not None:
+                return outcome.failure
+            # An unfinished episode's observations were appended whole (one cut to the room
+            # left ends its episode), so the answer must be the recorded tokens exactly.
+            want, got = list(tokens[i + 1 : recorded]), outcome.ids
+            if got != want:
+                return f"turn {turn}'s observation {got} differs from the recorded {want}"
+            stats.tool_errors += outcome.error
+            if outcome.reward is not None:
+                stats.reward = (stats.reward or 0.0) + outcome.reward
+        if not ends:  # the first turn is still under way: as before its first turn end
+            self.envs.pop(index)
+            self.stats.pop(index)
+        return None
+
     # -- after the rollout -------------------------------------------------------------------------
     def episode_arrays(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
         """Per episode of ``indices`` (request indices), what the batch carries with it

@@ -52,6 +52,12 @@ class Producer:
         self.wanted: list[tuple[int, int]] = []
         self.next_batch = 0  # the index of the next batch to start
         self.partial_stats: dict[str, int] = {}
+        # Multi-turn episodes that span partial passes: their environments, round by round.
+        self.episodes = (
+            partial.EpisodesInFlight(rollout.env)
+            if rollout.env is not None and rl.asynchrony.partial_rollout_tokens
+            else None
+        )
 
     @property
     def pending(self) -> list[GeneratedBatch]:
@@ -62,6 +68,10 @@ class Producer:
         """Continue from a checkpoint's rounds generated and not yet trained on."""
         self.rounds = {(g.index, g.round): g for g in pending}
         self.next_batch = max((g.index for g in pending), default=iteration - 1) + 1
+        if self.episodes is not None:  # the environments of episodes under way, replayed
+            for g in pending:
+                if not g.complete:
+                    self.episodes.restore(g)
         self.wanted = []
         self.wanted = self.refills(after=iteration - 1)
 
@@ -72,6 +82,8 @@ class Producer:
             raise StalenessError(f"iteration {iteration} would train on an unfinished batch")
         for g in rounds:
             del self.rounds[(g.index, g.round)]
+            if self.episodes is not None:
+                self.episodes.drop(g)
         return rounds
 
     # -- dynamic sampling -------------------------------------------------------------------------
@@ -178,20 +190,24 @@ class Producer:
         for j, r in starts:
             prompts, meta = draw()
             self.rounds[(j, r)] = partial.start_batch(
-                j, prompts, meta, self.rl.samples_per_prompt, round=r
-            )
+                j, prompts, meta, self.rl.samples_per_prompt, round=r,
+                episodes=self.episodes is not None,
+            )  # fmt: skip
         sampling = self.rollout.sampling(iteration, salt=0)
         engine = self.rollout.engine
 
         def one_pass(rounds):
             counts = partial.run_pass(
                 rounds,
-                lambda contexts, sp: engine.generate(self.weights.gen_params, contexts, sp),
+                lambda contexts, sp, turns: engine.generate(
+                    self.weights.gen_params, contexts, sp, turns=turns
+                ),
                 sampling,
                 version=iteration,
                 tokens=self.rl.asynchrony.partial_rollout_tokens,
                 max_len=self.R,
                 run_seed=self.run_seed,
+                episodes=self.episodes,
             )
             self.partial_stats["partial/recomputed_tokens"] += counts["recomputed_tokens"]
 

@@ -41,10 +41,10 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
     """The decode engine's shapes for ``cfg``: slots for one iteration's rows (or
     DecodeConfig.num_slots), rounded up to the mesh's data shards."""
     P, R = cfg.task.max_prompt_len, cfg.task.max_response_len
-    if (
-        cfg.rl.asynchrony.partial_rollout_tokens
-    ):  # continued samples come back as prompt + tokens so far
-        P += R - cfg.rl.asynchrony.partial_rollout_tokens
+    if T := cfg.rl.asynchrony.partial_rollout_tokens:
+        # Continued samples come back as prompt + tokens so far: whole passes of T, or with an
+        # environment's observations any length short of R.
+        P += R - (1 if cfg.env.name else T)
     rows = cfg.rl.prompts_per_iteration * cfg.rl.samples_per_prompt
     slots = round_slots(cfg.decode.num_slots or rows, mesh, rules)
     return EngineConfig(

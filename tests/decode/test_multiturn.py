@@ -306,14 +306,15 @@ def test_environment_failures_end_their_episode_until_the_limit_then_the_run():
 
 
 def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, monkeypatch):
-    """configs/calculator_grpo.gin, shortened, with episodes generated one policy version ahead
-    (Asynchrony.max_staleness=1: the batches in flight carry their masks and episode records to
-    the update): GRPO from a random policy, whose episodes call the calculator (env/* metrics), the
-    environment's tokens masked; `python -m jrlhf.evaluate` on the final checkpoint reports the
-    run's own held-out numbers (the same episodes). The same run preempted in its second
-    iteration (index 1), that batch's episodes generated and not yet trained on, resumes to the
-    same numbers. The synchronous loop runs it in tests/e2e/test_multiprocess.py, against 2
-    processes."""
+    """configs/calculator_grpo.gin, shortened, with episodes generated ahead of the update in
+    partial passes (Asynchrony.max_staleness=2, partial_rollout_tokens=10: an episode's turns
+    and environment span passes and policy versions, the batches in flight carry their masks
+    and episode records to the update): GRPO from a random policy, whose episodes call the
+    calculator (env/* metrics), the environment's tokens masked; `python -m jrlhf.evaluate` on
+    the final checkpoint reports the run's own held-out numbers (the same episodes). The same
+    run preempted in its second iteration (index 1), with episodes under way (their
+    environments replayed on resume), resumes to the same numbers. The synchronous loop runs
+    it in tests/e2e/test_multiprocess.py, against 2 processes."""
     import json
 
     from jrlhf import checkpoint, train
@@ -326,7 +327,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, mon
         "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
         "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16",
         "RunConfig.tensorboard=False",
-        "Asynchrony.max_staleness=1",
+        "Asynchrony.max_staleness=2", "Asynchrony.partial_rollout_tokens=10",
     ]  # fmt: skip
     args = ["--config", "configs/calculator_grpo.gin", "--quiet", *short]
     assert train.main(["--run-dir", str(run), *args]) == 0
@@ -335,6 +336,8 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, mon
     assert all(r["env/tool_calls"] > 0 and r["env/observation_tokens"] > 0 for r in rows)
     assert all(r["env/failed_episodes"] == 0 for r in rows)
     assert [r["staleness/max"] for r in rows] == [0.0, 1.0]
+    assert rows[1]["partial/continued_frac"] > 0  # episodes went on across an update
+    assert all(r["response_len_max"] <= 20 for r in rows)  # observations or not, within budget
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", str(run), "--output", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -38,7 +38,8 @@ def test_passes_under_the_same_weights_equal_one_greedy_decode():
     batch = partial.start_batch(3, prompts, None, samples=1)
     calls = []
 
-    def generate(contexts, s):
+    def generate(contexts, s, turns):
+        assert turns is None
         calls.append([list(c) for c in contexts])
         return engine.generate(params, contexts, s)
 
@@ -66,7 +67,7 @@ def test_a_sample_ends_at_its_stop_id_and_is_not_continued():
         def __init__(self):
             self.seen = []
 
-        def __call__(self, contexts, sp):
+        def __call__(self, contexts, sp, turns):
             self.seen.append(len(contexts))
             out = [[9] if c[0] == 1 else [4] * sp.max_new_tokens for c in contexts]
             return type(
