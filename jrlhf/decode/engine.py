@@ -32,18 +32,33 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrlhf import kernels
-from jrlhf.decode.kernels import KERNELS, select_kernel
+from jrlhf.decode.kernels import select_kernel
 from jrlhf.decode.page_table import PageAllocator, pages_for
 from jrlhf.decode.sampling import SamplingParams, sample_tokens
+from jrlhf.decode.state import (
+    MAX_STOP_IDS,
+    MOVED_ROWS,
+    MOVED_ROWS2,
+    DecodeState,
+    EngineConfig,
+    FinishedCallback,
+    FinishedRow,
+    GenerationResult,
+    Migration,
+    data_shards,
+    init_state,
+    moved_shardings,
+    round_slots,
+    state_shardings,
+)
 from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, end_reason
 from jrlhf.kernels import panels
 from jrlhf.meshes.batch import to_host
@@ -58,237 +73,7 @@ from jrlhf.models.attention import (
     layer_masks,
 )
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
-
-MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Shapes of the decode engine; every compiled program is a function of these alone.
-
-    ``num_pages`` is the whole pool (all data shards together); 0 sizes it for every slot at full
-    length (``num_slots * max_pages_per_seq``). Prompts are prefilled at most ``max_prefill_rows``
-    at a time, padded to a power-of-two length of at least ``min_prefill_len``.
-
-    ``unroll_layers`` makes decode steps run the layers unrolled over per-layer weight copies
-    (made once per ``generate``, so the layer weights are held twice while it runs) instead of
-    scanning the stacked weights, which copies every layer's weights at every step on CPUs and
-    GPUs alike (see ``Transformer.run_layers``). None decides per ``generate``: unrolled on CPU;
-    on accelerators when ``layer_copies_fit`` (one process only, so that every process of a
-    multi-controller job compiles the same program).
-
-    ``weight_layout`` is how those per-layer copies store every projection kernel
-    (``jrlhf.models.transformer.WEIGHT_LAYOUTS``, see ``LayerWeights``): ``"panels"`` packs them
-    for the few-row matmul kernel (``jrlhf.kernels.panels``), which streams each weight once;
-    ``"out_major"`` stores them output-major, which XLA:CPU multiplies by a few token rows
-    almost twice as fast as input-major. None: on CPU panels where they apply (a float32 model
-    whose projections pack, on a one-device mesh, on a host with AVX-512 where the kernel
-    builds), else out-major; elsewhere the layout is the compiler's or the kernel library's
-    business (input-major).
-
-    ``max_observation_tokens`` is the longest observation a multi-turn ``generate`` may append
-    between two turns (jrlhf.decode.turns); 0 for single-turn use.
-
-    ``record_routes`` keeps, for a mixture-of-experts model, the experts every layer chose at
-    each generated token's forward pass (``GenerationResult.routes``), so that the training
-    pass's routing can be compared with the rollout's (jrlhf.models.moe.routing_mismatch).
-
-    ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
-    and land on the same data shard share that prompt's prefill and its full KV pages (tokens
-    and log-probs are the same as without: only pages and prefill work are saved).
-    """
-
-    num_slots: int = 8
-    page_size: int = 16
-    num_pages: int = 0
-    max_prompt_len: int = 128
-    max_new_tokens: int = 128
-    chunk_steps: int = 16
-    max_prefill_rows: int = 8
-    min_prefill_len: int = 16
-    kernel: str = "auto"
-    unroll_layers: bool | None = None
-    weight_layout: str | None = None
-    share_prefixes: bool = True
-    max_observation_tokens: int = 0
-    record_routes: bool = False
-
-    def __post_init__(self):
-        for name in (
-            "num_slots",
-            "page_size",
-            "max_prompt_len",
-            "max_new_tokens",
-            "chunk_steps",
-            "max_prefill_rows",
-            "min_prefill_len",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
-        if self.num_pages < 0:
-            raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
-        if self.max_observation_tokens < 0:
-            raise ValueError(
-                "EngineConfig.max_observation_tokens must be >= 0 "
-                f"(got {self.max_observation_tokens})"
-            )
-        if self.kernel not in KERNELS:
-            raise ValueError(f"EngineConfig.kernel {self.kernel!r} unknown (use one of {KERNELS})")
-        if self.weight_layout is not None and self.weight_layout not in WEIGHT_LAYOUTS:
-            raise ValueError(
-                f"EngineConfig.weight_layout {self.weight_layout!r} unknown (use one of "
-                f"{WEIGHT_LAYOUTS} or None)"
-            )
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.max_prompt_len + self.max_new_tokens
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return pages_for(self.max_seq_len, self.page_size)
-
-    @property
-    def total_pages(self) -> int:
-        return self.num_pages or self.num_slots * self.max_pages_per_seq
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything the device holds between calls (see module docstring)."""
-
-    k_pages: jax.Array  # (layers, pages, page_size, kv_heads, head_dim)
-    v_pages: jax.Array
-    page_table: jax.Array  # (slots, max_pages) int32, shard-local page ids
-    lengths: jax.Array  # (slots,) int32 tokens in the cache
-    last_token: jax.Array  # (slots,) int32 next token to feed
-    num_generated: jax.Array  # (slots,) int32
-    max_new: jax.Array  # (slots,) int32
-    active: jax.Array  # (slots,) bool
-    keys: jax.Array  # (slots, 2) uint32 per-sequence PRNG key
-    tokens: jax.Array  # (slots, max_new_tokens) int32
-    sampling_lp: jax.Array  # (slots, max_new_tokens) float32
-    raw_lp: jax.Array  # (slots, max_new_tokens) float32
-    # Multi-turn (jrlhf.decode.turns): whether the policy sampled each token (False: an
-    # observation's), the sampled tokens the current turn may still take, and the observation
-    # being fed (its tokens, how many, how many fed so far).
-    policy: jax.Array  # (slots, max_new_tokens) bool
-    turn_left: jax.Array  # (slots,) int32
-    forced: jax.Array  # (slots, max(1, max_observation_tokens)) int32
-    forced_n: jax.Array  # (slots,) int32
-    forced_i: jax.Array  # (slots,) int32
-    # The experts each layer chose at the pass that produced generated token j (the prompt's
-    # last token for j = 0): (slots, max_new_tokens, layers, top_k) int32 when the engine
-    # records routes (EngineConfig.record_routes), else a (slots, 1, 1, 1) placeholder.
-    routes: jax.Array
-
-
-_STATE_AXES = DecodeState(
-    k_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
-    v_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
-    page_table=("slots", None),
-    lengths=("slots",),
-    last_token=("slots",),
-    num_generated=("slots",),
-    max_new=("slots",),
-    active=("slots",),
-    keys=("slots", None),
-    tokens=("slots", None),
-    sampling_lp=("slots", None),
-    raw_lp=("slots", None),
-    policy=("slots", None),
-    turn_left=("slots",),
-    forced=("slots", None),
-    forced_n=("slots",),
-    forced_i=("slots",),
-    routes=("slots", None, None, None),
-)
-
-# The decode state of migrated sequences in transit (jrlhf.decode.engine.Migration): one row per
-# tail slot, the KV of each row's pages in table order; KV heads stay split over tensor.
-_MOVED_AXES = {
-    "kv": ("layers", None, None, None, "act_kv_heads", "head_dim"),
-    "rows": (None,),
-    "rows2": (None, None),
-}
-_MOVED_ROWS = (
-    "lengths", "last_token", "num_generated", "max_new", "active", "turn_left", "forced_n",
-    "forced_i",
-)  # fmt: skip
-_MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp", "policy", "forced")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """Completions in request order: prompt 0 samples 0..S-1, then prompt 1, ...
-
-    ``completion_ids`` include the stop token when one ended the sequence. ``raw_logprobs`` are
-    the policy's log-probs (temperature 1, no filtering); ``sampling_logprobs`` those of the
-    distribution actually sampled from. ``policy_masks`` (multi-turn only, else None): per
-    completion, True at the tokens the policy sampled, False at observation tokens (whose
-    log-probs are 0). ``episodes`` (filled by jrlhf.ppo.rollout when an environment answered,
-    else None): per completion, what its episode recorded (jrlhf.envs.EPISODE_FIELDS).
-    """
-
-    completion_ids: list[list[int]]
-    sampling_logprobs: list[np.ndarray]
-    raw_logprobs: list[np.ndarray]
-    prompt_index: np.ndarray
-    stats: dict[str, Any]
-    policy_masks: list[np.ndarray] | None = None
-    episodes: dict[str, np.ndarray] | None = None
-    # EngineConfig.record_routes: per completion (tokens, layers, top_k) int32, the experts
-    # chosen at the pass that produced each token; else None
-    routes: list[np.ndarray] | None = None
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(c) for c in self.completion_ids], np.int32)
-
-
-class FinishedRow(NamedTuple):
-    """One completion as ``generate`` hands it to ``on_finished``: its request index (the
-    position in the result), its prompt's index, tokens, log-probs and, multi-turn, which tokens
-    the policy sampled (as in GenerationResult)."""
-
-    index: int
-    prompt_index: int
-    completion_ids: list[int]
-    sampling_logprobs: np.ndarray
-    raw_logprobs: np.ndarray
-    policy_mask: np.ndarray | None = None
-
-
-# Called with the rows that finished in a decode chunk (jrlhf.ppo.fusion scores them early).
-FinishedCallback = Callable[[list[FinishedRow]], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Migration:
-    """Where the last few sequences of a ``generate`` call finish (RLHFuse's migration).
-
-    Once no prompt waits for a slot and at most ``max_rows`` sequences are still decoding, their
-    decode state (KV pages, lengths, last tokens, PRNG keys, tokens and log-probs so far) moves
-    to ``engine``, a tail engine on fewer devices (``DecodeEngine.tail``), together with the
-    parameters, and they finish there; the devices only the full engine used are free for other
-    work meanwhile (jrlhf.ppo.fusion scores the finished samples). The KV is moved, not
-    recomputed: every per-sequence input of the decode step arrives unchanged, so the samples
-    are those of an unmigrated call (log-probs to float rounding: the tail steps fewer rows).
-    ``transfer(tree, shardings)`` moves arrays between the two meshes (the trainer passes its
-    Resharder; the default is ``jax.device_put``).
-    """
-
-    engine: DecodeEngine
-    max_rows: int
-    transfer: Callable[[Any, Any], Any] = jax.device_put
-
-    def __post_init__(self):
-        if not 1 <= self.max_rows <= self.engine.config.num_slots:
-            raise ValueError(
-                f"migration of at most {self.max_rows} rows needs 1 <= rows <= the tail engine's "
-                f"{self.engine.config.num_slots} slots"
-            )
+from jrlhf.models.transformer import LayerWeights, decode_weights, panels_fit
 
 
 @dataclasses.dataclass
@@ -305,6 +90,10 @@ class _Request:
     def max_cached(self) -> int:
         # The last sampled token is never fed back, so it never needs a cache entry.
         return len(self.prompt) + self.max_new - 1
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
 
 
 def layer_copies_fit(layers: Any, share: float = 0.5, stats_of: Callable | None = None) -> bool:
@@ -326,21 +115,6 @@ def layer_copies_fit(layers: Any, share: float = 0.5, stats_of: Callable | None 
         if nbytes > share * (stats["bytes_limit"] - stats["bytes_in_use"]):
             return False
     return True
-
-
-def _bucket(n: int, lo: int, hi: int) -> int:
-    return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
-
-
-def data_shards(mesh: Mesh, rules: Rules | str) -> int:
-    """How many ways slots (and pages) are split on ``mesh``: num_slots must be a multiple."""
-    return axis_size(mesh, logical_to_spec(("slots",), mesh, get_rules(rules))[0])
-
-
-def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
-    """``wanted`` slots rounded up to a multiple of the mesh's data shards."""
-    shards = data_shards(mesh, rules)
-    return -(-max(wanted, 1) // shards) * shards
 
 
 def _own_kv_heads(q_local, k_pool, v_pool, cfg, q_axis):
@@ -453,15 +227,12 @@ class DecodeEngine:
         self._kernel_pick = mesh.devices.size == 1 and kernels.usable("token_pick") is not None
         self.pages_per_shard = ec.total_pages // self.num_shards
         self.slots_per_shard = ec.num_slots // self.num_shards
-        self.state_shardings = jax.tree.map(
-            lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules)),
-            _STATE_AXES,
-            is_leaf=lambda x: isinstance(x, tuple),
-        )
+        self.state_shardings = state_shardings(mesh, self.rules)
         self._specs = jax.tree.map(
             lambda s: s.spec, self.state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
         )
-        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        init = functools.partial(init_state, ec, self.cfg, self.num_shards)
+        self._init = jax.jit(init, out_shardings=self.state_shardings)
         self._insert = jax.jit(
             self._insert_fn,
             donate_argnums=(1,),
@@ -475,13 +246,7 @@ class DecodeEngine:
             static_argnames=("greedy", "filtered"),
         )
         # Migration (see Migration): sequences leave through _extract, arrive through _adopt.
-        named = lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules))  # noqa: E731
-        self.moved_shardings = {
-            "k": named(_MOVED_AXES["kv"]),
-            "v": named(_MOVED_AXES["kv"]),
-            **{k: named(_MOVED_AXES["rows"]) for k in _MOVED_ROWS},
-            **{k: named(_MOVED_AXES["rows2"]) for k in _MOVED_ROWS2},
-        }
+        self.moved_shardings = moved_shardings(mesh, self.rules)
         self._extract = jax.jit(
             self._extract_fn,
             donate_argnums=(0,),
@@ -495,38 +260,6 @@ class DecodeEngine:
         )
 
     # ------------------------------------------------------------------------------ device code
-    def _init_state(self) -> DecodeState:
-        ec, c = self.config, self.cfg
-        pool = (c.num_layers, ec.total_pages, ec.page_size, c.num_kv_heads, c.head_dim)
-        s, n = ec.num_slots, ec.max_new_tokens
-        zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        return DecodeState(
-            k_pages=jnp.zeros(pool, c.jnp_dtype),
-            v_pages=jnp.zeros(pool, c.jnp_dtype),
-            page_table=jnp.full((s, ec.max_pages_per_seq), self.pages_per_shard, jnp.int32),
-            lengths=zi(s),
-            last_token=zi(s),
-            num_generated=zi(s),
-            max_new=zi(s),
-            active=jnp.zeros((s,), bool),
-            keys=jnp.zeros((s, 2), jnp.uint32),
-            tokens=zi(s, n),
-            sampling_lp=jnp.zeros((s, n), jnp.float32),
-            raw_lp=jnp.zeros((s, n), jnp.float32),
-            policy=jnp.zeros((s, n), bool),
-            turn_left=zi(s),
-            forced=zi(s, max(1, ec.max_observation_tokens)),
-            forced_n=zi(s),
-            forced_i=zi(s),
-            routes=zi(*self._routes_shape()),
-        )
-
-    def _routes_shape(self) -> tuple[int, int, int, int]:
-        ec, c = self.config, self.cfg
-        if ec.record_routes:
-            return (ec.num_slots, ec.max_new_tokens, c.num_layers, c.num_experts_per_tok)
-        return (ec.num_slots, 1, 1, 1)
-
     def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
         """``sample_tokens`` of one step, with the token-pick kernel where it applies."""
         return sample_tokens(
@@ -835,7 +568,7 @@ class DecodeEngine:
         take = lambda a: jnp.take(a, slots_m, axis=0, mode="fill", fill_value=0)  # noqa: E731
         pages = lambda pool: jnp.take(pool, pages_mp, axis=1, mode="fill", fill_value=0)  # noqa: E731
         moved = {"k": pages(state.k_pages), "v": pages(state.v_pages)}
-        moved.update({k: take(getattr(state, k)) for k in _MOVED_ROWS + _MOVED_ROWS2})
+        moved.update({k: take(getattr(state, k)) for k in MOVED_ROWS + MOVED_ROWS2})
         return state.replace(active=state.active.at[slots_m].set(False, mode="drop")), moved
 
     def _adopt_fn(self, state: DecodeState, moved, slots_m, pages_mp):
@@ -846,7 +579,7 @@ class DecodeEngine:
         return state.replace(
             k_pages=pages(state.k_pages, moved["k"]),
             v_pages=pages(state.v_pages, moved["v"]),
-            **{k: put(getattr(state, k), moved[k]) for k in _MOVED_ROWS + _MOVED_ROWS2},
+            **{k: put(getattr(state, k), moved[k]) for k in MOVED_ROWS + MOVED_ROWS2},
         )
 
     def tail(self, mesh: Mesh, rows: int) -> DecodeEngine:
