@@ -5,7 +5,8 @@
 * ``DecodeState``: everything the device holds between calls, one pytree (the K/V page pools,
   the page table, per-slot lengths, last tokens, activity flags, PRNG keys, output buffers),
   with its logical axes (``STATE_AXES``), its shardings on a mesh and ``init_state``, the empty
-  state. Rows that migrate between engines travel as ``MOVED_*``.
+  state. Rows that migrate between engines travel as ``MOVED_*``. ``data_shards`` says how many
+  ways a mesh splits the slots and pages, ``round_slots`` rounds a slot count to a multiple.
 * ``GenerationResult``, ``FinishedRow`` and ``Migration``: what ``DecodeEngine.generate`` returns,
   hands to ``on_finished`` and takes to move its last sequences.
 
