@@ -1,7 +1,13 @@
-"""Paged-KV generation: page tables, prefill + decode loop, sampling, continuous batching."""
+"""Paged-KV generation: page tables, prefill + decode loop, sampling, continuous batching.
 
-from jrlhf.decode.engine import (
-    DecodeEngine,
+``DecodeEngine`` (engine.py) composes the decode state and shared data (state.py), the device
+programs (programs.py) and the host scheduler (scheduler.py)."""
+
+from jrlhf.decode.engine import DecodeEngine
+from jrlhf.decode.kernels import paged_attention_reference, select_kernel
+from jrlhf.decode.page_table import PageAllocator, pages_for
+from jrlhf.decode.sampling import SamplingParams, filter_logits, sample_tokens
+from jrlhf.decode.state import (
     DecodeState,
     EngineConfig,
     GenerationResult,
@@ -9,9 +15,6 @@ from jrlhf.decode.engine import (
     data_shards,
     round_slots,
 )
-from jrlhf.decode.kernels import paged_attention_reference, select_kernel
-from jrlhf.decode.page_table import PageAllocator, pages_for
-from jrlhf.decode.sampling import SamplingParams, filter_logits, sample_tokens
 
 __all__ = [
     "DecodeEngine",

@@ -1,366 +1,78 @@
-"""Paged-KV generation with continuous batching on a generation mesh.
+"""Paged-KV generation with continuous batching on a generation mesh: the public ``DecodeEngine``.
 
-Device side, everything is one pure pytree (``DecodeState``): the K/V page pools, the page table,
-per-slot lengths, last tokens, activity flags, PRNG keys and output buffers. Two jitted programs
-act on it, both donating it so the pools are updated in place:
+An engine is three parts, each in its own module, composed here:
 
-* ``insert``: batched prefill of a few new prompts (rows and prompt length bucketed to powers of
-  two, so compiles are bounded), writing their K/V into their pages and sampling their first token.
-  Samples of one prompt admitted together (a GRPO group) share one prefill row and the prompt's
-  full pages; each gets its own copy of the page holding the prompt's end (which its decode steps
-  write into) and its own first token, drawn from the shared logits with its own key.
-* ``decode_chunk``: a ``lax.while_loop`` of up to ``chunk_steps`` decode steps over all slots; it
-  stops early once no slot is active.
+* the decode state, one pytree the device keeps between calls, and the plain data the parts
+  share (``EngineConfig``, ``GenerationResult``, ``Migration``...): jrlhf.decode.state;
+* the device programs (prefill ``insert``, ``decode_chunk``, migration's ``extract``/``adopt``,
+  multi-turn ``resume``), pure functions of a static ``EngineSpec``, the weights and the state,
+  jitted once per spec: jrlhf.decode.programs;
+* the host scheduler that runs one ``generate`` call over them (admission, page allocation,
+  chunks, finished rows, turns, migration): jrlhf.decode.scheduler.
 
-Host side, between chunks, a small loop harvests finished slots, frees their pages, admits waiting
-prompts into free slots (back-pressure when the pool is short) and grows the page tables of running
-sequences for the next chunk. It waits on the device once per chunk (for the slots' activity and
-counts), plus once more to fetch outputs when a slot has finished. Compiles depend only on the
-engine's shapes, never on the number of prompts.
-
-The model is the trainer's own (``Transformer.embed/run_layers/logits``) with a paged ``attend``
-hook, and the raw log-probs are ``token_logprobs`` of its float32 logits, so rollout and trainer
-log-probs agree to float rounding. On a mesh, slots and pages are split over the data axes and kv
-heads over the tensor axis; decode attention runs under ``shard_map`` so each device reads only its
-own pages.
+This module holds only the composition: building (or reusing) the spec and programs, holding
+the state between calls, and the methods other modules call. The names other modules import
+from here (``EngineConfig``, ``GenerationResult``, ``FinishedRow``, ``Migration``,
+``round_slots``...) are re-exported from their homes.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jrlhf import kernels
-from jrlhf.decode.kernels import KERNELS, select_kernel
-from jrlhf.decode.page_table import PageAllocator, pages_for
-from jrlhf.decode.sampling import SamplingParams, sample_tokens
-from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, end_reason
-from jrlhf.kernels import panels
-from jrlhf.meshes.batch import to_host
-from jrlhf.meshes.context import activation_sharding
-from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
-from jrlhf.models import moe
-from jrlhf.models.attention import (
-    aligned_causal_attention,
-    full_attention,
-    fused_attention_fits,
-    layer_choice,
-    layer_masks,
+from jrlhf.decode import scheduler
+from jrlhf.decode.programs import EngineSpec, Programs, engine_spec, jit_programs
+from jrlhf.decode.sampling import SamplingParams
+from jrlhf.decode.scheduler import layer_copies_fit
+from jrlhf.decode.state import (
+    DecodeState,
+    EngineConfig,
+    FinishedCallback,
+    FinishedRow,
+    GenerationResult,
+    Migration,
+    data_shards,
+    round_slots,
 )
+from jrlhf.decode.turns import Turns
+from jrlhf.meshes.rules import Rules, get_rules
+from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.models.transformer import WEIGHT_LAYOUTS, LayerWeights, decode_weights, panels_fit
+from jrlhf.runtime.shared_programs import shared_program
 
-MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Shapes of the decode engine; every compiled program is a function of these alone.
-
-    ``num_pages`` is the whole pool (all data shards together); 0 sizes it for every slot at full
-    length (``num_slots * max_pages_per_seq``). Prompts are prefilled at most ``max_prefill_rows``
-    at a time, padded to a power-of-two length of at least ``min_prefill_len``.
-
-    ``unroll_layers`` makes decode steps run the layers unrolled over per-layer weight copies
-    (made once per ``generate``, so the layer weights are held twice while it runs) instead of
-    scanning the stacked weights, which copies every layer's weights at every step on CPUs and
-    GPUs alike (see ``Transformer.run_layers``). None decides per ``generate``: unrolled on CPU;
-    on accelerators when ``layer_copies_fit`` (one process only, so that every process of a
-    multi-controller job compiles the same program).
-
-    ``weight_layout`` is how those per-layer copies store every projection kernel
-    (``jrlhf.models.transformer.WEIGHT_LAYOUTS``, see ``LayerWeights``): ``"panels"`` packs them
-    for the few-row matmul kernel (``jrlhf.kernels.panels``), which streams each weight once;
-    ``"out_major"`` stores them output-major, which XLA:CPU multiplies by a few token rows
-    almost twice as fast as input-major. None: on CPU panels where they apply (a float32 model
-    whose projections pack, on a one-device mesh, on a host with AVX-512 where the kernel
-    builds), else out-major; elsewhere the layout is the compiler's or the kernel library's
-    business (input-major).
-
-    ``max_observation_tokens`` is the longest observation a multi-turn ``generate`` may append
-    between two turns (jrlhf.decode.turns); 0 for single-turn use.
-
-    ``record_routes`` keeps, for a mixture-of-experts model, the experts every layer chose at
-    each generated token's forward pass (``GenerationResult.routes``), so that the training
-    pass's routing can be compared with the rollout's (jrlhf.models.moe.routing_mismatch).
-
-    ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
-    and land on the same data shard share that prompt's prefill and its full KV pages (tokens
-    and log-probs are the same as without: only pages and prefill work are saved).
-    """
-
-    num_slots: int = 8
-    page_size: int = 16
-    num_pages: int = 0
-    max_prompt_len: int = 128
-    max_new_tokens: int = 128
-    chunk_steps: int = 16
-    max_prefill_rows: int = 8
-    min_prefill_len: int = 16
-    kernel: str = "auto"
-    unroll_layers: bool | None = None
-    weight_layout: str | None = None
-    share_prefixes: bool = True
-    max_observation_tokens: int = 0
-    record_routes: bool = False
-
-    def __post_init__(self):
-        for name in (
-            "num_slots",
-            "page_size",
-            "max_prompt_len",
-            "max_new_tokens",
-            "chunk_steps",
-            "max_prefill_rows",
-            "min_prefill_len",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
-        if self.num_pages < 0:
-            raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
-        if self.max_observation_tokens < 0:
-            raise ValueError(
-                "EngineConfig.max_observation_tokens must be >= 0 "
-                f"(got {self.max_observation_tokens})"
-            )
-        if self.kernel not in KERNELS:
-            raise ValueError(f"EngineConfig.kernel {self.kernel!r} unknown (use one of {KERNELS})")
-        if self.weight_layout is not None and self.weight_layout not in WEIGHT_LAYOUTS:
-            raise ValueError(
-                f"EngineConfig.weight_layout {self.weight_layout!r} unknown (use one of "
-                f"{WEIGHT_LAYOUTS} or None)"
-            )
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.max_prompt_len + self.max_new_tokens
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return pages_for(self.max_seq_len, self.page_size)
-
-    @property
-    def total_pages(self) -> int:
-        return self.num_pages or self.num_slots * self.max_pages_per_seq
+__all__ = [
+    "DecodeEngine",
+    "DecodeState",
+    "EngineConfig",
+    "FinishedCallback",
+    "FinishedRow",
+    "GenerationResult",
+    "Migration",
+    "data_shards",
+    "layer_copies_fit",
+    "round_slots",
+]
 
 
-@struct.dataclass
-class DecodeState:
-    """Everything the device holds between calls (see module docstring)."""
-
-    k_pages: jax.Array  # (layers, pages, page_size, kv_heads, head_dim)
-    v_pages: jax.Array
-    page_table: jax.Array  # (slots, max_pages) int32, shard-local page ids
-    lengths: jax.Array  # (slots,) int32 tokens in the cache
-    last_token: jax.Array  # (slots,) int32 next token to feed
-    num_generated: jax.Array  # (slots,) int32
-    max_new: jax.Array  # (slots,) int32
-    active: jax.Array  # (slots,) bool
-    keys: jax.Array  # (slots, 2) uint32 per-sequence PRNG key
-    tokens: jax.Array  # (slots, max_new_tokens) int32
-    sampling_lp: jax.Array  # (slots, max_new_tokens) float32
-    raw_lp: jax.Array  # (slots, max_new_tokens) float32
-    # Multi-turn (jrlhf.decode.turns): whether the policy sampled each token (False: an
-    # observation's), the sampled tokens the current turn may still take, and the observation
-    # being fed (its tokens, how many, how many fed so far).
-    policy: jax.Array  # (slots, max_new_tokens) bool
-    turn_left: jax.Array  # (slots,) int32
-    forced: jax.Array  # (slots, max(1, max_observation_tokens)) int32
-    forced_n: jax.Array  # (slots,) int32
-    forced_i: jax.Array  # (slots,) int32
-    # The experts each layer chose at the pass that produced generated token j (the prompt's
-    # last token for j = 0): (slots, max_new_tokens, layers, top_k) int32 when the engine
-    # records routes (EngineConfig.record_routes), else a (slots, 1, 1, 1) placeholder.
-    routes: jax.Array
-
-
-_STATE_AXES = DecodeState(
-    k_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
-    v_pages=("layers", "kv_pages", None, "act_kv_heads", "head_dim"),
-    page_table=("slots", None),
-    lengths=("slots",),
-    last_token=("slots",),
-    num_generated=("slots",),
-    max_new=("slots",),
-    active=("slots",),
-    keys=("slots", None),
-    tokens=("slots", None),
-    sampling_lp=("slots", None),
-    raw_lp=("slots", None),
-    policy=("slots", None),
-    turn_left=("slots",),
-    forced=("slots", None),
-    forced_n=("slots",),
-    forced_i=("slots",),
-    routes=("slots", None, None, None),
-)
-
-# The decode state of migrated sequences in transit (jrlhf.decode.engine.Migration): one row per
-# tail slot, the KV of each row's pages in table order; KV heads stay split over tensor.
-_MOVED_AXES = {
-    "kv": ("layers", None, None, None, "act_kv_heads", "head_dim"),
-    "rows": (None,),
-    "rows2": (None, None),
-}
-_MOVED_ROWS = (
-    "lengths", "last_token", "num_generated", "max_new", "active", "turn_left", "forced_n",
-    "forced_i",
-)  # fmt: skip
-_MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp", "policy", "forced")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """Completions in request order: prompt 0 samples 0..S-1, then prompt 1, ...
-
-    ``completion_ids`` include the stop token when one ended the sequence. ``raw_logprobs`` are
-    the policy's log-probs (temperature 1, no filtering); ``sampling_logprobs`` those of the
-    distribution actually sampled from. ``policy_masks`` (multi-turn only, else None): per
-    completion, True at the tokens the policy sampled, False at observation tokens (whose
-    log-probs are 0). ``episodes`` (filled by jrlhf.ppo.rollout when an environment answered,
-    else None): per completion, what its episode recorded (jrlhf.envs.EPISODE_FIELDS).
-    """
-
-    completion_ids: list[list[int]]
-    sampling_logprobs: list[np.ndarray]
-    raw_logprobs: list[np.ndarray]
-    prompt_index: np.ndarray
-    stats: dict[str, Any]
-    policy_masks: list[np.ndarray] | None = None
-    episodes: dict[str, np.ndarray] | None = None
-    # EngineConfig.record_routes: per completion (tokens, layers, top_k) int32, the experts
-    # chosen at the pass that produced each token; else None
-    routes: list[np.ndarray] | None = None
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(c) for c in self.completion_ids], np.int32)
-
-
-class FinishedRow(NamedTuple):
-    """One completion as ``generate`` hands it to ``on_finished``: its request index (the
-    position in the result), its prompt's index, tokens, log-probs and, multi-turn, which tokens
-    the policy sampled (as in GenerationResult)."""
-
-    index: int
-    prompt_index: int
-    completion_ids: list[int]
-    sampling_logprobs: np.ndarray
-    raw_logprobs: np.ndarray
-    policy_mask: np.ndarray | None = None
-
-
-# Called with the rows that finished in a decode chunk (jrlhf.ppo.fusion scores them early).
-FinishedCallback = Callable[[list[FinishedRow]], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Migration:
-    """Where the last few sequences of a ``generate`` call finish (RLHFuse's migration).
-
-    Once no prompt waits for a slot and at most ``max_rows`` sequences are still decoding, their
-    decode state (KV pages, lengths, last tokens, PRNG keys, tokens and log-probs so far) moves
-    to ``engine``, a tail engine on fewer devices (``DecodeEngine.tail``), together with the
-    parameters, and they finish there; the devices only the full engine used are free for other
-    work meanwhile (jrlhf.ppo.fusion scores the finished samples). The KV is moved, not
-    recomputed: every per-sequence input of the decode step arrives unchanged, so the samples
-    are those of an unmigrated call (log-probs to float rounding: the tail steps fewer rows).
-    ``transfer(tree, shardings)`` moves arrays between the two meshes (the trainer passes its
-    Resharder; the default is ``jax.device_put``).
-    """
-
-    engine: DecodeEngine
-    max_rows: int
-    transfer: Callable[[Any, Any], Any] = jax.device_put
-
-    def __post_init__(self):
-        if not 1 <= self.max_rows <= self.engine.config.num_slots:
-            raise ValueError(
-                f"migration of at most {self.max_rows} rows needs 1 <= rows <= the tail engine's "
-                f"{self.engine.config.num_slots} slots"
-            )
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    prompt_index: int
-    sample_index: int
-    seed: int
-    derived_seed: bool
-    max_new: int
-    turn_sampled: int = 0  # multi-turn: tokens its current turn sampled before this call
-
-    @property
-    def max_cached(self) -> int:
-        # The last sampled token is never fed back, so it never needs a cache entry.
-        return len(self.prompt) + self.max_new - 1
-
-
-def layer_copies_fit(layers: Any, share: float = 0.5, stats_of: Callable | None = None) -> bool:
-    """Whether one more copy of every device's shards of ``layers`` fits in ``share`` of that
-    device's free memory (the allocator's ``bytes_limit - bytes_in_use``); False where a device
-    reports no memory statistics. ``stats_of(device)`` defaults to ``device.memory_stats()``."""
-    stats_of = stats_of or (lambda d: d.memory_stats())
-    need: collections.Counter = collections.Counter()
-    for leaf in jax.tree.leaves(layers):
-        if not isinstance(leaf, jax.Array):  # host arrays: placed by the call; no statistics
-            return False
-        shard = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-        for device in leaf.sharding.addressable_devices:
-            need[device] += shard
-    for device, nbytes in need.items():
-        stats = stats_of(device) or {}
-        if "bytes_limit" not in stats or "bytes_in_use" not in stats:
-            return False
-        if nbytes > share * (stats["bytes_limit"] - stats["bytes_in_use"]):
-            return False
-    return True
-
-
-def _bucket(n: int, lo: int, hi: int) -> int:
-    return min(hi, max(lo, 1 << max(0, n - 1).bit_length()))
-
-
-def data_shards(mesh: Mesh, rules: Rules | str) -> int:
-    """How many ways slots (and pages) are split on ``mesh``: num_slots must be a multiple."""
-    return axis_size(mesh, logical_to_spec(("slots",), mesh, get_rules(rules))[0])
-
-
-def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
-    """``wanted`` slots rounded up to a multiple of the mesh's data shards."""
-    shards = data_shards(mesh, rules)
-    return -(-max(wanted, 1) // shards) * shards
-
-
-def _own_kv_heads(q_local, k_pool, v_pool, cfg, q_axis):
-    """Inside a tensor shard whose pools hold every KV head (replicated over ``tensor``) but
-    whose query heads are a slice: the pools' KV heads that slice reads (contiguous, since a
-    shard's heads and a KV head's group nest), selected by the shard's index on ``q_axis``, the
-    mesh axis the query heads are split over."""
-    local_heads = q_local.shape[2]
-    group = cfg.num_heads // cfg.num_kv_heads
-    count = max(1, local_heads // group)
-    first = jax.lax.axis_index(q_axis) * local_heads // group
-    take = lambda pool: jax.lax.dynamic_slice_in_dim(pool, first, count, axis=3)  # noqa: E731
-    return take(k_pool), take(v_pool)
-
-
-# Engines built so far, by (model, mesh, rules, config): see DecodeEngine.__init__. Bounded, so a
-# long-lived process that builds many differently shaped engines does not keep every program.
-_TEMPLATES: collections.OrderedDict[tuple, DecodeEngine] = collections.OrderedDict()
-_MAX_TEMPLATES = 16
+# Bounded, so that a long-lived process that builds many differently shaped engines does not keep
+# every program.
+@shared_program(maxsize=16)
+def engine_parts(
+    model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineConfig
+) -> tuple[EngineSpec, Programs]:
+    """The spec and jitted programs of an engine. jax.jit caches traces and executables per
+    function object, so an engine built again with the same model, mesh, rules and config (the
+    trainer rebuilt in one process, evaluation after training) gets the same ones and neither
+    traces, lowers nor compiles again. ``engine_parts.cache_clear()`` forgets them (an A/B of
+    engine variants in one process)."""
+    spec = engine_spec(model_def, mesh, rules, config)
+    return spec, jit_programs(spec)
 
 
 class DecodeEngine:
@@ -380,579 +92,41 @@ class DecodeEngine:
     ):
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
-        key = (model_def, mesh, get_rules(rules), config or EngineConfig())
-        template = _TEMPLATES.get(key)
-        if template is None:
-            template = object.__new__(DecodeEngine)
-            template._build(*key)
-            _TEMPLATES[key] = template
-            while len(_TEMPLATES) > _MAX_TEMPLATES:
-                _TEMPLATES.popitem(last=False)
-        else:
-            _TEMPLATES.move_to_end(key)
-        # The jitted programs are the template's bound methods: jax.jit caches traces and
-        # executables per function object, so an engine built again with the same model, mesh,
-        # rules and config (the trainer rebuilt in one process, evaluation after training) reuses
-        # them instead of tracing, lowering and compiling again. The template never holds a
-        # decode state; the programs read only what _build derives from the key.
-        self.__dict__.update(template.__dict__)
+        parts = engine_parts(model_def, mesh, get_rules(rules), config or EngineConfig())
+        self.spec: EngineSpec = parts[0]
+        self.programs: Programs = parts[1]
+        # None until the first generate, and while one runs (the programs donate it).
         self.state: DecodeState | None = None
 
-    def _build(self, model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineConfig):
-        if model_def.head != "lm":
-            raise ValueError("DecodeEngine needs a language-model head (head='lm')")
-        if config.record_routes and not model_def.config.is_moe:
-            raise ValueError("EngineConfig.record_routes needs a mixture-of-experts model")
-        self.model_def = model_def
-        self.cfg = model_def.config
-        self.config = config
-        self.mesh = mesh
-        self.rules = rules
-        # A model with soft-capped attention scores (Gemma 2) gets a kernel that computes them
-        # (select_kernel: "auto" takes the blocked one where it would take the Pallas one).
-        self.kernel_name, self._kernel = select_kernel(
-            self.config.kernel,
-            self.config.page_size,
-            self.cfg.head_dim,
-            self.cfg.attn_logit_softcap,
-        )
-        ec = self.config
+    @property
+    def model_def(self) -> ModelDef:
+        return self.spec.model_def
 
-        self.num_shards = data_shards(mesh, self.rules)
-        tensor = axis_size(mesh, logical_to_spec(("act_kv_heads",), mesh, self.rules)[0])
-        if ec.num_slots % self.num_shards:
-            raise ValueError(
-                f"num_slots {ec.num_slots} is not divisible by the {self.num_shards} data shards "
-                f"of mesh {dict(mesh.shape)}"
-            )
-        if ec.total_pages % self.num_shards:
-            raise ValueError(
-                f"num_pages {ec.total_pages} is not divisible by the {self.num_shards} data shards"
-            )
-        if self.cfg.num_kv_heads % tensor:
-            raise ValueError(
-                f"{self.cfg.num_kv_heads} kv heads cannot be split over tensor size {tensor}"
-            )
-        # Query heads split over more tensor shards than the KV heads are (rules that replicate
-        # the KV heads, e.g. dp_tp_kv_replicated): each shard's query heads must read whole KV
-        # heads, i.e. its heads and a KV head's group nest one in the other.
-        self._q_axes = logical_to_spec(("act_heads",), mesh, self.rules)[0]
-        q_tensor = axis_size(mesh, self._q_axes)
-        self._kv_select = q_tensor > tensor
-        if self._kv_select:
-            local_heads = self.cfg.num_heads // q_tensor
-            group = self.cfg.num_heads // self.cfg.num_kv_heads
-            if self.cfg.num_heads % q_tensor or (local_heads % group and group % local_heads):
-                raise ValueError(
-                    f"{self.cfg.num_heads} query heads over tensor size {q_tensor} do not nest "
-                    f"with KV groups of {group} heads"
-                )
-        self._weight_layout = self._choose_layout()
-        # The token choice in one kernel call where the backend registers one (jrlhf.kernels;
-        # on CPU the native token pick): a custom call, which XLA does not partition, so one
-        # device only
-        self._kernel_pick = mesh.devices.size == 1 and kernels.usable("token_pick") is not None
-        self.pages_per_shard = ec.total_pages // self.num_shards
-        self.slots_per_shard = ec.num_slots // self.num_shards
-        self.state_shardings = jax.tree.map(
-            lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules)),
-            _STATE_AXES,
-            is_leaf=lambda x: isinstance(x, tuple),
-        )
-        self._specs = jax.tree.map(
-            lambda s: s.spec, self.state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
-        )
-        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        self._insert = jax.jit(
-            self._insert_fn,
-            donate_argnums=(1,),
-            out_shardings=self.state_shardings,
-            static_argnames=("greedy", "filtered"),
-        )
-        self._decode_chunk = jax.jit(
-            self._decode_chunk_fn,
-            donate_argnums=(2,),
-            out_shardings=self.state_shardings,
-            static_argnames=("greedy", "filtered"),
-        )
-        # Migration (see Migration): sequences leave through _extract, arrive through _adopt.
-        named = lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh, self.rules))  # noqa: E731
-        self.moved_shardings = {
-            "k": named(_MOVED_AXES["kv"]),
-            "v": named(_MOVED_AXES["kv"]),
-            **{k: named(_MOVED_AXES["rows"]) for k in _MOVED_ROWS},
-            **{k: named(_MOVED_AXES["rows2"]) for k in _MOVED_ROWS2},
-        }
-        self._extract = jax.jit(
-            self._extract_fn,
-            donate_argnums=(0,),
-            out_shardings=(self.state_shardings, self.moved_shardings),
-        )
-        self._adopt = jax.jit(
-            self._adopt_fn, donate_argnums=(0,), out_shardings=self.state_shardings
-        )
-        self._resume = jax.jit(
-            self._resume_fn, donate_argnums=(0,), out_shardings=self.state_shardings
-        )
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.spec.cfg
 
-    # ------------------------------------------------------------------------------ device code
-    def _init_state(self) -> DecodeState:
-        ec, c = self.config, self.cfg
-        pool = (c.num_layers, ec.total_pages, ec.page_size, c.num_kv_heads, c.head_dim)
-        s, n = ec.num_slots, ec.max_new_tokens
-        zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        return DecodeState(
-            k_pages=jnp.zeros(pool, c.jnp_dtype),
-            v_pages=jnp.zeros(pool, c.jnp_dtype),
-            page_table=jnp.full((s, ec.max_pages_per_seq), self.pages_per_shard, jnp.int32),
-            lengths=zi(s),
-            last_token=zi(s),
-            num_generated=zi(s),
-            max_new=zi(s),
-            active=jnp.zeros((s,), bool),
-            keys=jnp.zeros((s, 2), jnp.uint32),
-            tokens=zi(s, n),
-            sampling_lp=jnp.zeros((s, n), jnp.float32),
-            raw_lp=jnp.zeros((s, n), jnp.float32),
-            policy=jnp.zeros((s, n), bool),
-            turn_left=zi(s),
-            forced=zi(s, max(1, ec.max_observation_tokens)),
-            forced_n=zi(s),
-            forced_i=zi(s),
-            routes=zi(*self._routes_shape()),
-        )
+    @property
+    def config(self) -> EngineConfig:
+        return self.spec.config
 
-    def _routes_shape(self) -> tuple[int, int, int, int]:
-        ec, c = self.config, self.cfg
-        if ec.record_routes:
-            return (ec.num_slots, ec.max_new_tokens, c.num_layers, c.num_experts_per_tok)
-        return (ec.num_slots, 1, 1, 1)
+    @property
+    def mesh(self) -> Mesh:
+        return self.spec.mesh
 
-    def _sample(self, logits, step_keys, temperature, top_k, top_p, greedy, filtered):
-        """``sample_tokens`` of one step, with the token-pick kernel where it applies."""
-        return sample_tokens(
-            logits,
-            step_keys,
-            temperature,
-            top_k,
-            top_p,
-            greedy=greedy,
-            filtered=filtered,
-            kernel_pick=self._kernel_pick,
-        )
+    @property
+    def rules(self) -> Rules:
+        return self.spec.rules
 
-    def _is_stop(self, tok, stop_ids):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    @property
+    def kernel_name(self) -> str:
+        """The paged-attention kernel decode steps run (jrlhf.decode.kernels)."""
+        return self.spec.kernel_name
 
-    def _insert_fn(
-        self,
-        params,
-        state,
-        tokens_nt,
-        lens_n,
-        page_rows_np,
-        slots_m,
-        src_m,
-        copy_page_m,
-        seeds_m,
-        prompt_idx_m,
-        sample_idx_m,
-        max_new_m,
-        stop_ids,
-        turn_stop_ids,
-        turn_tokens,
-        temperature,
-        top_k,
-        top_p,
-        *,
-        greedy,
-        filtered,
-    ):
-        """Prefill ``n`` prompts (rows with length 0 are padding) into the pages of
-        ``page_rows_np`` and start ``m`` samples: sample ``j`` continues prompt row ``src_m[j]``
-        in slot ``slots_m[j]`` (out of range: padding). ``copy_page_m[j]`` (out of range: none)
-        receives a copy of the prompt's last, partial page for a sample that shares the row's
-        full pages but must write its own tokens after the prompt."""
-        ps = self.config.page_size
-        n, t = tokens_nt.shape
-        total_pages = state.k_pages.shape[1]
-        lens_m = lens_n[src_m]
-        # The partial page's positions in the prompt row, and where each copy writes them.
-        part_pos_mp = (lens_m // ps * ps)[:, None] + jnp.arange(ps, dtype=jnp.int32)
-        part_page_mp = jnp.where(part_pos_mp < lens_m[:, None], copy_page_m[:, None], total_pages)
-        part_pos_mp = jnp.minimum(part_pos_mp, t - 1)
-        part_off_mp = jnp.broadcast_to(jnp.arange(ps, dtype=jnp.int32), part_pos_mp.shape)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-        valid = positions < lens_n[:, None]
-        segments = valid.astype(jnp.int32)
-        mask = layer_masks(positions, segments, self.cfg.layer_windows)
-        page_idx = jnp.take_along_axis(page_rows_np, positions // ps, axis=1)
-        page_idx = jnp.where(valid, page_idx, total_pages)  # padding writes are dropped
-        offsets = positions % ps
-        aligned = (
-            self.cfg.fused_attention
-            and not self.cfg.sliding_window
-            and fused_attention_fits(t, t, self.cfg.head_dim)
-        )
-
-        def attend(q, k, v, layer, cache):
-            kp, vp = cache
-            kp = kp.at[layer, page_idx, offsets].set(k.astype(kp.dtype), mode="drop")
-            vp = vp.at[layer, page_idx, offsets].set(v.astype(vp.dtype), mode="drop")
-            # Copy-on-write of the shared prompt's last page, written straight from this layer's
-            # K/V (the same values the row's own page receives).
-            part_k = k[src_m[:, None], part_pos_mp].astype(kp.dtype)
-            part_v = v[src_m[:, None], part_pos_mp].astype(vp.dtype)
-            kp = kp.at[layer, part_page_mp, part_off_mp].set(part_k, mode="drop")
-            vp = vp.at[layer, part_page_mp, part_off_mp].set(part_v, mode="drop")
-            if aligned:  # prompts start at column 0: no bias needed
-                return aligned_causal_attention(q, k, v), (kp, vp)
-            out = full_attention(
-                q, k, v, mask(layer), self.cfg.fused_attention, self.cfg.attn_logit_softcap
-            )
-            return out, (kp, vp)
-
-        record = self.config.record_routes
-        with activation_sharding(self.mesh, self.rules):
-            model = self.model_def.bind(params)
-            hidden, (kp, vp), layer_stats = model.run_layers(
-                model.embed(tokens_nt),
-                positions,
-                attend,
-                (state.k_pages, state.v_pages),
-                with_stats=True,
-            )
-            last_col = jnp.maximum(lens_n - 1, 0)
-            last = jnp.take_along_axis(hidden, last_col[:, None, None], axis=1)
-            logits = model.logits(last[:, 0])[src_m]
-        routes = state.routes
-        if record:  # the prompt's last token's experts (L, n, t, k) -> (m, L, k)
-            chosen = layer_stats[moe.EXPERTS][:, jnp.arange(n), last_col]
-            chosen = jnp.transpose(chosen, (1, 0, 2))[src_m]
-            routes = routes.at[slots_m, 0].set(chosen, mode="drop")
-
-        keys = jax.vmap(jax.random.PRNGKey)(seeds_m)
-        keys = jnp.where(
-            (prompt_idx_m >= 0)[:, None],
-            jax.vmap(jax.random.fold_in)(keys, jnp.maximum(prompt_idx_m, 0)),
-            keys,
-        )
-        keys = jax.vmap(jax.random.fold_in)(keys, sample_idx_m)
-        step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(sample_idx_m))
-        tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
-        turn_left = turn_tokens - 1
-        done = self._is_stop(tok, stop_ids) | (max_new_m <= 1)
-        done |= self._is_stop(tok, turn_stop_ids) | (turn_left <= 0)
-        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
-        return state.replace(
-            k_pages=kp,
-            v_pages=vp,
-            lengths=put(state.lengths, lens_m),
-            last_token=put(state.last_token, tok),
-            num_generated=put(state.num_generated, jnp.ones_like(lens_m)),
-            max_new=put(state.max_new, max_new_m),
-            active=put(state.active, ~done),
-            keys=put(state.keys, keys),
-            tokens=state.tokens.at[slots_m, 0].set(tok, mode="drop"),
-            sampling_lp=state.sampling_lp.at[slots_m, 0].set(slp, mode="drop"),
-            raw_lp=state.raw_lp.at[slots_m, 0].set(rlp, mode="drop"),
-            policy=state.policy.at[slots_m, 0].set(True, mode="drop"),
-            turn_left=put(state.turn_left, jnp.broadcast_to(turn_left, lens_m.shape)),
-            forced_n=put(state.forced_n, jnp.zeros_like(lens_m)),
-            forced_i=put(state.forced_i, jnp.zeros_like(lens_m)),
-            routes=routes,
-        )
-
-    def _paged_attend(self, state: DecodeState):
-        """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
-        mesh, rules = self.mesh, self.rules
-        ps, windows, kernel = self.config.page_size, self.cfg.layer_windows, self._kernel
-        select, q_axis = self._kv_select, self._q_axes
-        spec = lambda *axes: logical_to_spec(axes, mesh, rules)  # noqa: E731
-        q_spec = spec("slots", None, "act_heads", "head_dim")
-        kv_spec = spec("slots", None, "act_kv_heads", "head_dim")
-        pool_spec = self._specs.k_pages
-        slot_spec = spec("slots")
-        table_spec = spec("slots", None)
-        options, _ = layer_choice(windows, 0)
-
-        def local(static_which, q, k, v, layer, kp, vp, table, lengths, active, which=None):
-            local_pages = kp.shape[1]
-            page = jnp.take_along_axis(table, (lengths // ps)[:, None], axis=1)[:, 0]
-            page = jnp.where(active, page, local_pages)  # idle slots write nowhere
-            off = lengths % ps
-            kp = kp.at[layer, page, off].set(k[:, 0].astype(kp.dtype), mode="drop")
-            vp = vp.at[layer, page, off].set(v[:, 0].astype(vp.dtype), mode="drop")
-            # Idle slots attend over nothing: their table rows hold out-of-range page ids and
-            # their lengths are stale, which a kernel without bounds checks would read through.
-            kv_len = jnp.where(active, lengths + 1, 0)
-            if select:  # this shard's query heads read only their own KV heads
-                kp_q, vp_q = _own_kv_heads(q, kp, vp, self.cfg, q_axis)
-            else:
-                kp_q, vp_q = kp, vp
-            # The kernels take the sliding window as a constant: the layer's own where it is
-            # known here (the layers unrolled, or all alike), else a switch over the model's
-            # distinct windows (two for Gemma's sliding and full layers under the scanned loop).
-            args = (q[:, 0], kp_q, vp_q, layer, table, kv_len)
-            cases = [lambda *a, w=w: kernel(*a, w) for w in options]
-            if static_which is not None:
-                out = cases[static_which](*args)
-            else:
-                out = jax.lax.switch(which, cases, *args)
-            return out[:, None], kp, vp
-
-        in_specs = (
-            q_spec,
-            kv_spec,
-            kv_spec,
-            PartitionSpec(),
-            pool_spec,
-            pool_spec,
-            table_spec,
-            slot_spec,
-            slot_spec,
-        )
-
-        def mapped(static_which):
-            traced = static_which is None
-            return jax.shard_map(
-                functools.partial(local, static_which),
-                mesh=mesh,
-                in_specs=in_specs + ((PartitionSpec(),) if traced else ()),
-                out_specs=(q_spec, pool_spec, pool_spec),
-                check_vma=False,
-            )
-
-        def attend(q, k, v, layer, cache):
-            kp, vp = cache
-            _, which = layer_choice(windows, layer)
-            static = isinstance(which, int)
-            args = (q, k, v, jnp.asarray(layer, jnp.int32), kp, vp)
-            args += (state.page_table, state.lengths, state.active)
-            out, kp, vp = mapped(which if static else None)(*args, *(() if static else (which,)))
-            return out, (kp, vp)
-
-        return attend
-
-    def _decode_step(
-        self,
-        params,
-        layer_params,
-        state: DecodeState,
-        stop_ids,
-        turn_stop_ids,
-        turn_tokens,
-        temperature,
-        top_k,
-        top_p,
-        *,
-        greedy,
-        filtered,
-    ) -> DecodeState:
-        with activation_sharding(self.mesh, self.rules):
-            model = self.model_def.bind(params)
-            x = model.embed(state.last_token[:, None])
-            hidden, (kp, vp), layer_stats = model.run_layers(
-                x,
-                state.lengths[:, None],
-                self._paged_attend(state),
-                (state.k_pages, state.v_pages),
-                layer_params,
-                with_stats=True,
-            )
-            logits = model.logits(hidden[:, 0], layer_params)
-        step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
-        tok, slp, rlp = self._sample(logits, step_keys, temperature, top_k, top_p, greedy, filtered)
-        active = state.active
-        slots = jnp.arange(active.shape[0])
-        # A slot feeding an observation takes its next token instead of the sample (the logits
-        # of this step, after the turn's last token, are not the policy's choice of anything).
-        forcing = state.forced_i < state.forced_n
-        at = jnp.minimum(state.forced_i, state.forced.shape[1] - 1)
-        forced_tok = jnp.take_along_axis(state.forced, at[:, None], axis=1)[:, 0]
-        tok = jnp.where(forcing, forced_tok, tok)
-        slp, rlp = jnp.where(forcing, 0.0, slp), jnp.where(forcing, 0.0, rlp)
-        sampled = active & ~forcing
-        turn_left = state.turn_left - sampled
-        col = jnp.where(active, state.num_generated, state.tokens.shape[1])  # idle: dropped
-        num_generated = state.num_generated + active
-        done = num_generated >= state.max_new
-        done |= ~forcing & (self._is_stop(tok, stop_ids) | self._is_stop(tok, turn_stop_ids))
-        done |= sampled & (turn_left <= 0)
-        routes = state.routes
-        if self.config.record_routes:  # this step's experts (L, slots, 1, k) -> (slots, L, k)
-            chosen = jnp.transpose(layer_stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
-            routes = routes.at[slots, col].set(chosen, mode="drop")
-        return state.replace(
-            routes=routes,
-            k_pages=kp,
-            v_pages=vp,
-            lengths=state.lengths + active,
-            last_token=jnp.where(active, tok, state.last_token),
-            num_generated=num_generated,
-            active=active & ~done,
-            tokens=state.tokens.at[slots, col].set(tok, mode="drop"),
-            sampling_lp=state.sampling_lp.at[slots, col].set(slp, mode="drop"),
-            raw_lp=state.raw_lp.at[slots, col].set(rlp, mode="drop"),
-            policy=state.policy.at[slots, col].set(~forcing, mode="drop"),
-            turn_left=turn_left,
-            forced_i=state.forced_i + (active & forcing),
-        )
-
-    def _decode_chunk_fn(self, params, layer_params, state, *scalars, greedy, filtered):
-        """Up to ``chunk_steps`` decode steps; stops as soon as no slot is active."""
-        steps = self.config.chunk_steps
-
-        def cond(carry):
-            i, s = carry
-            return (i < steps) & jnp.any(s.active)
-
-        def body(carry):
-            i, s = carry
-            s = self._decode_step(
-                params, layer_params, s, *scalars, greedy=greedy, filtered=filtered
-            )
-            return i + 1, s
-
-        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-        return state
-
-    def _resume_fn(self, state: DecodeState, slots_m, forced_mf, forced_n_m, turn_tokens):
-        """Slots ``slots_m`` (out of range: padding) go on with a new turn: first the
-        ``forced_n_m`` observation tokens of ``forced_mf``, then ``turn_tokens`` sampled ones."""
-        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
-        return state.replace(
-            active=put(state.active, True),
-            forced=put(state.forced, forced_mf),
-            forced_n=put(state.forced_n, forced_n_m),
-            forced_i=put(state.forced_i, jnp.zeros_like(forced_n_m)),
-            turn_left=put(state.turn_left, jnp.broadcast_to(turn_tokens, forced_n_m.shape)),
-        )
-
-    def _extract_fn(self, state: DecodeState, slots_m, pages_mp):
-        """The decode state of slots ``slots_m`` (out of range: padding rows, inactive) with the
-        KV of pages ``pages_mp`` (global ids, out of range: none), and ``state`` with those slots
-        idle (their pages are released on the host)."""
-        take = lambda a: jnp.take(a, slots_m, axis=0, mode="fill", fill_value=0)  # noqa: E731
-        pages = lambda pool: jnp.take(pool, pages_mp, axis=1, mode="fill", fill_value=0)  # noqa: E731
-        moved = {"k": pages(state.k_pages), "v": pages(state.v_pages)}
-        moved.update({k: take(getattr(state, k)) for k in _MOVED_ROWS + _MOVED_ROWS2})
-        return state.replace(active=state.active.at[slots_m].set(False, mode="drop")), moved
-
-    def _adopt_fn(self, state: DecodeState, moved, slots_m, pages_mp):
-        """``state`` with the moved rows in slots ``slots_m`` (out of range: dropped) and their
-        KV written into pages ``pages_mp`` (global ids of this engine's pool)."""
-        pages = lambda pool, x: pool.at[:, pages_mp].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
-        put = lambda a, x: a.at[slots_m].set(x, mode="drop")  # noqa: E731
-        return state.replace(
-            k_pages=pages(state.k_pages, moved["k"]),
-            v_pages=pages(state.v_pages, moved["v"]),
-            **{k: put(getattr(state, k), moved[k]) for k in _MOVED_ROWS + _MOVED_ROWS2},
-        )
-
-    def tail(self, mesh: Mesh, rows: int) -> DecodeEngine:
-        """A tail engine for migration (see Migration): this engine's model, rules and shapes
-        on ``mesh`` (fewer devices), with slots for ``rows`` sequences (rounded up to the mesh's
-        data shards) and a pool that holds each of them at full length."""
-        slots = round_slots(rows, mesh, self.rules)
-        config = dataclasses.replace(
-            self.config, num_slots=slots, num_pages=0, max_prefill_rows=min(slots, 64)
-        )
-        return DecodeEngine(self.model_def, mesh, self.rules, config)
-
-    # -------------------------------------------------------------------------------- host code
-    def unrolls(self, layers: Any) -> bool:
-        """Whether this ``generate`` runs the layers unrolled (``EngineConfig.unroll_layers``)."""
-        if self.config.unroll_layers is not None:
-            return self.config.unroll_layers
-        if jax.default_backend() == "cpu":
-            return True
-        return jax.process_count() == 1 and layer_copies_fit(layers)
-
-    def weight_layout(self) -> str:
-        """How the unrolled layer copies store their kernels (``EngineConfig.weight_layout``)."""
-        return self._weight_layout
-
-    def _choose_layout(self) -> str:
-        """``EngineConfig.weight_layout``, resolved (see there); a "panels" that cannot apply
-        here is refused in one line naming why, before anything compiles."""
-        cpu = jax.default_backend() == "cpu"
-        why = None
-        if not cpu:
-            why = f"runs on CPU, not {jax.default_backend()}"
-        elif jnp.dtype(self.cfg.jnp_dtype) != jnp.float32:
-            why = f"multiplies float32, not the model's {self.cfg.dtype}"
-        elif not panels_fit(self.cfg):
-            why = f"needs every projection's outputs a multiple of {panels.LANES}"
-        elif self.mesh.devices.size != 1:
-            why = f"runs on a one-device mesh, not {dict(self.mesh.shape)}"
-        elif kernels.usable("few_row_matmul") is None:
-            why = kernels.why_unusable("few_row_matmul")
-        wanted = self.config.weight_layout
-        if wanted == "panels" and why is not None:
-            raise ValueError(f"EngineConfig.weight_layout 'panels': the few-row matmul {why}")
-        if wanted is not None:
-            return wanted
-        if why is None and kernels.lookup("few_row_matmul").queries["fast_here"]():
-            return "panels"
-        return "out_major" if cpu else "in_major"
-
-    def _layer_copies(self, params: Params) -> LayerWeights:
-        """The per-layer weight copies unrolled decode steps run on (``unroll_layers``)."""
-        return decode_weights(params, self._weight_layout)
-
-    def compile_counts(self) -> dict[str, int]:
-        """How many programs each jitted entry point has compiled (for tests and logs)."""
-        return {
-            "insert": self._insert._cache_size(),
-            "decode_chunk": self._decode_chunk._cache_size(),
-        }
-
-    def _requests(
-        self, prompts, sp: SamplingParams, max_new: int, turns: Turns | None = None
-    ) -> list[_Request]:
-        ec = self.config
-        if sp.seeds is not None and len(sp.seeds) != len(prompts):
-            raise ValueError(f"{len(sp.seeds)} seeds given for {len(prompts)} prompts")
-        sampled = turns.sampled if turns is not None and turns.sampled is not None else None
-        if sampled is not None and len(sampled) != len(prompts):
-            raise ValueError(f"Turns.sampled has {len(sampled)} counts for {len(prompts)} prompts")
-        budgets = sp.max_new_per_prompt
-        if budgets is not None and len(budgets) != len(prompts):
-            raise ValueError(f"{len(budgets)} max_new_per_prompt given for {len(prompts)} prompts")
-        capacity = min(ec.max_pages_per_seq, self.pages_per_shard) * ec.page_size
-        reqs = []
-        for p, prompt in enumerate(prompts):
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"prompt {p} is empty")
-            new = max_new if budgets is None else min(max_new, int(budgets[p]))
-            if len(prompt) > ec.max_prompt_len:
-                raise ValueError(
-                    f"prompt {p} has {len(prompt)} tokens, more than max_prompt_len "
-                    f"{ec.max_prompt_len}"
-                )
-            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {p}: token id {bad[0]} outside vocab {self.cfg.vocab_size}"
-                )
-            if len(prompt) + new - 1 > capacity:
-                raise ValueError(
-                    f"prompt {p}: {len(prompt)} + {new} new tokens needs "
-                    f"{pages_for(len(prompt) + new - 1, ec.page_size)} pages, but one data "
-                    f"shard's pool holds {self.pages_per_shard} (and a sequence at most "
-                    f"{ec.max_pages_per_seq})"
-                )
-            for s in range(sp.num_samples):
-                seed = sp.seeds[p] if sp.seeds is not None else sp.seed
-                reqs.append(
-                    _Request(
-                        len(reqs), prompt, p, s, int(seed) & 0xFFFFFFFF, sp.seeds is None,
-                        new, 0 if sampled is None else int(sampled[p]),
-                    )
-                )  # fmt: skip
-        return reqs
+    @property
+    def num_shards(self) -> int:
+        """How many ways slots and pages are split (the mesh's data shards)."""
+        return self.spec.num_shards
 
     def generate(
         self,
@@ -972,394 +146,29 @@ class DecodeEngine:
         samples are the same with or without either. ``turns`` makes every sequence an episode
         of several turns (jrlhf.decode.turns).
         """
-        sp = sampling or SamplingParams()
-        ec = self.config
-        max_new = sp.max_new_tokens or ec.max_new_tokens
-        if max_new > ec.max_new_tokens:
-            raise ValueError(
-                f"max_new_tokens {max_new} exceeds the engine's max_new_tokens {ec.max_new_tokens}"
-            )
-        stops = self.cfg.eos_ids if sp.stop_ids is None else tuple(sp.stop_ids)
-        if len(stops) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported (got {len(stops)})")
-        if migration is not None:
-            if ec.record_routes:
-                raise ValueError("EngineConfig.record_routes does not follow migrated sequences")
-            self._check_tail(migration.engine)
-        self._check_turns(turns)
-        requests = self._requests(prompts, sp, max_new, turns)
-        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop_ids[: len(stops)] = stops
-        turn_stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        turn_tokens = np.int32(2**30)  # no turn limit but the episode's
-        if turns is not None:
-            turn_stop_ids[: len(turns.stop_ids)] = turns.stop_ids
-            turn_tokens = np.int32(turns.max_tokens or 2**30)
-        scalars = (
-            stop_ids,
-            turn_stop_ids,
-            turn_tokens,
-            np.float32(sp.temperature),
-            np.int32(sp.top_k),
-            np.float32(sp.top_p),
+        return scheduler.generate(self, params, prompts, sampling, on_finished, migration, turns)
+
+    def tail(self, mesh: Mesh, rows: int) -> DecodeEngine:
+        """A tail engine for migration (see Migration): this engine's model, rules and shapes
+        on ``mesh`` (fewer devices), with slots for ``rows`` sequences (rounded up to the mesh's
+        data shards) and a pool that holds each of them at full length."""
+        slots = round_slots(rows, mesh, self.rules)
+        config = dataclasses.replace(
+            self.config, num_slots=slots, num_pages=0, max_prefill_rows=min(slots, 64)
         )
-        flags = dict(greedy=sp.greedy, filtered=sp.filtered)
-        if self.state is None:
-            self.state = self._init()
-        unrolled = self.unrolls(params["layers"])
-        layer_params = self._layer_copies(params) if unrolled else None
-        state = self.state
-        self.state = None  # donated below; restored at the end
-        alloc = self._allocator()
-        queue = collections.deque(requests)
-        slot_req: list[_Request | None] = [None] * ec.num_slots
-        outputs: list[tuple | None] = [None] * len(requests)
-        routes_out: list[np.ndarray | None] = [None] * len(requests)
-        stats = collections.Counter()
-        done_rows: list[FinishedRow] = []  # finished, not yet handed to on_finished
-        active_host = np.zeros((ec.num_slots,), bool)  # as of the last sync
-        num_gen = np.zeros((ec.num_slots,), np.int32)
-        eng = self  # the engine decoding now: self, or the migration's tail engine
-        own_state = own_alloc = None  # self's state and pages while the tail engine decodes
-        t0 = time.perf_counter()
-        try:
-            while queue or any(r is not None for r in slot_req):
-                admitted = self._admit(queue, slot_req, alloc, stats) if eng is self else []
-                if admitted:
-                    state = self._insert_batch(
-                        params, state, admitted, alloc, scalars, flags, stats
-                    )
-                    stats["prefill_calls"] += 1
-                    # Not synced: a slot whose first token already ended it just makes the chunk's
-                    # while loop stop at once, and its pages are released below as usual.
-                    for slot, _, _ in admitted:
-                        active_host[slot], num_gen[slot] = True, 1
-                elif all(r is None for r in slot_req):
-                    raise RuntimeError("no sequence could be admitted into an empty page pool")
-                for slot, req in enumerate(slot_req):
-                    if req is not None and active_host[slot]:
-                        cached = len(req.prompt) + int(num_gen[slot]) - 1
-                        alloc.grow(slot, min(cached + ec.chunk_steps, req.max_cached))
-                if alloc.dirty:
-                    table = jax.device_put(alloc.table, eng.state_shardings.page_table)
-                    state = state.replace(page_table=table)
-                    alloc.dirty = False
-                state = eng._decode_chunk(params, layer_params, state, *scalars, **flags)
-                stats["decode_chunks"] += 1
-                stats["tail_decode_chunks"] += eng is not self
-                if on_finished is not None and done_rows:
-                    on_finished(done_rows)
-                    done_rows = []
-                # The one sync per chunk (plus the outputs of finished slots, when there are any).
-                active_host, num_gen = map(np.array, to_host((state.active, state.num_generated)))
-                finished = [
-                    s for s, r in enumerate(slot_req) if r is not None and not active_host[s]
-                ]
-                if finished:
-                    fetch = (state.tokens, state.sampling_lp, state.raw_lp)
-                    toks, slp, rlp, *policy = to_host(fetch + ((state.policy,) * bool(turns)))
-                    if ec.record_routes:
-                        routes_host = to_host(state.routes)
-                    if turns is not None:
-                        turn_ended = finished
-                        state, finished = eng._next_turns(
-                            state, turns, finished, slot_req, num_gen, toks, policy[0], stops
-                        )
-                        for slot in set(turn_ended) - set(finished):  # going on: a new turn
-                            active_host[slot] = True
-                            stats["turns"] += 1
-                    for slot in finished:
-                        n = int(num_gen[slot])
-                        req = slot_req[slot]
-                        outputs[req.index] = (
-                            toks[slot, :n].tolist(),
-                            slp[slot, :n].copy(),
-                            rlp[slot, :n].copy(),
-                            policy[0][slot, :n].copy() if policy else None,
-                        )
-                        if ec.record_routes:
-                            routes_out[req.index] = routes_host[slot, :n].copy()
-                        alloc.release(slot)
-                        slot_req[slot] = None
-                        if on_finished is not None:
-                            row = FinishedRow(req.index, req.prompt_index, *outputs[req.index])
-                            done_rows.append(row)
-                running = sum(r is not None for r in slot_req)
-                if migration and eng is self and not queue and 0 < running <= migration.max_rows:
-                    t_mig = time.perf_counter()
-                    own_state, moved = self._hand_over(
-                        state, alloc, slot_req, num_gen, migration.engine
-                    )
-                    eng = migration.engine
-                    state = eng._take_over(moved, migration.transfer)
-                    params = migration.transfer(params, eng._param_shardings(params))
-                    unrolled = eng.unrolls(params["layers"])
-                    layer_params = eng._layer_copies(params) if unrolled else None
-                    own_alloc, alloc, slot_req = alloc, moved["alloc"], moved["slot_req"]
-                    active_host, num_gen = moved["active"], moved["num_generated"]
-                    stats["migrated_rows"] = running
-                    stats["migrated_pages"] = moved["pages"]
-                    stats["migrate_seconds"] = time.perf_counter() - t_mig
-            if on_finished is not None and done_rows:
-                on_finished(done_rows)
-        except BaseException:
-            # A failed call leaves slots active on the device that no request owns: the next
-            # call starts from a fresh state rather than decode them into pages reused by others.
-            state = own_state = None
-            raise
-        finally:
-            if eng is self:
-                self.state = state
-            else:
-                self.state, eng.state = own_state, state
-        stats["seconds"] = time.perf_counter() - t0
-        stats["unrolled_layers"] = int(unrolled)
-        if eng is not self:
-            stats["tail_peak_pages_used"] = alloc.peak_used
-            alloc = own_alloc
-        stats["peak_pages_used"] = alloc.peak_used
-        stats["pages_taken"] = alloc.taken
-        stats["pool_pages"] = ec.total_pages
-        stats["generated_tokens"] = sum(len(o[0]) for o in outputs)
-        return GenerationResult(
-            completion_ids=[o[0] for o in outputs],
-            sampling_logprobs=[o[1] for o in outputs],
-            raw_logprobs=[o[2] for o in outputs],
-            prompt_index=np.array([r.prompt_index for r in requests], np.int32),
-            stats=dict(stats),
-            policy_masks=[o[3] for o in outputs] if turns is not None else None,
-            routes=routes_out if ec.record_routes else None,
-        )
+        return DecodeEngine(self.model_def, mesh, self.rules, config)
 
-    def _check_turns(self, turns: Turns | None) -> None:
-        """One line of error for multi-turn settings this engine cannot run."""
-        if turns is None:
-            return
-        if not self.config.max_observation_tokens:
-            raise ValueError(
-                "multi-turn generation needs EngineConfig.max_observation_tokens > 0 (the "
-                "longest observation appended between turns)"
-            )
-        if len(turns.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(
-                f"at most {MAX_STOP_IDS} turn stop ids are supported (got {len(turns.stop_ids)})"
-            )
+    def unrolls(self, layers: Any) -> bool:
+        """Whether this ``generate`` runs the layers unrolled (``EngineConfig.unroll_layers``)."""
+        return scheduler.unrolls(self.config, layers)
 
-    def _next_turns(self, state, turns: Turns, finished, slot_req, num_gen, toks, policy, stops):
-        """The slots in ``finished`` whose turn ended ask ``turns.handler`` for their next
-        observation; those that get one go on (a ``_resume`` call feeds it), the others' episodes
-        end. Returns the state and the slots whose episodes ended."""
-        ends = []
-        for slot in finished:
-            req, n = slot_req[slot], int(num_gen[slot])
-            reason = end_reason(int(toks[slot, n - 1]), n, req.max_new, stops, turns)
-            ends.append(
-                TurnEnd(
-                    req.index, req.prompt_index, req.sample_index, req.prompt,
-                    toks[slot, :n].tolist(), policy[slot, :n].copy(), reason, req.max_new - n,
-                )
-            )  # fmt: skip
-        answers = list(turns.handler(ends))
-        if len(answers) != len(ends):
-            raise ValueError(f"turn handler answered {len(answers)} of {len(ends)} turn ends")
-        width = self.config.max_observation_tokens
-        slots = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
-        forced = np.zeros((self.config.num_slots, max(1, width)), np.int32)
-        forced_n = np.zeros((self.config.num_slots,), np.int32)
-        ended, k = [], 0
-        for slot, end, answer in zip(finished, ends, answers):
-            if end.reason not in CONTINUING or answer is None or not len(answer):
-                ended.append(slot)
-                continue
-            obs = [int(t) for t in answer][: end.room]
-            if len(obs) > width:
-                raise ValueError(
-                    f"request {end.index}: an observation of {len(obs)} tokens is longer than "
-                    f"EngineConfig.max_observation_tokens {width}"
-                )
-            bad = [t for t in obs if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {end.index}: observation token id {bad[0]} outside vocab "
-                    f"{self.cfg.vocab_size}"
-                )
-            slots[k], forced[k, : len(obs)], forced_n[k] = slot, obs, len(obs)
-            k += 1
-        if k:
-            turn_tokens = np.int32(turns.max_tokens or 2**30)
-            state = self._resume(state, slots, forced, forced_n, turn_tokens)
-        return state, ended
+    def weight_layout(self) -> str:
+        """How the unrolled layer copies store their kernels (``EngineConfig.weight_layout``)."""
+        return self.spec.weight_layout
 
-    def _allocator(self) -> PageAllocator:
-        ec = self.config
-        return PageAllocator(
-            self.num_shards, self.pages_per_shard, self.slots_per_shard, ec.page_size,
-            ec.max_pages_per_seq,
-        )  # fmt: skip
-
-    def _check_tail(self, tail: DecodeEngine) -> None:
-        """A migration's tail engine must run this engine's model with the same per-sequence
-        shapes (its slots and pool may be smaller)."""
-        a, b = self.config, tail.config
-        same = ("page_size", "max_prompt_len", "max_new_tokens", "chunk_steps")
-        diff = [f for f in same if getattr(a, f) != getattr(b, f)]
-        if diff or tail.model_def.config != self.model_def.config:
-            what = ", ".join(diff) or "model config"
-            raise ValueError(f"migration tail engine differs from the engine in {what}")
-
-    def _hand_over(self, state, alloc: PageAllocator, slot_req, num_gen, tail: DecodeEngine):
-        """Take every running sequence out of ``state`` (their slots go idle and their pages
-        return to ``alloc``): returns this engine's state and the moved rows, with the tail's
-        allocator and slot table already holding them (tail slot ``i`` of shard ``i %
-        shards``, so the rows spread over the tail's data shards)."""
-        ec, tc = self.config, tail.config
-        width = ec.max_pages_per_seq
-        t_alloc = tail._allocator()
-        m = tc.num_slots
-        src_slots = np.full((m,), ec.num_slots, np.int32)
-        src_pages = np.full((m, width), ec.total_pages, np.int32)
-        dst_slots = np.full((m,), m, np.int32)
-        dst_pages = np.full((m, width), tc.total_pages, np.int32)
-        t_req: list[_Request | None] = [None] * m
-        running = [s for s, r in enumerate(slot_req) if r is not None]
-        pages = 0
-        for i, slot in enumerate(running):
-            req = slot_req[slot]
-            t = (i % tail.num_shards) * tail.slots_per_shard + i // tail.num_shards
-            owned = int(np.sum(alloc.table[slot] < alloc.pages_per_shard))
-            t_alloc.admit(t, req.max_cached)
-            t_alloc.grow(t, owned * ec.page_size)
-            src_slots[i], dst_slots[i] = slot, t
-            src_pages[i, :owned] = alloc.global_rows(slot)[:owned]
-            dst_pages[i, :owned] = t_alloc.global_rows(t)[:owned]
-            pages += owned
-            t_req[t] = req
-        state, moved = self._extract(state, src_slots, src_pages)
-        for slot in running:
-            alloc.release(slot)
-            slot_req[slot] = None
-        # Host view of the tail slots as of the last sync (every moved row is running).
-        active = np.zeros((m,), bool)
-        num_gen_t = np.zeros((m,), np.int32)
-        for i, slot in enumerate(running):
-            active[dst_slots[i]], num_gen_t[dst_slots[i]] = True, num_gen[slot]
-        moved_host = {
-            "tree": moved,
-            "slots": dst_slots,
-            "pages_table": dst_pages,
-            "alloc": t_alloc,
-            "slot_req": t_req,
-            "active": active,
-            "num_generated": num_gen_t,
-            "pages": pages,
+    def compile_counts(self) -> dict[str, int]:
+        """How many programs each jitted entry point has compiled (for tests and logs)."""
+        return {
+            "insert": self.programs.insert._cache_size(),
+            "decode_chunk": self.programs.decode_chunk._cache_size(),
         }
-        return state, moved_host
-
-    def _take_over(self, moved, transfer) -> DecodeState:
-        """Write the moved rows (from ``_hand_over``) into this (tail) engine's state."""
-        tree = transfer(moved["tree"], self.moved_shardings)
-        state = self.state if self.state is not None else self._init()
-        self.state = None
-        return self._adopt(state, tree, moved["slots"], moved["pages_table"])
-
-    def _param_shardings(self, params: Params):
-        """``params``' partitioning on this engine's mesh (the axis names are the same)."""
-
-        def one(x):
-            spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-            return NamedSharding(self.mesh, spec)
-
-        return jax.tree.map(one, params)
-
-    def _admit(self, queue, slot_req, alloc: PageAllocator, stats) -> list[tuple[int, Any, int]]:
-        """Move queued requests into free slots (taking their prompt pages): a list of (slot,
-        request, prefill row). A request joins the row of an earlier sample of its prompt admitted
-        in this call on the same data shard, sharing its full pages; otherwise it opens a row (at
-        most ``max_prefill_rows``)."""
-        ec = self.config
-        admitted: list[tuple[int, _Request, int]] = []
-        owners: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, shard) -> (slot, row)
-        rows = 0
-        for slot in range(ec.num_slots):
-            if not queue:
-                break
-            if slot_req[slot] is not None:
-                continue
-            req = queue[0]
-            group = (req.prompt_index, alloc.shard_of(slot))
-            owner = owners.get(group) if ec.share_prefixes else None
-            shared = len(req.prompt) // ec.page_size if owner is not None else 0
-            if owner is None and rows == ec.max_prefill_rows:
-                break
-            if not alloc.can_admit(slot, req.max_cached, shared):
-                continue
-            queue.popleft()
-            if owner is None:
-                alloc.admit(slot, req.max_cached)
-                owners[group] = owner = (slot, rows)
-                rows += 1
-            else:
-                alloc.admit(slot, req.max_cached, share_from=owner[0], shared=shared)
-                stats["shared_pages"] += shared
-            alloc.grow(slot, len(req.prompt))
-            slot_req[slot] = req
-            admitted.append((slot, req, owner[1]))
-        return admitted
-
-    def _insert_batch(self, params, state, admitted, alloc: PageAllocator, scalars, flags, stats):
-        ec = self.config
-        heads = {row: (slot, req) for slot, req, row in reversed(admitted)}  # first of each row
-        n = len(heads)
-        rows = _bucket(n, 1, ec.max_prefill_rows)
-        samples = _bucket(len(admitted), 1, max(ec.num_slots, ec.max_prefill_rows))
-        longest = max(len(r.prompt) for _, r in heads.values())
-        t = _bucket(longest, ec.min_prefill_len, max(ec.max_prompt_len, ec.min_prefill_len))
-        tokens = np.zeros((rows, t), np.int32)
-        lens = np.zeros((rows,), np.int32)
-        page_rows = np.full((rows, ec.max_pages_per_seq), ec.total_pages, np.int32)
-        for row, (slot, req) in heads.items():
-            tokens[row, : len(req.prompt)] = req.prompt
-            lens[row] = len(req.prompt)
-            page_rows[row] = alloc.global_rows(slot)
-        stats["prefill_rows"] += n
-        stats["prefill_tokens"] += int(lens.sum())
-        slots = np.full((samples,), ec.num_slots, np.int32)
-        src = np.zeros((samples,), np.int32)
-        copy_page = np.full((samples,), ec.total_pages, np.int32)
-        seeds = np.zeros((samples,), np.uint32)
-        prompt_idx = np.full((samples,), -1, np.int32)
-        sample_idx = np.zeros((samples,), np.int32)
-        max_new = np.zeros((samples,), np.int32)
-        # The first turn's budget, per sample: what is left of a turn continued from an
-        # earlier call (Turns.sampled).
-        turn_tokens = np.full((samples,), scalars[2], np.int32)
-        for i, (slot, req, row) in enumerate(admitted):
-            slots[i] = slot
-            src[i] = row
-            last = len(req.prompt) // ec.page_size
-            if heads[row][0] != slot and len(req.prompt) % ec.page_size:
-                copy_page[i] = alloc.global_rows(slot)[last]
-            seeds[i] = req.seed
-            prompt_idx[i] = req.prompt_index if req.derived_seed else -1
-            sample_idx[i] = req.sample_index
-            max_new[i] = req.max_new
-            turn_tokens[i] -= req.turn_sampled
-        return self._insert(
-            params,
-            state,
-            tokens,
-            lens,
-            page_rows,
-            slots,
-            src,
-            copy_page,
-            seeds,
-            prompt_idx,
-            sample_idx,
-            max_new,
-            scalars[0],
-            scalars[1],
-            turn_tokens,
-            *scalars[3:],
-            **flags,
-        )

@@ -950,10 +950,10 @@ def test_memory_reserve_is_held_back_in_the_fit_check():
 def test_prefill_is_priced_at_the_length_the_engine_pads_to(prompt_len):
     """The engine pads a prefill to a power of two of at least min(16, P), capped at P (its
     max_prompt_len): a 10-token limit prefills 10 tokens, not 16."""
-    from jrlhf.decode.engine import _bucket
+    from jrlhf.decode.scheduler import bucket
 
     lo = min(16, prompt_len)  # EngineConfig.min_prefill_len as jrlhf.ppo.rollout sets it
-    want = _bucket(prompt_len, lo, max(prompt_len, lo))
+    want = bucket(prompt_len, lo, max(prompt_len, lo))
     w = _workload(tiny_config(), prompt_len=prompt_len)
     assert est.prefill_len(w) == want <= prompt_len
 
