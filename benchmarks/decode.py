@@ -467,8 +467,8 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
     import subprocess
     import tempfile
 
+    from jrlhf.devices import allocator_defaults
     from jrlhf.models.hf import save_hf
-    from jrlhf.runtime.devices import allocator_defaults
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     save_hf(model_def, params, tmp, overwrite=True)
@@ -476,7 +476,7 @@ def _hf_peer(model_def, params, prompts, new_tokens, stack, threads: int = 0):
         json.dump(prompts, f)
     cmd = [sys.executable, "-m", "benchmarks.decode", "--peer-worker", tmp, str(new_tokens)]
     cmd += ["--peer-threads", str(threads)]
-    # glibc's allocator as a transformers user has it (jrlhf.runtime.devices.keep_host_memory)
+    # glibc's allocator as a transformers user has it (jrlhf.devices.keep_host_memory)
     env = allocator_defaults(os.environ)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     stack.callback(proc.wait)
@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer_worker:
         return _peer_worker(args.peer_worker[0], int(args.peer_worker[1]), args.peer_threads)
 
-    from jrlhf.runtime.devices import ensure_host_devices
+    from jrlhf.devices import ensure_host_devices
 
     if args.mesh:
         ensure_host_devices()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import add_out_argument, check_out, emit
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.devices import ensure_host_devices
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "longtail_ppo.gin"
 

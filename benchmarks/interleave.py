@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from benchmarks.report import add_out_argument, check_out, emit
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.devices import ensure_host_devices
 
 
 def _timeline(calls, repeats: int) -> dict:

@@ -17,7 +17,7 @@ import argparse
 import numpy as np
 
 from benchmarks.report import add_out_argument, check_out, emit
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.devices import ensure_host_devices
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

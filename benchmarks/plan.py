@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.iterations < 2:
         p.error("--iterations must be >= 2 (the first iteration compiles and is dropped)")
 
-    from jrlhf.runtime.devices import ensure_host_devices
+    from jrlhf.devices import ensure_host_devices
 
     ensure_host_devices(args.devices)
     import jax

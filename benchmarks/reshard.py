@@ -12,7 +12,7 @@ import statistics
 import time
 
 from benchmarks.report import add_out_argument, check_out, emit
-from jrlhf.runtime.devices import ensure_host_devices
+from jrlhf.devices import ensure_host_devices
 
 CHOOSER_CASES = (
     ("fsdp=4,tensor=2", 2),

@@ -26,7 +26,7 @@ Per algorithm, one JSON object on stdout reports:
   its median time, which includes the host sync for the metrics) as a fraction of it;
 * the XLA compilations during the timed iterations (0 when warm-up compiled everything), and
   the minor page faults of each (memory touched for the first time: ``host_memory_kept`` says
-  whether the C allocator keeps freed memory for reuse, jrlhf.runtime.devices.keep_host_memory).
+  whether the C allocator keeps freed memory for reuse, jrlhf.devices.keep_host_memory).
 
 ``--peers`` adds TRL's ``GRPOTrainer`` on the GRPO setting (benchmarks/rl_trl.py), in a child
 process run with ``--peer-python`` (a scratch environment with trl; it is no jrlhf dependency),
@@ -80,8 +80,8 @@ def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
     TRL step and gives its timing line."""
     from benchmarks import rl_trl
     from jrlhf.data import PromptLoader
+    from jrlhf.devices import allocator_defaults
     from jrlhf.models.hf import save_hf
-    from jrlhf.runtime.devices import allocator_defaults
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     save_hf(trainer.roles["actor"].model, trainer.states["actor"].params, tmp, overwrite=True)
@@ -102,7 +102,7 @@ def _trl_peer(args, trainer, cfg, stack: contextlib.ExitStack):
         "threads": args.peer_threads,
     }
     Path(tmp, "peer.json").write_text(json.dumps(spec))
-    # The peer keeps glibc's allocator as a TRL user has it (jrlhf.runtime.devices).
+    # The peer keeps glibc's allocator as a TRL user has it (jrlhf.devices).
     env = allocator_defaults(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env.pop("XLA_FLAGS", None)
@@ -332,7 +332,7 @@ def measure(args, algorithm: str, peak_flops: float) -> dict:
         "actor_microbatches": [r.get("train/microbatches", 1.0) for r in rows],
         "compilations_during_timed_iterations": compiles,
         # pages this process touched for the first time per iteration (fresh memory costs about
-        # 4 us a page on the 2-core CPU machine; see jrlhf.runtime.devices.keep_host_memory)
+        # 4 us a page on the 2-core CPU machine; see jrlhf.devices.keep_host_memory)
         "minor_page_faults_per_iteration": faults,
         # "alias": the generation layout is the training layout, nothing is copied
         "reshard_paths": sorted({t.path for t in trainer.resharder.transitions}),
@@ -425,12 +425,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.peers:  # fail before any expensive work
         args.peer_python = _peer_python(args)
-    from jrlhf.runtime.devices import ensure_host_devices
+    from jrlhf.devices import ensure_host_devices
 
     ensure_host_devices(args.devices)  # and keep_host_memory, before the backend starts
     import jax
 
-    from jrlhf.runtime.devices import keep_host_memory
+    from jrlhf.devices import keep_host_memory
 
     gpu = jax.default_backend() == "gpu"
     n = args.matmul_size or (4096 if gpu else 2048)

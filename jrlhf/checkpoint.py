@@ -51,7 +51,7 @@ from jrlhf.models.config import ModelConfig
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.reshard.processes import local_part, spanning, spanning_target
-from jrlhf.runtime.storage import write_atomic
+from jrlhf.storage import write_atomic
 
 log = logging.getLogger("jrlhf")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import gin
 
+from jrlhf.devices import MAX_HOST_DEVICES
 from jrlhf.meshes.mesh import MeshSpec
 from jrlhf.meshes.rules import PHASE_RULES, RULE_SETS
 from jrlhf.models.config import (
@@ -32,7 +33,6 @@ from jrlhf.models.config import (
 from jrlhf.models.lora import ALL_TARGETS as LORA_TARGETS
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.lora import config_problem as lora_problem
-from jrlhf.runtime.devices import MAX_HOST_DEVICES
 
 ROLES = ("actor", "critic", "reference", "reward")
 # The head each role's model carries: value-head models score and have no lm_head.

@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from jrlhf.event_file import EventFileWriter, read_records
-from jrlhf.runtime.storage import naming
+from jrlhf.storage import naming
 
 logger = logging.getLogger(__name__)
 

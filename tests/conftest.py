@@ -47,8 +47,8 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # As every entry point does before JAX's backend starts: XLA:CPU's temporaries reuse freed memory
-# instead of faulting in fresh pages at every call (jrlhf.runtime.devices.keep_host_memory).
-from jrlhf.runtime.devices import keep_host_memory  # noqa: E402
+# instead of faulting in fresh pages at every call (jrlhf.devices.keep_host_memory).
+from jrlhf.devices import keep_host_memory  # noqa: E402
 
 keep_host_memory()
 

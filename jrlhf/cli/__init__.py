@@ -4,7 +4,7 @@
 ``launch``) run the ``main`` of the module of the same name here.
 """
 
-from jrlhf.runtime.devices import keep_host_memory
+from jrlhf.devices import keep_host_memory
 
 # Before any entry point imports JAX, whose import starts a thread: see keep_host_memory.
 keep_host_memory()

@@ -14,8 +14,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from jrlhf.devices import keep_host_memory
 from jrlhf.runtime import distributed
-from jrlhf.runtime.devices import keep_host_memory
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",

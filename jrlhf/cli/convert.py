@@ -20,7 +20,7 @@ from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary, job_mesh
 from jrlhf.models import ModelDef, hf
 from jrlhf.runtime import distributed
-from jrlhf.runtime.storage import reporting_storage_faults, settle_abandoned_tasks
+from jrlhf.storage import reporting_storage_faults, settle_abandoned_tasks
 
 
 def build_parser() -> argparse.ArgumentParser:

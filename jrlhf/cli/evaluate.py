@@ -19,7 +19,7 @@ from jrlhf.config import ConfigError
 from jrlhf.meshes import MeshLayoutError, MeshSpec, blame_setting, make_mesh
 from jrlhf.meshes.processes import is_primary
 from jrlhf.runtime import distributed
-from jrlhf.runtime.storage import describe_os_error, settle_abandoned_tasks, write_atomic
+from jrlhf.storage import describe_os_error, settle_abandoned_tasks, write_atomic
 from jrlhf.tasks.rewards import RewardError
 
 

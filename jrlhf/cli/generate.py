@@ -31,7 +31,7 @@ from jrlhf.meshes.processes import barrier, is_primary, job_mesh
 from jrlhf.models.hf import load_hf
 from jrlhf.ppo.rollout import Rollout
 from jrlhf.runtime import distributed
-from jrlhf.runtime.storage import atomic_file, describe_os_error, settle_abandoned_tasks
+from jrlhf.storage import atomic_file, describe_os_error, settle_abandoned_tasks
 
 
 class InputError(ValueError):

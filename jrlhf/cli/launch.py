@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jrlhf.devices import MAX_HOST_DEVICES, with_host_device_count
 from jrlhf.runtime import job_env
-from jrlhf.runtime.devices import MAX_HOST_DEVICES, with_host_device_count
 
 # The entry points that take --distributed, by the name used after ``python -m jrlhf.``.
 ENTRY_POINTS = ("train", "evaluate", "generate", "convert", "bench", "plan.calibrate")

@@ -38,7 +38,7 @@ from jrlhf.pipeline.run_dir import (
 from jrlhf.ppo.core_algos import check_algorithm_config
 from jrlhf.runtime import distributed
 from jrlhf.runtime.guard import TrainingStopped
-from jrlhf.runtime.storage import (
+from jrlhf.storage import (
     describe_os_error,
     quiet_storage_noise,
     settle_abandoned_tasks,
@@ -118,7 +118,7 @@ def load_run_config(args: argparse.Namespace) -> tuple[Config, Path | None, bool
 
 
 def storage_message(fault: str, removed: bool) -> str:
-    """The one line a run stopped by a storage fault (jrlhf.runtime.storage) ends with;
+    """The one line a run stopped by a storage fault (jrlhf.storage) ends with;
     ``removed``: a new run's directory was removed, as it held no progress."""
     if removed:
         return (

@@ -44,7 +44,7 @@ from jrlhf.decode.turns import Turns
 from jrlhf.meshes.rules import Rules, get_rules
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef, Params
-from jrlhf.runtime.shared_programs import shared_program
+from jrlhf.shared_programs import shared_program
 
 __all__ = [
     "DecodeEngine",

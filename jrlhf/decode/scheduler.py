@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ from jrlhf.decode.sampling import SamplingParams
 from jrlhf.decode.state import (
     MAX_STOP_IDS,
     EngineConfig,
+    EngineParts,
     FinishedCallback,
     FinishedRow,
     GenerationResult,
@@ -42,9 +43,6 @@ from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, end_reason
 from jrlhf.meshes.batch import to_host
 from jrlhf.models.model_def import Params
 from jrlhf.models.transformer import decode_weights
-
-if TYPE_CHECKING:
-    from jrlhf.decode.engine import DecodeEngine
 
 
 @dataclasses.dataclass
@@ -114,7 +112,7 @@ def allocator(spec: EngineSpec) -> PageAllocator:
 
 
 def generate(
-    engine: DecodeEngine,
+    engine: EngineParts,
     params: Params,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams | None = None,
@@ -320,7 +318,7 @@ def _param_shardings(mesh: Mesh, params: Params):
     return jax.tree.map(one, params)
 
 
-def _hand_over(engine: DecodeEngine, state, alloc: PageAllocator, slot_req, num_gen, tail):
+def _hand_over(engine: EngineParts, state, alloc: PageAllocator, slot_req, num_gen, tail):
     """Take every running sequence out of ``state`` (their slots go idle and their pages
     return to ``alloc``): returns ``engine``'s state and the moved rows, with the tail's
     allocator and slot table already holding them (tail slot ``i`` of shard ``i % shards``, so
@@ -370,7 +368,7 @@ def _hand_over(engine: DecodeEngine, state, alloc: PageAllocator, slot_req, num_
     return state, moved_host
 
 
-def _take_over(tail: DecodeEngine, moved, transfer):
+def _take_over(tail: EngineParts, moved, transfer):
     """The moved rows (from ``_hand_over``) written into the tail engine's state, which the
     call now holds."""
     tree = transfer(moved["tree"], tail.programs.moved_shardings)
@@ -386,7 +384,7 @@ class _Call:
 
     def __init__(
         self,
-        engine: DecodeEngine,
+        engine: EngineParts,
         params: Params,
         prompts,
         sp: SamplingParams,

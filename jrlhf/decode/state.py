@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +31,6 @@ from jrlhf.decode.page_table import pages_for
 from jrlhf.meshes.rules import Rules, axis_size, get_rules, logical_to_spec
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.transformer import WEIGHT_LAYOUTS
-
-if TYPE_CHECKING:
-    from jrlhf.decode.engine import DecodeEngine
 
 MAX_STOP_IDS = 8  # stop ids are padded to this many so changing them never recompiles
 
@@ -309,6 +306,17 @@ class FinishedRow(NamedTuple):
 FinishedCallback = Callable[[list[FinishedRow]], None]
 
 
+class EngineParts(Protocol):
+    """What the scheduler and a migration use of an engine (``DecodeEngine``, a layer above):
+    its configuration, its spec (``programs.EngineSpec``), its jitted device programs, and the
+    decode state it keeps between calls."""
+
+    config: EngineConfig
+    spec: Any
+    programs: Any
+    state: DecodeState | None
+
+
 @dataclasses.dataclass(frozen=True)
 class Migration:
     """Where the last few sequences of a ``generate`` call finish (RLHFuse's migration).
@@ -324,7 +332,7 @@ class Migration:
     Resharder; the default is ``jax.device_put``).
     """
 
-    engine: DecodeEngine
+    engine: EngineParts  # a DecodeEngine
     max_rows: int
     transfer: Callable[[Any, Any], Any] = jax.device_put
 

@@ -27,7 +27,7 @@ from jrlhf.pipeline.run_lock import (
     lock_run_dir,
     run_dir_holder,
 )
-from jrlhf.runtime.storage import describe_os_error, write_atomic
+from jrlhf.storage import describe_os_error, write_atomic
 
 OPERATIVE_CONFIG = "operative_config.gin"  # the gin bindings the run was started with
 CONFIG_JSON = "config.json"  # every field's value, for people and tools that do not read gin

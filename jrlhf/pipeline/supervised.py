@@ -45,7 +45,6 @@ from jrlhf.runtime.guard import UpdateGuard, check_finite
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.runtime.preempt import exit_at_step_if_asked
 from jrlhf.runtime.roles import RoleSetup, make_infer
-from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import (
     OptimizerConfig,
     init_train_state,
@@ -53,7 +52,8 @@ from jrlhf.runtime.steps import (
     make_train_step,
     state_shardings,
 )
-from jrlhf.runtime.storage import write_atomic
+from jrlhf.shared_programs import shared_program
+from jrlhf.storage import write_atomic
 
 log = logging.getLogger("jrlhf")
 

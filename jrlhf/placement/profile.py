@@ -67,7 +67,7 @@ class DeviceProfile:
     # max(FLOPs, weight bytes) / decode_efficiency, as on accelerators.
     decode_weight_efficiency: float = 0.0
     # shared_host: the fraction of memory_bandwidth at which a generate call makes the unrolled
-    # decode's per-layer weight copies (``DecodeEngine._layer_copies``, every call, every
+    # decode's per-layer weight copies (``transformer.decode_weights``, every call, every
     # device its shard). 0: not priced apart.
     decode_copy_efficiency: float = 0.0
     # memory and links: achieved bytes/s

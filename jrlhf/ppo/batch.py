@@ -14,7 +14,7 @@ from jrlhf.data.batch import pack, pack_segments
 from jrlhf.models.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
 from jrlhf.models.moe import EXPERTS
 from jrlhf.models.transformer import Transformer
-from jrlhf.runtime.shared_programs import shared_program
+from jrlhf.shared_programs import shared_program
 
 __all__ = [
     "logprobs_fn",
@@ -122,7 +122,7 @@ def routes_fn(max_prompt_len: int):
 def logprobs_fn(max_prompt_len: int):
     """``(module, batch) -> response_logprobs(module, batch, max_prompt_len)``: one function
     object per prompt length, so the inference calls built on it share their programs
-    (jrlhf.runtime.shared_programs)."""
+    (jrlhf.shared_programs)."""
     return lambda module, batch: response_logprobs(module, batch, max_prompt_len)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jrlhf.models import moe
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
-from jrlhf.runtime.shared_programs import shared_program
+from jrlhf.shared_programs import shared_program
 
 
 @dataclasses.dataclass(frozen=True)

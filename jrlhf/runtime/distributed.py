@@ -62,7 +62,7 @@ import jax
 # without starting the backends, and its coordination-service client (key-value store).
 from jax._src import distributed as _jax_distributed
 
-from jrlhf.runtime.devices import ensure_host_devices, keep_host_memory
+from jrlhf.devices import ensure_host_devices, keep_host_memory
 from jrlhf.runtime.job_env import (
     COORDINATOR,
     INIT_TIMEOUT,
@@ -298,7 +298,7 @@ def initialize(
     """Join the multi-process JAX job described by the environment; call before any JAX work.
 
     ``host_devices`` virtual CPU devices are requested for this process (as without
-    ``--distributed``, see :func:`jrlhf.runtime.devices.ensure_host_devices`; an XLA_FLAGS device
+    ``--distributed``, see :func:`jrlhf.devices.ensure_host_devices`; an XLA_FLAGS device
     count already set, e.g. by ``python -m jrlhf.launch``, wins; None leaves the count to the
     caller, who must set it before JAX's backends start). ``environ`` (default
     ``os.environ``) supplies the job's shape (:func:`job_spec_from_env`) and, unless ``timeouts``

@@ -22,7 +22,7 @@ from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
 from jrlhf.runtime.model_source import ModelSource, load_weights
-from jrlhf.runtime.shared_programs import shared_program
+from jrlhf.shared_programs import shared_program
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.models.transformer import Transformer
 from jrlhf.runtime.guard import tree_is_finite
 from jrlhf.runtime.pipeline_step import grads_1f1b
-from jrlhf.runtime.shared_programs import shared_program
+from jrlhf.shared_programs import shared_program
 
 # loss_fn(module, batch) -> (loss, metrics). metrics may carry "weight": how much this batch
 # counts when microbatches are accumulated (the number of tokens a token-mean loss averages).

@@ -45,7 +45,7 @@ from jrlhf.pipeline.run_dir import OPERATIVE_CONFIG
 from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
 from jrlhf.ppo.trainer import RLTrainer
 from jrlhf.runtime.guard import TrainingStopped
-from jrlhf.runtime.storage import (
+from jrlhf.storage import (
     quiet_storage_noise,
     settle_abandoned_tasks,
     storage_fault,

@@ -15,10 +15,10 @@ from run_helpers import SMALL, hold_lock
 
 from jrlhf.cli import convert, evaluate, generate, launch, train
 from jrlhf.config import ConfigError, load_config
+from jrlhf.devices import MAX_HOST_DEVICES
 from jrlhf.meshes import MeshSpec
 from jrlhf.pipeline import run_lock
 from jrlhf.pipeline.run_lock import LOCK_FILE, lock_run_dir
-from jrlhf.runtime.devices import MAX_HOST_DEVICES
 from jrlhf.tasks import SyntheticTask
 
 

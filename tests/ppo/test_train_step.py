@@ -17,7 +17,7 @@ from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 # One optimizer object for the module: programs are shared by optimizer identity
-# (jrlhf.runtime.shared_programs), so steps and states of equal models and meshes are
+# (jrlhf.shared_programs), so steps and states of equal models and meshes are
 # traced and compiled once.
 SGD = optax.sgd(0.5)
 

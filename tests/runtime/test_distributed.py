@@ -19,8 +19,8 @@ import jax
 import pytest
 
 from jrlhf.cli import bench, calibrate, convert, evaluate, generate, launch, train
+from jrlhf.devices import with_host_device_count
 from jrlhf.runtime import distributed, job_env
-from jrlhf.runtime.devices import with_host_device_count
 from jrlhf.runtime.job_env import DistributedError, JobSpec, Timeouts, job_spec_from_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""jrlhf.runtime.devices.keep_host_memory: XLA:CPU's temporaries reuse the memory freed by the
+"""jrlhf.devices.keep_host_memory: XLA:CPU's temporaries reuse the memory freed by the
 calls before instead of faulting in fresh pages at every call."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from jrlhf.runtime import devices
+from jrlhf import devices
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's allocations")
 

@@ -1,5 +1,5 @@
 """Programs built again from equal arguments in one process are the ones built before
-(jrlhf.runtime.shared_programs, the decode engine's templates): no tracing or compiling again,
+(jrlhf.shared_programs, the decode engine's templates): no tracing or compiling again,
 the same results, and nothing shared between requests that differ."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from jrlhf.models.model_def import ModelDef
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.reshard.resharder import backend_compile_count
-from jrlhf.runtime.shared_programs import shared_program
 from jrlhf.runtime.steps import OptimizerConfig, make_optimizer, make_train_step
+from jrlhf.shared_programs import shared_program
 
 
 def test_equal_arguments_share_and_unhashable_ones_build_afresh():
