@@ -289,6 +289,19 @@ def router_losses(
     return {"router_aux_loss": balance, "router_z_loss": z, "moe_max_load": max_load}
 
 
+def add_router_losses(cfg, stats, real_bt: jax.Array, loss: jax.Array, metrics: dict):
+    """A training loss with a routed model's router losses (:func:`router_losses` over the
+    real tokens ``real_bt`` of the rows, from ``Transformer.hidden``'s ``stats``) added times
+    ``cfg.router_aux_loss_coef`` / ``cfg.router_z_loss_coef``, and the metrics with them (and
+    ``moe_max_load``) whatever the coefficients; both unchanged for a dense model (no stats)."""
+    if not stats:
+        return loss, metrics
+    router = router_losses(stats[ROUTER_LOGITS], stats[EXPERTS], real_bt)
+    loss = loss + cfg.router_aux_loss_coef * router["router_aux_loss"]
+    loss = loss + cfg.router_z_loss_coef * router["router_z_loss"]
+    return loss, dict(metrics, **jax.lax.stop_gradient(router))
+
+
 def routing_mismatch(rollout: np.ndarray, train: np.ndarray) -> dict[str, float]:
     """How often a training pass routed differently from the rollout, over the same tokens:
     ``rollout`` and ``train`` are (tokens, layers, top_k) chosen experts (the decode engine's

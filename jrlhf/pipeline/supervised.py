@@ -31,6 +31,7 @@ from jrlhf.meshes.batch import batch_shards, to_host
 from jrlhf.meshes.processes import barrier, is_primary
 from jrlhf.meshes.rules import Rules
 from jrlhf.models.model_def import ModelDef, Params
+from jrlhf.models.moe import add_router_losses
 from jrlhf.pipeline.run_dir import before_training
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo.core_algos import (
@@ -65,8 +66,11 @@ PAIR_STAGES = ("rm", "dpo")
 @shared_program()
 def sft_loss_fn(max_prompt_len: int):
     def loss_fn(module, batch):
-        logits = module.logits(rl_batch.response_hidden(module, batch, max_prompt_len))
-        loss, metrics = sft_loss(logits, batch["response_tokens"], batch["mask"])
+        hidden, stats = rl_batch.response_hidden(module, batch, max_prompt_len, with_stats=True)
+        loss, metrics = sft_loss(module.logits(hidden), batch["response_tokens"], batch["mask"])
+        loss, metrics = add_router_losses(
+            module.config, stats, batch["segment_ids"] > 0, loss, metrics
+        )
         return loss, dict(metrics, weight=batch["mask"].sum())
 
     return loss_fn
@@ -83,8 +87,9 @@ def pack_pairs(pairs: Sequence[Any], max_prompt_len: int, max_response_len: int,
 
 def reward_loss_fn(module, batch):
     """Bradley-Terry on a batch of pair rows (``pack_pairs``: chosen even, rejected odd)."""
-    scores = rl_batch.sequence_scores(module, batch)
+    scores, stats = rl_batch.sequence_scores(module, batch, with_stats=True)
     loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2])
+    loss, metrics = add_router_losses(module.config, stats, batch["segment_ids"] > 0, loss, metrics)
     return loss, dict(metrics, weight=jnp.float32(scores.shape[0] // 2))
 
 
@@ -96,7 +101,7 @@ def dpo_loss_fn(max_prompt_len: int, dpo):
     mean = dpo.loss_type in DPO_MEAN_LOGPROBS
 
     def loss_fn(module, batch):
-        logp_bt = rl_batch.response_logprobs(module, batch, max_prompt_len)
+        logp_bt, stats = rl_batch.response_logprobs(module, batch, max_prompt_len, with_stats=True)
         policy_b = sequence_logprobs(logp_bt, batch["mask"], mean=mean)
         ref_b = batch["ref_logprobs"]
         has_tokens_b = batch["mask"].sum(axis=-1) > 0
@@ -105,6 +110,9 @@ def dpo_loss_fn(max_prompt_len: int, dpo):
             policy_b[0::2], policy_b[1::2], ref_b[0::2], ref_b[1::2],
             dpo.beta, dpo.loss_type, dpo.label_smoothing, pair_b,
         )  # fmt: skip
+        loss, metrics = add_router_losses(
+            module.config, stats, batch["segment_ids"] > 0, loss, metrics
+        )
         return loss, dict(metrics, weight=pair_b.sum().astype(jnp.float32))
 
     return loss_fn

@@ -61,14 +61,17 @@ def response_logprobs(
     max_prompt_len: int,
     with_entropy: bool = False,
     chunk: int = 0,
+    with_stats: bool = False,
 ):
-    """float32 log-probs (B, R) of the response tokens (and their entropies if asked).
+    """float32 log-probs (B, R) of the response tokens (and their entropies if asked; and,
+    ``with_stats``, a routed model's routing stats as in :func:`response_hidden`).
 
     ``chunk`` > 0 computes them ``chunk`` positions at a time (jrlhf.models.logprobs.
     chunked_logprobs): never more than (chunk, vocab) logits at once, forward or backward.
     """
-    hidden = response_hidden(module, batch, max_prompt_len)
-    return hidden_logprobs(module, hidden, batch["response_tokens"], with_entropy, chunk)
+    hidden, stats = response_hidden(module, batch, max_prompt_len, with_stats=True)
+    out = hidden_logprobs(module, hidden, batch["response_tokens"], with_entropy, chunk)
+    return (out, stats) if with_stats else out
 
 
 def hidden_logprobs(
@@ -84,18 +87,29 @@ def hidden_logprobs(
     return logp
 
 
-def response_values(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:
-    """Critic values (B, R) of the states in which each response token was chosen."""
-    return module.values(response_hidden(module, batch, max_prompt_len))
+def response_values(
+    module: Transformer, batch: dict, max_prompt_len: int, with_stats: bool = False
+):
+    """Critic values (B, R) of the states in which each response token was chosen (and,
+    ``with_stats``, a routed model's routing stats as in :func:`response_hidden`)."""
+    hidden, stats = response_hidden(module, batch, max_prompt_len, with_stats=True)
+    values = module.values(hidden)
+    return (values, stats) if with_stats else values
 
 
-def sequence_scores(module: Transformer, batch: dict) -> jax.Array:
-    """Reward-model scores (B,): the value head at each row's final real token."""
-    hidden = module.hidden(
-        batch["tokens"], batch["positions"], batch["segment_ids"], "pack_index" not in batch
+def sequence_scores(module: Transformer, batch: dict, with_stats: bool = False):
+    """Reward-model scores (B,): the value head at each row's final real token (and,
+    ``with_stats``, a routed model's routing stats over the rows)."""
+    hidden, stats = module.hidden(
+        batch["tokens"],
+        batch["positions"],
+        batch["segment_ids"],
+        "pack_index" not in batch,
+        with_stats=True,
     )
     last = jnp.take_along_axis(hidden, batch["last_index"][:, None, None], axis=1)[:, 0]
-    return module.values(last)
+    scores = module.values(last)
+    return (scores, stats) if with_stats else scores
 
 
 def response_routes(module: Transformer, batch: dict, max_prompt_len: int) -> jax.Array:

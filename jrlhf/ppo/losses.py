@@ -92,14 +92,10 @@ def _actor_loss(P: int, rl: LossSettings, kl_in_loss: bool, kl_estimator: str | 
             if kl_estimator == "k3":  # the only estimator that exponentiates, hence clamps
                 d = jnp.abs(logp - batch["ref_logprobs"]) > algos.LOG_RATIO_CLAMP
                 metrics["kl_clampfrac"] = jax.lax.stop_gradient(algos.masked_mean(d, mask))
-        if stats:  # a routed model: its router losses over every real token of the rows
-            cfg = module.config
-            router = moe.router_losses(
-                stats[moe.ROUTER_LOGITS], stats[moe.EXPERTS], batch["segment_ids"] > 0
-            )
-            loss = loss + cfg.router_aux_loss_coef * router["router_aux_loss"]
-            loss = loss + cfg.router_z_loss_coef * router["router_z_loss"]
-            metrics.update(jax.lax.stop_gradient(router))
+        # a routed model: its router losses over every real token of the rows
+        loss, metrics = moe.add_router_losses(
+            module.config, stats, batch["segment_ids"] > 0, loss, metrics
+        )
         return loss, dict(metrics, weight=algos.aggregation_weight(mask, rl.loss_agg))
 
     return loss_fn
@@ -113,13 +109,16 @@ def critic_loss(P: int, rl):
 @shared_program()
 def _critic_loss(P: int, rl: LossSettings):
     def loss_fn(module, batch):
-        values = rl_batch.response_values(module, batch, P)
+        values, stats = rl_batch.response_values(module, batch, P, with_stats=True)
         mask = batch.get("loss_mask", batch["mask"])  # the policy's tokens (multi-turn)
         loss, metrics = algos.value_loss_clipped(
             values, batch["old_values"], batch["returns"], mask, rl.value_clip_eps, agg=rl.loss_agg
         )
-        weight = algos.aggregation_weight(mask, rl.loss_agg)
-        return loss, dict(metrics, value_loss=loss, weight=weight)
+        metrics = dict(metrics, value_loss=loss)
+        loss, metrics = moe.add_router_losses(
+            module.config, stats, batch["segment_ids"] > 0, loss, metrics
+        )
+        return loss, dict(metrics, weight=algos.aggregation_weight(mask, rl.loss_agg))
 
     return loss_fn
 
