@@ -326,6 +326,7 @@ def search(
     limit: float = math.inf,
     *,
     iterations: int = 4000,
+    rounds: int = 4,
     seed: int = 0,
 ) -> SearchResult:
     """A fused schedule of ``micro = (actor, critic)`` micro-batches over ``stages`` stages
@@ -340,6 +341,8 @@ def search(
             f"fused schedule: stages={stages}, micro-batches {tuple(micro)}: need stages >= 1 "
             "and micro-batches >= 0, not all 0"
         )
+    if min(c for pair in costs for c in pair) <= 0:
+        raise ValueError(f"fused schedule: costs {tuple(costs)}: every op must cost > 0")
     need = max(memory[m] for m in (ACTOR, CRITIC) if micro[m])
     if limit < need:
         raise ValueError(
@@ -347,12 +350,46 @@ def search(
             f"activations (actor {memory[ACTOR]:g}, critic {memory[CRITIC]:g}): no schedule fits"
         )
 
-    def cost(orders):
-        if max(_order_peak(o, memory) for o in orders) > limit:
-            return math.inf
-        return makespan(orders, stages, costs)
+    # The state: a priority order over all ops, written as the sequence of their chains
+    # (the k-th time chain c appears, its k-th op), so that every state respects each
+    # chain's order and each stage runs its ops in the sequence's order without deadlock.
+    chains = [(m, i) for m in (ACTOR, CRITIC) for i in range(micro[m])]
+    steps = [(p, False) for p in range(stages)] + [(p, True) for p in reversed(range(stages))]
+    unit = max(memory[m] for m in (ACTOR, CRITIC) if micro[m])
 
-    starts = [_capped_separate(stages, micro, costs, memory, limit)]
+    def decode(seq) -> tuple[float, float]:
+        """(makespan, peak memory over the limit in micro-batches) of a chain sequence."""
+        nxt = [0] * len(chains)
+        end = [0.0] * len(chains)
+        free = [0.0] * stages
+        held = [0.0] * stages
+        over = 0.0
+        for c in seq:
+            m = chains[c][0]
+            p, back = steps[nxt[c]]
+            nxt[c] += 1
+            s = p if m == ACTOR else stages - 1 - p
+            end[c] = free[s] = max(free[s], end[c]) + costs[m][back]
+            held[s] += -memory[m] if back else memory[m]
+            over = max(over, held[s] - limit)
+        return max(free), over / unit
+
+    def orders_of(seq) -> list[list[Op]]:
+        nxt = [0] * len(chains)
+        orders: list[list[Op]] = [[] for _ in range(stages)]
+        for c in seq:
+            (m, i), (p, back) = chains[c], steps[nxt[c]]
+            nxt[c] += 1
+            orders[stage_of(m, p, stages)].append(Op(m, i, p, back))
+        return orders
+
+    def seq_of(orders) -> list[int]:
+        timed = _timed(orders, stages, lambda op: costs[op.model][op.backward])
+        ranked = sorted(timed, key=lambda op: (timed[op][0], timed[op][1]))
+        index = {ch: c for c, ch in enumerate(chains)}
+        return [index[(op.model, op.micro)] for op in ranked]
+
+    starts = [seq_of(_capped_separate(stages, micro, costs, memory, limit))]
     # Greedy: backwards first (they free memory), then the earliest micro-batch, the
     # models' micro-batches interleaved, the stages the op still has to pass last.
     greedy = {
@@ -366,36 +403,78 @@ def search(
     greedy = {op: rank for rank, op in enumerate(sorted(greedy, key=greedy.get))}
     orders = list_schedule(stages, micro, costs, memory, limit, greedy)
     if orders is not None:
-        starts.append(orders)
-    current = min(starts, key=cost)
-    current_cost = start_cost = cost(current)
-    best, best_cost = [list(o) for o in current], current_cost
+        starts.append(seq_of(orders))
+    scored = [(decode(q), q) for q in starts]
+    cur, current = min(((sc, q) for sc, q in scored if not sc[1]), key=lambda x: x[0][0])
+    best, best_span = list(current), cur[0]
+    start_span = best_span
     rng = np.random.default_rng(seed)
-    scale = np.mean([c for pair in costs for c in pair])
-    t0, t1 = scale, scale * 1e-3
-    current = [list(o) for o in current]
+    scale = float(np.mean([c for pair in costs for c in pair]))
+    t0, t1 = scale, scale * 1e-2
+    chain = 2 * stages * scale  # one micro-batch's work over all stages
+    n = len(current)
+
+    def descend(seq, length):
+        """Local search to a sequence no pair of micro-batches trading places, nor two
+        neighbouring ops swapping, makes shorter within the limit."""
+        improved = True
+        while improved:
+            improved = False
+            trials = [
+                [b if c == a else a if c == b else c for c in seq]
+                for a in range(len(chains))
+                for b in range(a + 1, len(chains))
+            ]
+            trials += [
+                [*seq[:i], seq[i + 1], seq[i], *seq[i + 2 :]]
+                for i in range(n - 1)
+                if seq[i] != seq[i + 1]
+            ]
+            for trial in trials:
+                t_len, t_over = decode(trial)
+                if not t_over and t_len < length:
+                    seq, length, improved = trial, t_len, True
+                    break
+        return seq, length
+
+    best, best_span = descend(best, best_span)
+    current, cur = list(best), (best_span, 0.0)
+    # Annealing in rounds, each reheated from the best sequence so far (polished by a local
+    # search): a round that wandered off into a worse region does not lose what an earlier
+    # one found.
+    per_round = max(iterations // rounds, 1)
     for k in range(iterations):
-        temp = t0 * (t1 / t0) ** (k / max(iterations - 1, 1))
-        s = int(rng.integers(stages))
-        order = current[s]
-        if len(order) < 2:
+        frac = (k % per_round) / per_round
+        if k and k % per_round == 0:
+            best, best_span = descend(best, best_span)
+            current, cur = list(best), (best_span, 0.0)
+        temp = t0 * (t1 / t0) ** frac
+        # Sequences over the limit stay reachable as steps between ones that fit (under a
+        # tight limit one micro-batch passes another in several moves): they pay a penalty
+        # per micro-batch of excess, from half a micro-batch's work over all stages to 4.5
+        # times it as the temperature falls; never kept.
+        weight = chain * (0.5 + 4.0 * frac)
+        trial = list(current)
+        move = rng.random()
+        if move < 0.1 and len(chains) > 1:  # two micro-batches trade all their places
+            a, b = rng.choice(len(chains), 2, replace=False)
+            trial = [b if c == a else a if c == b else c for c in trial]
+        else:  # one op moves (next to its neighbour, or anywhere)
+            i = int(rng.integers(n))
+            j = int(rng.integers(n)) if move < 0.4 else min(i + 1, n - 1)
+            trial.insert(j, trial.pop(i))
+        if trial == current:
             continue
-        i = int(rng.integers(len(order)))
-        j = int(rng.integers(len(order))) if rng.random() < 0.3 else min(i + 1, len(order) - 1)
-        if i == j:
-            continue
-        candidate = list(order)
-        candidate.insert(j, candidate.pop(i))
-        trial = [*current[:s], candidate, *current[s + 1 :]]
-        c = cost(trial)
-        if c == math.inf:
-            continue
-        if c <= current_cost or rng.random() < math.exp((current_cost - c) / temp):
-            current, current_cost = trial, c
-            if c < best_cost:
-                best, best_cost = [list(o) for o in trial], c
+        length, over = decode(trial)
+        delta = (length + weight * over) - (cur[0] + weight * cur[1])
+        if delta <= 0 or rng.random() < math.exp(-delta / temp):
+            current, cur = trial, (length, over)
+            if not over and length < best_span:
+                best, best_span = list(trial), length
+    best, best_span = descend(best, best_span)
+    best = orders_of(best)
     sched = table(best, stages, micro)
-    return SearchResult(sched, best_cost, sched.peak_memory(memory), start_cost)
+    return SearchResult(sched, best_span, sched.peak_memory(memory), start_span)
 
 
 @dataclasses.dataclass(frozen=True)
