@@ -41,10 +41,10 @@ def brute_force(stages, micro, costs, memory, limit):
                 continue
             end = max(free[s], chain_end[c]) + costs[m][back]
             dfs(
-                progress[:c] + (k + 1,) + progress[c + 1 :],
-                chain_end[:c] + (end,) + chain_end[c + 1 :],
-                free[:s] + (end,) + free[s + 1 :],
-                held[:s] + (new_held,) + held[s + 1 :],
+                (*progress[:c], k + 1, *progress[c + 1 :]),
+                (*chain_end[:c], end, *chain_end[c + 1 :]),
+                (*free[:s], end, *free[s + 1 :]),
+                (*held[:s], new_held, *held[s + 1 :]),
                 max(span, end),
             )
 
