@@ -134,3 +134,44 @@ def test_a_table_of_other_micro_batches_or_stages_fails_in_one_line(separate):
         with pytest.raises(ValueError, match=f"^fused schedule: {message}") as err:
             step(*states, rl_batch(), rl_batch())
         assert "\n" not in str(err.value)
+
+
+FUSED = "critic/RoleConfig.pipeline_schedule='fused'"
+
+
+@pytest.mark.parametrize(
+    "bindings,message",
+    [
+        (
+            [FUSED, "RunConfig.stages=('grpo',)"],
+            "critic/RoleConfig.pipeline_schedule: 'fused' trains the critic together with the "
+            "actor, and the grpo stage trains no critic",
+        ),
+        (
+            ["actor/RoleConfig.pipeline_schedule='fused'"],
+            "actor/RoleConfig.pipeline_schedule: 'fused' is the critic's setting",
+        ),
+        (
+            [FUSED, "actor/RoleConfig.microbatches=2"],
+            f"actor/RoleConfig.microbatches: 2 with {FUSED}: the fused schedule runs",
+        ),
+        (
+            [FUSED, "critic/RoleConfig.microbatch_tokens=64"],
+            f"critic/RoleConfig.microbatch_tokens: 64 with {FUSED}",
+        ),
+        (
+            [FUSED, "actor/RoleConfig.lora_rank=4", "actor/RoleConfig.lora_dropout=0.1"],
+            f"actor/RoleConfig.lora_dropout: 0.1 with {FUSED}: adapter dropout",
+        ),
+    ],
+)
+def test_settings_the_fused_step_cannot_run_fail_at_startup_in_one_line(
+    bindings, message, tmp_path, capsys
+):
+    from jrlhf.cli import train
+
+    rc = train.main(["--run-dir", str(tmp_path / "r"), *bindings])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("error: ") and message in err, err
+    assert "\n" not in err
