@@ -175,3 +175,49 @@ def test_settings_the_fused_step_cannot_run_fail_at_startup_in_one_line(
     assert rc == 2
     assert err.startswith("error: ") and message in err, err
     assert "\n" not in err
+
+
+def test_the_ppo_update_refuses_meshes_and_minibatches_the_fused_step_cannot_run():
+    """jrlhf.ppo.update.fused_step, which the PPO update builds its fused step with: actor
+    and critic on different training meshes, a mesh without stages, and minibatch rows that do
+    not split into a model's pipeline micro-batches fail in one line naming the setting."""
+    from jrlhf.config import ConfigError, RoleConfig
+    from jrlhf.meshes.rules import get_rules
+    from jrlhf.ppo.update import fused_step
+    from jrlhf.runtime.model_source import ModelSource
+    from jrlhf.runtime.roles import RoleSetup
+
+    def roles(actor_mesh, critic_mesh, critic_micro=0):
+        def setup(name, mesh, head, micro):
+            source = ModelSource(ModelDef(tiny(pipeline_microbatches=micro), head=head), None)
+            rules = {"train": get_rules("fsdp_tp")}
+            return RoleSetup(name, RoleConfig(), source, {"train": make_mesh(mesh)}, rules)
+
+        return {
+            "actor": setup("actor", actor_mesh, "lm", 0),
+            "critic": setup("critic", critic_mesh, "value", critic_micro),
+        }
+
+    opts, losses = {"actor": SGD, "critic": SGD}, {"actor": LOSSES["lm"], "critic": LOSSES["value"]}
+    for setups, rows, message in (
+        (
+            roles("stage=2,fsdp=4", "stage=2,fsdp=2,tensor=2"),
+            8,
+            "critic/RoleConfig.pipeline_schedule: 'fused' needs the actor and the critic on one "
+            "training mesh",
+        ),
+        (
+            roles("fsdp=4,tensor=2", "fsdp=4,tensor=2"),
+            8,
+            "critic/RoleConfig.pipeline_schedule: 'fused' needs a stage axis of 2 or more",
+        ),
+        (
+            roles("stage=2,fsdp=4", "stage=2,fsdp=4", critic_micro=3),
+            8,
+            "critic/RoleConfig.pipeline_microbatches: the fused schedule cuts each minibatch's "
+            "8 rows",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            fused_step(setups, opts, losses, rows)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
