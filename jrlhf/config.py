@@ -271,6 +271,35 @@ class TaskConfig:
             )
 
 
+# A role's pipeline_schedule: the model's schedules, or "fused" (the critic only: its PPO
+# steps and the actor's in one fused pipeline, jrlhf.runtime.fused_step).
+ROLE_PIPELINE_SCHEDULES = (*PIPELINE_SCHEDULES, "fused")
+
+
+def check_fused_role(rc: RoleConfig, role: str) -> None:
+    """One ConfigError for a setting of the actor or critic that the fused actor-critic step
+    (critic/RoleConfig.pipeline_schedule='fused') cannot run: it trains each minibatch as one
+    step of pipeline micro-batches, without gradient accumulation or adapter dropout."""
+    why = "with critic/RoleConfig.pipeline_schedule='fused'"
+    _check(
+        rc.microbatches == 1,
+        f"{role}/RoleConfig.microbatches",
+        f"{rc.microbatches} {why}: the fused schedule runs a minibatch as one step of "
+        "pipeline micro-batches (set pipeline_microbatches instead)",
+    )
+    _check(
+        not rc.microbatch_tokens,
+        f"{role}/RoleConfig.microbatch_tokens",
+        f"{rc.microbatch_tokens} {why}: the fused schedule runs a minibatch as one step of "
+        "pipeline micro-batches (set pipeline_microbatches instead)",
+    )
+    _check(
+        not (rc.lora_rank and rc.lora_dropout),
+        f"{role}/RoleConfig.lora_dropout",
+        f"{rc.lora_dropout} {why}: adapter dropout in the fused step is not built",
+    )
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RoleConfig:
@@ -314,7 +343,9 @@ class RoleConfig:
     # micro-batches (GPipe); 0: S of them.
     pipeline_microbatches: int = 0
     # How this role's train steps schedule the pipeline micro-batches: "gpipe" or "1f1b"
-    # (jrlhf.models.config.PIPELINE_SCHEDULES; docs/pipelines.md).
+    # (jrlhf.models.config.PIPELINE_SCHEDULES; docs/pipelines.md). On the critic, "fused"
+    # (PPO only): each minibatch's actor and critic updates run as one fused bidirectional
+    # pipeline on their shared training mesh (jrlhf.runtime.fused_step; RLHFuse).
     pipeline_schedule: str = "gpipe"
     # LoRA (jrlhf.models.lora): lora_rank > 0 trains low-rank adapters on the lora_targets
     # projections (of q, k, v, o, gate, up, down) of this role's model, its base frozen; the
@@ -391,10 +422,18 @@ class RoleConfig:
             "must be >= 0 (0: one per pipeline stage)",
         )
         _check(
-            self.pipeline_schedule in PIPELINE_SCHEDULES,
+            self.pipeline_schedule in ROLE_PIPELINE_SCHEDULES,
             f"{f}.pipeline_schedule",
-            f"{self.pipeline_schedule!r} unknown (use one of {PIPELINE_SCHEDULES})",
+            f"{self.pipeline_schedule!r} unknown (use one of {ROLE_PIPELINE_SCHEDULES})",
         )
+        if self.pipeline_schedule == "fused":
+            _check(
+                role == "critic",
+                f"{f}.pipeline_schedule",
+                "'fused' is the critic's setting: it fuses the critic's PPO train steps into "
+                "the actor's pipeline (critic/RoleConfig.pipeline_schedule='fused')",
+            )
+            check_fused_role(self, role)
         if self.generate_mesh:
             _check(
                 "stage" not in MeshSpec.parse(self.generate_mesh).names,
@@ -1177,6 +1216,14 @@ def load_config(files: list[str], bindings: list[str]) -> Config:
             f"{rc.microbatch_tokens} is less than one row of TaskConfig.max_prompt_len + "
             f"max_response_len = {row_len} tokens",
         )
+    if cfg.roles["critic"].pipeline_schedule == "fused":
+        _check(
+            "grpo" not in cfg.run.stages,
+            "critic/RoleConfig.pipeline_schedule",
+            "'fused' trains the critic together with the actor, and the grpo stage trains no "
+            "critic (use it with the ppo stage)",
+        )
+        check_fused_role(cfg.roles["actor"], "actor")
     rl_stages = [s for s in cfg.run.stages if s in ("ppo", "grpo")]
     for stage in rl_stages or [None]:
         cfg.rl.validate(stage)

@@ -18,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrlhf import checkpoint
-from jrlhf.config import Config
+from jrlhf.config import Config, ConfigError
 from jrlhf.data.batch import fit_microbatches
 from jrlhf.meshes.batch import batch_shards, to_host
+from jrlhf.meshes.rules import axis_size, logical_to_spec
 from jrlhf.models.moe import rollout_routing_metrics
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.losses import actor_loss, critic_loss, make_advantage_fn
+from jrlhf.runtime import fused_schedule
+from jrlhf.runtime.fused_step import make_fused_train_step
 from jrlhf.runtime.guard import UpdateGuard
 from jrlhf.runtime.model_source import load_weights
 from jrlhf.runtime.roles import RoleSetup, make_infer
@@ -77,6 +80,58 @@ def shaped_scores(rl, max_response_len: int, arrays: Mapping[str, np.ndarray]) -
     return (arrays["scores"] - np.asarray(penalty)).astype(np.float32)
 
 
+def fused_step(
+    roles: Mapping[str, RoleSetup], opts: Mapping[str, Any], losses: Mapping[str, Any], rows: int
+):
+    """The fused actor-critic train step of ``rows``-row minibatches on the actor's and
+    critic's shared training mesh, on the schedule the search picks
+    (jrlhf.runtime.fused_schedule): every op one tick long (the program runs the stages in
+    lockstep), and no stage holding more micro-batch inputs than the larger of the two
+    models' 1F1B steps alone (``min(S, M)`` micro-batches; a micro-batch's input counts its
+    rows times the model's hidden size). One ConfigError when the meshes differ, have no stage
+    axis, or the rows do not split into a model's pipeline micro-batches."""
+    actor, critic = roles["actor"], roles["critic"]
+    setting = "critic/RoleConfig.pipeline_schedule"
+    meshes = [r.meshes["train"] for r in (actor, critic)]
+    same = (
+        meshes[0].shape == meshes[1].shape
+        and np.array_equal(meshes[0].device_ids, meshes[1].device_ids)
+        and actor.rules["train"] == critic.rules["train"]
+    )
+    if not same:
+        raise ConfigError(
+            f"{setting}: 'fused' needs the actor and the critic on one training mesh and rule "
+            f"set; actor {dict(meshes[0].shape)}, critic {dict(meshes[1].shape)}"
+        )
+    mesh, rules = meshes[0], actor.rules["train"]
+    stages = axis_size(mesh, logical_to_spec(("layers",), mesh, rules)[0])
+    if stages < 2:
+        raise ConfigError(
+            f"{setting}: 'fused' needs a stage axis of 2 or more in the actor's and critic's "
+            f"training mesh, got {dict(mesh.shape)}"
+        )
+    micro, memory = [], []
+    for r in (actor, critic):
+        m = r.model.config.pipeline_microbatches or stages
+        if rows % m:
+            raise ConfigError(
+                f"{r.name}/RoleConfig.pipeline_microbatches: the fused schedule cuts each "
+                f"minibatch's {rows} rows (RLConfig.minibatch_size) into {m} equal "
+                "micro-batches, which they do not make"
+            )
+        micro.append(m)
+        memory.append(rows // m * r.model.config.hidden_size)
+    limit = max(min(stages, m) * mem for m, mem in zip(micro, memory, strict=True))
+    found = fused_schedule.search(stages, micro, ((1.0, 1.0), (1.0, 1.0)), memory, limit)
+    return make_fused_train_step(
+        (actor.model, opts["actor"], losses["actor"]),
+        (critic.model, opts["critic"], losses["critic"]),
+        mesh,
+        rules,
+        found.schedule,
+    )
+
+
 class Update:
     """The trained roles' states and the steps that update them (``trained``: the actor, and the
     critic for PPO), built on their training meshes from their configured sources."""
@@ -113,6 +168,11 @@ class Update:
                 setup.model, self.opts[role], losses[role], mesh, rules,
                 microbatches=setup.config.microbatches,
             )  # fmt: skip
+        # critic/RoleConfig.pipeline_schedule='fused': each minibatch's actor and critic steps
+        # as one fused pipeline program (jrlhf.runtime.fused_step) instead of the two steps.
+        self.fused = None
+        if self.use_critic and roles["critic"].config.pipeline_schedule == "fused":
+            self.fused = fused_step(roles, self.opts, losses, self.rl.minibatch_size)
         # Off-policy correction: the actor's proximal log-probs, recomputed on its training mesh
         # with the weights the update starts from.
         self.prox_logprobs = None
@@ -280,6 +340,16 @@ class Update:
                 idx = order[start : start + mb]
                 batch, split = self.pack({k: arrays[k][idx] for k in fields}, "actor")
                 batch["kl_coef"] = np.full((len(idx),), kl_coef, np.float32)
+                if self.fused is not None:
+                    cbatch, csplit = self.pack({k: arrays[k][idx] for k in critic_fields}, "critic")
+                    actor, critic, m, cm = self.fused(
+                        self.states["actor"], self.states["critic"], batch, cbatch
+                    )
+                    self.states["actor"], self.states["critic"] = actor, critic
+                    splits["train/microbatches"].append(split)
+                    splits["train/critic/microbatches"].append(csplit)
+                    collected.append({**m, **{f"critic/{k}": v for k, v in cm.items()}})
+                    continue
                 step = self.steps["actor"]
                 self.states["actor"], m = step(self.states["actor"], batch, split)
                 splits["train/microbatches"].append(split)

@@ -74,6 +74,13 @@ def stage_start(cfg: Config, stage: str) -> str:
     return f"stage:{same_role[-1]}" if same_role else "tiny"
 
 
+def _model_field(rc: RoleConfig, field: str) -> Any:
+    """The model setting a RoleConfig field gives: a critic's 'fused' schedule is the PPO
+    update's (jrlhf.ppo.update), its model's own passes (scoring) run GPipe."""
+    value = getattr(rc, field)
+    return "gpipe" if field == "pipeline_schedule" and value == "fused" else value
+
+
 def _bound(role: str, field: str) -> bool:
     """Whether the loaded gin config binds ``RoleConfig.<field>`` for ``role`` (scoped or not)."""
     for name in (f"{role}/RoleConfig.{field}", f"RoleConfig.{field}"):
@@ -128,9 +135,9 @@ def resolve_base(
     head = ROLE_HEADS[role]
     fields = model_overrides(rc)
     if preset is not None:
-        fields.update({f: getattr(rc, f) for f in _ROLE_MODEL_FIELDS if _bound(role, f)})
+        fields.update({f: _model_field(rc, f) for f in _ROLE_MODEL_FIELDS if _bound(role, f)})
         return ModelSource(ModelDef(get_preset(preset).replace(**fields), head), None)
-    fields.update({f: getattr(rc, f) for f in _ROLE_MODEL_FIELDS})
+    fields.update({f: _model_field(rc, f) for f in _ROLE_MODEL_FIELDS})
     kind, _, where = (init or rc.init).partition(":")
     if kind == "stage":
         if run_dir is None:

@@ -167,6 +167,44 @@ def init_train_state(
     return _state_init_program(model, optimizer, mesh, rules, False)(params)
 
 
+def apply_update(
+    model: ModelDef,
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    value: jax.Array,
+    metrics: dict[str, jax.Array],
+    grads: Params,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer step of a train step (traced inside its jit): ``state`` updated with
+    ``grads`` unless the loss or gradient norm is not finite, and the step's metrics (``loss``,
+    ``grad_norm``, ``skipped`` added)."""
+    grad_norm = optax.tree.norm(grads)
+    # The guard (jrlhf.runtime.guard): an update whose loss or gradient norm is not finite
+    # is skipped, the state kept as it was; the caller counts skips in a row. The decision
+    # is taken before the update, so the keep-or-replace select fuses into the update's
+    # own elementwise passes and the donated state is updated in place. Deciding on the
+    # new parameters' finiteness too would need the old and the new state side by side
+    # and three more passes over them (docs/plans.md, "the optimizer update's compiled
+    # passes"). With finite gradients an AdamW step overflows only where the settings are
+    # absurd (a learning rate near the float range, learning rate x weight decay above 2,
+    # float16 parameters whose eps and squared gradients round to zero). That case is
+    # still caught but not undone: it and every update after it (the parameters stay
+    # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
+    # refuses to save such a state.
+    ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+    trainable = model.trainable(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    updated = (state.step + 1, optax.apply_updates(trainable, updates), opt_state)
+    old = (state.step, trainable, state.opt_state)
+    step_n, trainable, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), updated, old
+    )
+    new_state = TrainState(step_n, model.with_trainable(state.params, trainable), opt_state)
+    ok = ok & tree_is_finite(trainable)
+    metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
+    return new_state, metrics
+
+
 @shared_program()
 def make_train_step(
     model: ModelDef,
@@ -243,31 +281,7 @@ def make_train_step(
                     )
                     weight = jnp.maximum(weight, 1e-9)
                     value, metrics, grads = jax.tree.map(lambda x: x / weight, tuple(total))
-            grad_norm = optax.tree.norm(grads)
-            # The guard (jrlhf.runtime.guard): an update whose loss or gradient norm is not finite
-            # is skipped, the state kept as it was; the caller counts skips in a row. The decision
-            # is taken before the update, so the keep-or-replace select fuses into the update's
-            # own elementwise passes and the donated state is updated in place. Deciding on the
-            # new parameters' finiteness too would need the old and the new state side by side
-            # and three more passes over them (docs/plans.md, "the optimizer update's compiled
-            # passes"). With finite gradients an AdamW step overflows only where the settings are
-            # absurd (a learning rate near the float range, learning rate x weight decay above 2,
-            # float16 parameters whose eps and squared gradients round to zero). That case is
-            # still caught but not undone: it and every update after it (the parameters stay
-            # non-finite) are reported ``skipped``, so the guard stops the run, and check_finite
-            # refuses to save such a state.
-            ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-            trainable = model.trainable(state.params)
-            updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-            updated = (state.step + 1, optax.apply_updates(trainable, updates), opt_state)
-            old = (state.step, trainable, state.opt_state)
-            step_n, trainable, opt_state = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old), updated, old
-            )
-            new_state = TrainState(step_n, model.with_trainable(state.params, trainable), opt_state)
-            ok = ok & tree_is_finite(trainable)
-            metrics = dict(metrics, loss=value, grad_norm=grad_norm, skipped=1.0 - ok)
-            return new_state, metrics
+            return apply_update(model, optimizer, state, value, metrics, grads)
 
         return jax.jit(
             step,
