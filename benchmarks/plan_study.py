@@ -7,7 +7,9 @@
 For a 7B and a 70B actor + critic PPO setup (reference and reward the same size as the actor), on
 8, 16, 32, 64 and 128 devices of a profile (H100 by default), it reports the best variant of each
 named strategy (flatten, interleave, separate, each tuned over tensor sizes) and the searched
-plan. With ``--reasoning``: long-reasoning GRPO (responses up to 16k tokens, long-tailed) on 64,
+plan; the same for GRPO, for a Qwen3-30B-A3B-shaped mixture-of-experts GRPO on 8 to 64 devices
+(``--moe``) and a 405B GRPO on 1,024 (``--large``), and what the expert and stage axes did.
+With ``--reasoning``: long-reasoning GRPO (responses up to 16k tokens, long-tailed) on 64,
 128 and 1,024 devices under the synchronous, bounded-staleness and partial-rollout schedules, and
 the bytes that cross between the generating and the training group. Every number is the cost
 estimator's (jrlhf.placement.estimator) from the profile's datasheet rates: an estimate, not a
@@ -29,7 +31,12 @@ from jrlhf.placement.search import SearchResult, peak_memory_bytes, search
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 DEVICES = (8, 16, 32, 64, 128)
-MODELS = {"7B": "llama2_7b", "70B": "llama2_70b", "405B": "llama3_405b"}
+MODELS = {
+    "7B": "llama2_7b",
+    "70B": "llama2_70b",
+    "405B": "llama3_405b",
+    "30B-A3B": "qwen3_30b_a3b",
+}
 ALGORITHMS = ("ppo", "grpo")
 # GRPO as its seeds run it: groups of samples per prompt, a verifiable (Python) reward, no
 # critic; the same 512 rows per iteration as the PPO workload.
@@ -38,6 +45,10 @@ GRPO = dict(prompts=64, samples_per_prompt=8)
 # shorter anneal (each estimate walks 1,024 devices).
 LARGE = ("grpo", "405B", 1024)
 LARGE_SEARCH = dict(steps=6000, restarts=2)
+# A mixture of experts: a Qwen3-30B-A3B-shaped GRPO actor and reference (128 experts, 8 chosen
+# per token: 3.3B of its 30.5B parameters active) on 8 to 64 devices, where the search may split
+# the experts over an expert axis.
+MOE = tuple(("grpo", "30B-A3B", n) for n in (8, 16, 32, 64))
 # A typical PPO iteration (the scale of ReaL's and HybridFlow's experiments).
 WORKLOAD = dict(
     prompts=512,
@@ -132,8 +143,9 @@ def _ratio(a, b) -> str:
 
 
 def compact(plan, roles=None) -> str:
-    """``gen 64(t8)@0 | ref,rew,crit-inf 64(t8)@64 | ...``: calls grouped by identical slot;
-    with ``roles``, only the calls of those roles (GRPO has no critic or reward model)."""
+    """``gen 64(t8)@0 | ref,rew,crit-inf 64(t8)@64 | ...``: calls grouped by identical slot
+    (``s2``: 2 pipeline stages, ``e4``: experts split 4 ways); with ``roles``, only the calls
+    of those roles (GRPO has no critic or reward model)."""
     short = {
         "actor_generate": "gen",
         "reference_infer": "ref",
@@ -147,7 +159,13 @@ def compact(plan, roles=None) -> str:
         if roles is not None and call.split("_")[0] not in roles:
             continue
         ids = sorted(p.mesh.device_ids())
-        key = f"{len(ids)}(t{p.mesh.shape.get('tensor', 1)})@{ids[0]}"
+        shape = p.mesh.shape
+        extra = "".join(
+            f",{short_axis}{shape[axis]}"
+            for axis, short_axis in (("stage", "s"), ("expert", "e"))
+            if shape.get(axis, 1) > 1
+        )
+        key = f"{len(ids)}(t{shape.get('tensor', 1)}{extra})@{ids[0]}"
         groups.setdefault(key, []).append(short[call])
     return " / ".join(f"{','.join(calls)} {key}" for key, calls in groups.items())
 
@@ -166,9 +184,24 @@ def knobs_row(best) -> str:
         f"{k} {v / 2**30:.1f}" for k, v in e.memory_breakdown.get(call, {}).items() if v >= 2**27
     )
     return (
-        f"{w.infer_batch_size or 'all'} | {mb} | {remat} | {w.generation_copy} | {offload} "
-        f"| {call} | {e.memory_bytes[call] / 2**30:.1f}: {parts} |"
+        f"{w.infer_batch_size or 'all'} | {mb} | {remat} | {pipeline_cell(best)} | "
+        f"{w.generation_copy} | {offload} | {call} | {e.memory_bytes[call] / 2**30:.1f}: {parts} |"
     )
+
+
+def pipeline_cell(best) -> str:
+    """The pipeline micro-batches and schedule of each staged call of a plan ('-': none)."""
+    cells = []
+    for call, p in best.plan.placements:
+        role = call.split("_")[0]
+        stages = p.mesh.shape.get("stage", 1)
+        if stages <= 1 or role not in best.estimate.workload.models():
+            continue
+        cfg = getattr(best.estimate.workload, role)
+        schedule = cfg.pipeline_schedule if call.endswith("train") else "gpipe"
+        micro = cfg.pipeline_microbatches or stages
+        cells.append(f"{call} {stages} stages x {micro} ({schedule})")
+    return ", ".join(cells) or "-"
 
 
 def tables(cases: list[Case], profile) -> str:
@@ -184,8 +217,13 @@ def tables(cases: list[Case], profile) -> str:
         f"fp32 AdamW moments, remat `{REMAT}` (these batch and memory knobs are the "
         f"starting point: the search chooses them per plan, `tune_batches`). GRPO workload: "
         f"{GRPO['prompts']} prompts x {GRPO['samples_per_prompt']} samples (the same rows), "
-        f"actor and reference only (a verifiable reward, no critic). Search: {SEARCH}; the "
-        f"{LARGE[1]} {LARGE[0].upper()} case on {LARGE[2]} devices: {LARGE_SEARCH}.",
+        f"actor and reference only (a verifiable reward, no critic). {MOE[0][1]}: a "
+        f"`{MODELS[MOE[0][1]]}`-shaped mixture of experts (128 experts, 8 chosen per token) "
+        f"in the GRPO workload. Search: {SEARCH}; the "
+        f"{LARGE[1]} {LARGE[0].upper()} case on {LARGE[2]} devices: {LARGE_SEARCH}. Plans may "
+        "split a mixture of experts' experts over an `expert` axis (e), and the layers of "
+        "models whose weights and AdamW moments do not fit one node over pipeline stages "
+        "(s, whole nodes each; pipeline micro-batches and GPipe or 1F1B chosen per plan).",
         "",
         "Estimated seconds per iteration (best variant of each strategy; OOM: no variant fits, "
         "with the least peak memory per device among them):",
@@ -229,13 +267,14 @@ def tables(cases: list[Case], profile) -> str:
     lines += [
         "",
         "Knobs the search chose with the searched plan (scoring chunk in rows, micro-batches and "
-        "remat policy of the actor's / critic's training call, generation copy, state offloaded "
+        "remat policy of the actor's / critic's training call, pipeline stages x micro-batches "
+        "(schedule) of staged calls, generation copy, state offloaded "
         "to host memory and the seconds its copies add) and the memory of its fullest call "
         "(GiB on its most loaded device):",
         "",
-        "| algorithm | model | devices | chunk | micro-batches | remat | generation copy "
-        "| offload | fullest call | its memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| algorithm | model | devices | chunk | micro-batches | remat | pipeline "
+        "| generation copy | offload | fullest call | its memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         if c.result is None:
@@ -265,8 +304,107 @@ def tables(cases: list[Case], profile) -> str:
                 )
                 + f" | {peak_memory_bytes(r.estimate) / 2**30:.0f} |"
             )
+    lines += axes_text(cases, profile)
     lines += overlap_tables(cases, profile)
     return "\n".join(lines) + "\n"
+
+
+def with_axes(plan, w, calls, per_node: int, stages: int | None = None, experts: int | None = None):
+    """``plan`` with ``calls`` given ``stages`` / ``experts`` (None: as they are) on their
+    slots, or None when a placement is not a slot or the change is not a valid slot."""
+    from jrlhf.placement.candidates import build_plan, call_models, slot_problem, slots_of
+
+    slots, models = slots_of(plan), call_models(w)
+    if slots is None:
+        return None
+    for call in calls:
+        change = {k: v for k, v in (("stages", stages), ("experts", experts)) if v is not None}
+        slots[call] = dataclasses.replace(slots[call], **change)
+        n = plan.num_devices()
+        if slot_problem(call, models[call], slots[call], n, devices_per_node=per_node):
+            return None
+    return build_plan(plan.name, slots)
+
+
+def axes_text(cases: list[Case], profile) -> list[str]:
+    """What the expert and stage axes did, in words, from the cases' searched plans: the
+    expert-split plans against the same plans with the experts unsplit, and for the cases
+    whose models the search offered stages, the searched plan staged (every training and
+    scoring call, each stage count the model and slices admit) against it."""
+    from jrlhf.placement.estimator import estimate_tuned
+    from jrlhf.placement.search import staged_calls
+
+    lines = ["", "Expert and pipeline-stage axes (the search proposes both, `jrlhf.placement."
+             "search`):", ""]  # fmt: skip
+    for c in cases:
+        if c.result is None:
+            continue
+        best, w = c.result.best, workload_for(c.size, c.devices, c.algorithm)
+        calls = [x for x, _ in best.plan.placements if x != "actor_generate"]
+        per_node = min(profile.devices_per_node, c.devices)
+        name = f"{c.algorithm.upper()} {c.size} on {c.devices}"
+        strategies = min(
+            (b.cost for b in c.result.baselines.values() if b.estimate.fits), default=math.inf
+        )
+        staged = staged_calls(w, profile, per_node)
+        if not best.estimate.fits:
+            if staged or w.actor.is_moe:
+                axes = "stages" if staged else "expert axes"
+                lines.append(
+                    f"- {name}: {axes} offered, and still no plan found fits (the least over "
+                    f"memory: {_secs(best)}, {compact(best.plan, w.models())})."
+                )
+            continue
+        if w.actor.is_moe:
+            ways = sorted({best.plan[x].mesh.shape.get("expert", 1) for x in calls} - {1})
+            plain = with_axes(best.plan, w, calls, per_node, experts=1)
+            e = estimate_tuned(plain, w, profile) if plain is not None else None
+            unsplit = _seconds(e) if e is not None else "n/a"
+            lines.append(
+                f"- {name}: the searched plan ({best.cost:.1f} s) splits the experts "
+                + (f"{' / '.join(map(str, ways))} ways" if ways else "nowhere")
+                + f"; the same plan with the experts unsplit: {unsplit}; the best strategy "
+                f"(never split): {_secs_or_oom(strategies)}."
+            )
+        if staged:
+            moved = [x for x in calls if x in staged]
+            has = sorted({best.plan[x].mesh.shape.get("stage", 1) for x in calls} - {1})
+            offered = (
+                f"stages offered to {', '.join(sorted(staged))} (its state does not fit one node)"
+            )
+            if has:
+                plain = with_axes(best.plan, w, moved, per_node, stages=1)
+                e = estimate_tuned(plain, w, profile) if plain is not None else None
+                shown = _seconds(e) if e is not None else "n/a"
+                lines.append(
+                    f"- {name}: {offered}; the searched plan ({best.cost:.1f} s) pipelines over "
+                    f"{' / '.join(map(str, has))} stages; the same plan unstaged: {shown}; the "
+                    f"best strategy (never staged): {_secs_or_oom(strategies)}."
+                )
+                continue
+            tried = []
+            for stages in (2, 4, 8):
+                plan = with_axes(best.plan, w, moved, per_node, stages=stages)
+                if plan is not None:
+                    tried.append(f"{stages} stages {_seconds(estimate_tuned(plan, w, profile))}")
+            lines.append(
+                f"- {name}: {offered}; the searched plan ({best.cost:.1f} s) has none; the same "
+                "plan with those calls staged: "
+                + ("; ".join(tried) if tried else "no stage count divides its slices")
+                + "."
+            )
+    return lines
+
+
+def _secs_or_oom(seconds: float) -> str:
+    return f"{seconds:.1f} s" if math.isfinite(seconds) else "none fits"
+
+
+def _seconds(estimate) -> str:
+    """'12.3 s', or 'OOM (N GiB)' for an estimate that does not fit."""
+    if not estimate.fits:
+        return f"OOM ({peak_memory_bytes(estimate) / 2**30:.0f} GiB)"
+    return f"{estimate.iteration_seconds:.1f} s"
 
 
 # The long-tailed response lengths the fusion estimate uses: jrlhf.tasks.longtail's law (a
@@ -584,11 +722,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plan_study", description=__doc__)
     p.add_argument("--device-kind", default="h100")
     p.add_argument("--devices", type=int, nargs="*", default=list(DEVICES))
-    p.add_argument("--models", nargs="*", default=["7B", "70B"], choices=list(MODELS))
+    p.add_argument("--models", nargs="*", default=["7B", "70B"], choices=list(MODELS)[:3])
     p.add_argument("--algorithms", nargs="*", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument(
         "--large", action=argparse.BooleanOptionalAction, default=True, help=f"add {LARGE}"
     )
+    p.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True, help=f"add {MOE}")
     p.add_argument("--update", type=Path, help="rewrite the generated part of this markdown file")
     p.add_argument("--jobs", type=int, default=1, help="cases searched in parallel processes")
     p.add_argument(
@@ -604,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
             args.devices = sorted({n for _, n in REASONING_CASES})
         return reasoning_main(args, profile)
     todo = [(a, size, n) for a in args.algorithms for size in args.models for n in args.devices]
+    if args.moe:
+        todo += [c for c in MOE if c[2] in args.devices]
     if args.large:
         todo.append(LARGE)
     extra: dict = {}

@@ -1,16 +1,20 @@
 """The search space of execution plans: per-call candidate placements, checked arithmetically.
 
 A call's placement is abstracted as a ``Slot``: a contiguous, aligned, power-of-two slice of the
-devices ``[start, start + size)`` and a tensor-parallel size. Training and inference calls lay
-their model out as ``fsdp x tensor`` with the ``fsdp_tp`` rules; generation as ``data x tensor``
-with ``dp_tp`` (no FSDP: each decode step must read its weights locally). Power-of-two aligned
-slices are the sub-meshes that nest cleanly (ReaL's device-mesh candidates are the same shape);
-they keep the space small without excluding the placements the literature uses.
+devices ``[start, start + size)``, a tensor-parallel size and, for training and inference, a
+pipeline stage count and an expert-parallel size. Training and inference calls lay their model
+out as ``stage x fsdp x expert x tensor`` with the ``fsdp_tp`` rules (the stage and expert axes
+only where they are above 1); generation as ``data x tensor`` with ``dp_tp`` (no FSDP: each
+decode step must read its weights locally; no stages: pipelined decode is not built).
+Power-of-two aligned slices are the sub-meshes that nest cleanly (ReaL's device-mesh candidates
+are the same shape); they keep the space small without excluding the placements the literature
+uses.
 
-Everything is checked from the model's dimensions alone, with no devices, so a plan for 128 H100s
-can be searched on a laptop: a tensor size must divide the attention heads, the KV heads, the MLP
-width and the vocabulary (the rules shard all four over ``tensor``), the FSDP size must divide the
-hidden size (``embed`` is sharded over ``fsdp``), and the batch must split over the batch axes.
+Pipeline stages (jrlhf.models.pipeline) split the layers: the stage count must divide the
+layer count, and each stage is a whole number of nodes (a slice spanning several nodes), since
+inside a node tensor parallelism and FSDP move less than a pipeline's bubble costs
+(docs/pipelines.md). An expert axis (jrlhf.models.moe) splits a mixture of experts' experts: its
+size divides ``num_experts``, and it carries batch rows outside the routed MLP as ``fsdp`` does.
 
 Tensor parallelism stays inside a node, with one exception: generation may span two nodes
 (``GENERATION_NODES``), as 405B-class models are served (a 405B model's bf16 weights are 94.5 GiB
@@ -38,13 +42,21 @@ KV_REPLICATED_RULES = "dp_tp_kv_replicated"
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Slot:
-    """A call's devices ``[start, start + size)`` and tensor size (the rest is fsdp or data);
-    ``rules``: a rule set other than the phase's (generation with replicated KV heads)."""
+    """A call's devices ``[start, start + size)``, tensor size, pipeline stages and expert ways
+    (the rest is fsdp or data); ``rules``: a rule set other than the phase's (generation with
+    replicated KV heads)."""
 
     start: int
     size: int
     tensor: int = 1
     rules: str | None = None
+    stages: int = 1
+    experts: int = 1
+
+    @property
+    def fsdp(self) -> int:
+        """The fsdp (or, for generation, data) size: what the other axes leave of the slice."""
+        return self.size // (self.tensor * self.stages * self.experts)
 
     @property
     def devices(self) -> range:
@@ -52,11 +64,14 @@ class Slot:
 
     def __str__(self) -> str:
         kv = "kvrep" if self.rules == KV_REPLICATED_RULES else ""
-        return f"{self.size}x(t{self.tensor}{kv})@{self.start}"
+        extra = (f",s{self.stages}" if self.stages > 1 else "") + (
+            f",e{self.experts}" if self.experts > 1 else ""
+        )
+        return f"{self.size}x(t{self.tensor}{kv}{extra})@{self.start}"
 
     @property
-    def shape_key(self) -> tuple[int, int, int]:
-        return (self.start, self.size, self.tensor)
+    def shape_key(self) -> tuple[int, int, int, int, int]:
+        return (self.start, self.size, self.tensor, self.stages, self.experts)
 
 
 def is_pow2(n: int) -> bool:
@@ -113,32 +128,68 @@ def slot_problem(
     """Why ``slot`` is not a valid placement of ``call`` (None when it is).
 
     ``batch`` is the number of rows the call's batch axis carries (the train minibatch, or the
-    iteration's samples for inference and generation); it must split over ``size / tensor``.
+    iteration's samples for inference and generation); it must split over the batch shards
+    (``fsdp x expert``).
     """
     start, size, tensor = slot.start, slot.size, slot.tensor
+    stages, experts = slot.stages, slot.experts
     if size < 1 or start < 0 or start + size > num_devices:
         return f"slice {start}..{start + size - 1} is outside the {num_devices} devices"
-    if not is_pow2(tensor):
-        return f"tensor={tensor} is not a power of two"
+    for name, value in (("tensor", tensor), ("stages", stages), ("experts", experts)):
+        if not is_pow2(value):
+            return f"{name}={value} is not a power of two"
     generating = call == GENERATE_CALL
     if tensor > devices_per_node * (GENERATION_NODES if generating else 1):
         span = f"{GENERATION_NODES} nodes" if generating else "a node"
         return f"tensor={tensor} exceeds the devices of {span} ({devices_per_node} per node)"
-    if size % tensor:
-        return f"tensor={tensor} does not divide the slice of {size} devices"
+    if size % (tensor * stages * experts):
+        return (
+            f"tensor={tensor} x stages={stages} x experts={experts} does not divide the slice "
+            f"of {size} devices"
+        )
     if slot.rules not in (None, KV_REPLICATED_RULES) or (slot.rules and not generating):
         return f"rule set {slot.rules!r} is not a candidate for {call}"
+    if generating and (stages > 1 or experts > 1):
+        return "generation meshes take no stage or expert axis (pipelined decode is not built)"
+    if stages > 1 and size // stages < devices_per_node:
+        return f"stages={stages}: each stage must hold whole nodes ({devices_per_node} devices)"
     if model is not None:
         problem = tensor_problem(model, tensor, kv_replicated=slot.rules == KV_REPLICATED_RULES)
         if problem:
             return problem
-        shards = size // tensor
-        if call != GENERATE_CALL and model.hidden_size % shards:
-            return f"fsdp={shards} does not divide hidden_size={model.hidden_size}"
+        if model.num_layers % stages:
+            return f"stages={stages} does not divide num_layers={model.num_layers}"
+        if experts > 1 and (not model.is_moe or model.num_experts % experts):
+            return f"experts={experts} does not divide num_experts={model.num_experts}"
+        if call != GENERATE_CALL and model.hidden_size % slot.fsdp:
+            return f"fsdp={slot.fsdp} does not divide hidden_size={model.hidden_size}"
     # Generation is exempt: the trainer rounds decode slots up to the data shards.
-    if batch is not None and call != GENERATE_CALL and batch % (size // tensor):
-        return f"batch of {batch} rows does not split over fsdp={size // tensor}"
+    if batch is not None and call != GENERATE_CALL and batch % (slot.fsdp * experts):
+        axes = f"fsdp={slot.fsdp}" + (f" x expert={experts}" if experts > 1 else "")
+        return f"batch of {batch} rows does not split over {axes}"
     return None
+
+
+def stage_options(model: ModelConfig | None, size: int, devices_per_node: int) -> list[int]:
+    """Stage counts to try on a slice of ``size`` devices: powers of two that divide the layers
+    and leave each stage whole nodes (1 always)."""
+    out, s = [1], 2
+    while model is not None and size // s >= devices_per_node and s <= model.num_layers:
+        if model.num_layers % s == 0:
+            out.append(s)
+        s *= 2
+    return out
+
+
+def expert_options(model: ModelConfig | None, size: int) -> list[int]:
+    """Expert-parallel sizes to try: powers of two that divide a mixture of experts' experts
+    (1 always; only 1 for a dense model)."""
+    out, e = [1], 2
+    while model is not None and model.is_moe and e <= min(size, model.num_experts):
+        if model.num_experts % e == 0:
+            out.append(e)
+        e *= 2
+    return out
 
 
 def call_candidates(
@@ -149,21 +200,35 @@ def call_candidates(
     batch: int | None = None,
     devices_per_node: int = DEVICES_PER_NODE,
     max_tensor: int | None = None,
+    stages: bool = True,
 ) -> list[Slot]:
-    """Every valid slot of ``call`` on ``num_devices`` devices (aligned power-of-two slices)."""
-    node_span = devices_per_node * (GENERATION_NODES if call == GENERATE_CALL else 1)
+    """Every valid slot of ``call`` on ``num_devices`` devices (aligned power-of-two slices;
+    for training and inference every expert size and, with ``stages``, every stage count that
+    splits the model)."""
+    generating = call == GENERATE_CALL
+    node_span = devices_per_node * (GENERATION_NODES if generating else 1)
     limit = min(node_span, max_tensor or node_span)
     out = []
     for start, size in slices(num_devices):
+        staged = stages and not generating
+        stage_counts = stage_options(model, size, devices_per_node) if staged else [1]
+        expert_sizes = [1] if generating else expert_options(model, size)
         tensor = 1
         while tensor <= min(size, limit):
-            rules = generation_rules(model, tensor) if call == GENERATE_CALL else None
-            slot = Slot(start, size, tensor, rules)
-            problem = slot_problem(
-                call, model, slot, num_devices, batch=batch, devices_per_node=devices_per_node
-            )
-            if problem is None:
-                out.append(slot)
+            rules = generation_rules(model, tensor) if generating else None
+            for count in stage_counts:
+                for experts in expert_sizes:
+                    slot = Slot(start, size, tensor, rules, count, experts)
+                    problem = slot_problem(
+                        call,
+                        model,
+                        slot,
+                        num_devices,
+                        batch=batch,
+                        devices_per_node=devices_per_node,
+                    )
+                    if problem is None:
+                        out.append(slot)
             tensor *= 2
     return out
 
@@ -179,7 +244,14 @@ def placement(call: str, slot: Slot, actor_train: CallPlacement | None = None) -
             return CallPlacement(mesh, rules)
         axes = (("data", slot.size // slot.tensor), ("tensor", slot.tensor))
         return CallPlacement(MeshSpec(axes, tuple(slot.devices)), rules)
-    axes = (("fsdp", slot.size // slot.tensor), ("tensor", slot.tensor))
+    # stages outermost (each stage whole nodes), the expert axis next to tensor (its dispatch
+    # and combine are an all-gather and a reduce-scatter per layer); sizes of 1 are left out
+    axes = (
+        (("stage", slot.stages),) * (slot.stages > 1)
+        + (("fsdp", slot.fsdp),)
+        + (("expert", slot.experts),) * (slot.experts > 1)
+        + (("tensor", slot.tensor),)
+    )
     return CallPlacement(MeshSpec(axes, tuple(slot.devices)), PHASE_RULES[CALLS[call][1]])
 
 
@@ -191,16 +263,32 @@ def build_plan(name: str, slots: Mapping[str, Slot]) -> ExecutionPlan:
 
 
 def slot_of(placement_: CallPlacement) -> Slot | None:
-    """The slot a placement occupies, or None when it is not a contiguous (X, tensor) slice."""
+    """The slot a placement occupies, or None when it is not a contiguous slice with the axes
+    ``placement`` lays out ((stage,) X, (expert,) tensor)."""
     mesh = placement_.mesh
     ids = sorted(mesh.device_ids())
     if ids != list(range(ids[0], ids[0] + len(ids))):
         return None
-    names = mesh.names
-    if len(names) > 2 or (len(names) == 2 and names[1] != "tensor"):
+    names = list(mesh.names)
+    if names[:1] == ["stage"]:
+        names = names[1:]
+    if not names:
+        return None
+    if len(names) > 1 and names[-1] != "tensor":
+        return None
+    inner = names[1:-1] if len(names) > 1 else []
+    if len(names) > 3 or inner not in ([], ["expert"]) or names[0] in ("stage", "expert"):
         return None
     rules = placement_.rules if placement_.rules == KV_REPLICATED_RULES else None
-    return Slot(ids[0], len(ids), mesh.shape.get("tensor", 1), rules)
+    shape = mesh.shape
+    return Slot(
+        ids[0],
+        len(ids),
+        shape.get("tensor", 1),
+        rules,
+        shape.get("stage", 1),
+        shape.get("expert", 1),
+    )
 
 
 def slots_of(plan: ExecutionPlan) -> dict[str, Slot] | None:

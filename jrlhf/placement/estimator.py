@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 import types
 from collections.abc import Mapping, Sequence
@@ -76,7 +77,7 @@ from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.meshes.mesh import MeshSpec, pick_replicas, replica_groups
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
 from jrlhf.models import lora as lora_lib
-from jrlhf.models.config import ModelConfig
+from jrlhf.models.config import PIPELINE_SCHEDULES, ModelConfig
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.model_def import ModelDef
 from jrlhf.placement.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
@@ -135,12 +136,22 @@ class PlanEstimate:
 
 
 # ------------------------------------------------------------------------ sharding arithmetic
-@functools.lru_cache(maxsize=64)
 def _param_table(
     cfg: ModelConfig, head: str, lora: LoraConfig | None = None
 ) -> tuple[tuple[str, tuple, tuple[int, ...], int], ...]:
     """(path, logical axes, shape, itemsize) per parameter, from the model's abstract state
     (with ``lora``: the LoRA model's, adapters included)."""
+    # The knobs the tuner varies per plan do not change the parameter tree: one table serves
+    # every remat policy and pipeline schedule (each table traces the model's abstract state).
+    if (cfg.remat_policy, cfg.pipeline_microbatches, cfg.pipeline_schedule) != ("none", 0, "gpipe"):
+        cfg = replace(cfg, remat_policy="none", pipeline_microbatches=0, pipeline_schedule="gpipe")
+    return _param_table_of(cfg, head, lora)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_table_of(
+    cfg: ModelConfig, head: str, lora: LoraConfig | None
+) -> tuple[tuple[str, tuple, tuple[int, ...], int], ...]:
     model = ModelDef(cfg, head, lora)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
     axes, treedef = jax.tree_util.tree_flatten_with_path(model.logical_axes, is_leaf=is_axes)
@@ -499,7 +510,8 @@ def _gathered_weight_bytes(cfg, head, p: CallPlacement, g: _Geometry) -> float:
     """FSDP: bytes of weights a device must fetch over one forward (its tensor shard of every
     layer, minus what it holds): the all-gather traffic, not the memory it occupies at once
     (``_gather_buffer_bytes``)."""
-    if g.stages > 1:  # a device gathers its own stage's layers only
+    if g.stages > 1 or g.experts > 1:
+        # a device gathers its own stage's layers only, and its own expert group's experts
         return max(0.0, _used_weight_bytes(cfg, head, p) - shard_bytes(cfg, head, p))
     full = sum(math.prod(s) * size for _, _, s, size in _param_table(cfg, head))
     return max(0.0, full / g.tensor - shard_bytes(cfg, head, p))
@@ -1728,6 +1740,32 @@ def _remat_options(cfg: ModelConfig) -> list[str]:
     return out
 
 
+def pipeline_micro_options(stages: int, rows_per_shard: int) -> list[int]:
+    """Pipeline micro-batch counts to try for a pass over ``stages`` stages whose rows give each
+    batch shard ``rows_per_shard``: the divisors of those rows from ``stages`` (fewer leave
+    stages idle; more than rows pads) up to eight times it (each micro-batch pays a stage's
+    launches and sends), so every micro-batch splits evenly over the shards, as the 1F1B
+    schedule needs. With fewer rows than stages, all the rows one each."""
+    if stages <= 1:
+        return []
+    out = [d for d in range(stages, 8 * stages + 1) if rows_per_shard % d == 0]
+    return out or [rows_per_shard]
+
+
+def _staged_scoring_roles(w: Workload, plan: ExecutionPlan, profile: DeviceProfile):
+    """(role, stages, batch shards) of the frozen scoring roles whose call has stages (their
+    pipeline micro-batches go with the scoring chunk; the critic's go with its training)."""
+    out = []
+    for call in INFERENCE_CALLS:
+        role = CALLS[call][0]
+        if role not in w.models() or role == "critic":
+            continue
+        g = _geometry(plan[call], profile)
+        if g.stages > 1:
+            out.append((role, g.stages, g.batch))
+    return out
+
+
 def _residency_options(w: Workload, profile: DeviceProfile) -> list[tuple[str, tuple[str, ...]]]:
     """(generation_copy, offload) settings to try, fewest knobs first (they win ties). Offload
     only where the profile knows the host link's bandwidth."""
@@ -1800,24 +1838,33 @@ def tune_batches(
     infer_calls = [c for c in INFERENCE_CALLS if c in active]
     # largest chunk first, so a tie in time keeps the fewer calls
     chunks = sorted(_divisors(w.rows), reverse=True)
-    groups.append(
-        (
-            infer_calls,
-            priced(
-                infer_calls,
-                [
-                    ({"infer_batch_size": 0 if c == w.rows else c}, replace(w, infer_batch_size=c))
-                    for c in chunks
-                ],
-            ),
-        )
-    )
+    staged = _staged_scoring_roles(w, plan, profile) if memory_knobs else []
+    chunk_variants = []
+    for c in chunks:
+        change: dict = {"infer_batch_size": 0 if c == w.rows else c}
+        # staged frozen scorers: pipeline micro-batches a common multiple of their stages
+        options = [
+            {
+                role: replace(getattr(w, role), pipeline_microbatches=k * stages)
+                for role, stages, _ in staged
+            }
+            for k in (1, 2, 4, 8)
+            if all(
+                c % shards == 0 and (c // shards) % (k * stages) == 0
+                for _, stages, shards in staged
+            )
+        ] or [{}]
+        for models in options:
+            both = {**change, **models}
+            chunk_variants.append((both, replace(w, infer_batch_size=c, **models)))
+    groups.append((infer_calls, priced(infer_calls, chunk_variants)))
     for role in ("actor", "critic"):
         call = f"{role}_train"
         if call not in active:
             continue
         cfg = getattr(w, role)
         policies = _remat_options(cfg) if memory_knobs else [cfg.remat_policy]
+        g = _geometry(plan[call], profile)
         variants = []
         for policy in policies:
             rcfg = replace(cfg, remat_policy=policy) if policy != cfg.remat_policy else cfg
@@ -1825,7 +1872,17 @@ def tune_batches(
             budget = w.microbatch_tokens(role)
             for m in [None] if budget else _divisors(min(w.minibatch_size, w.rows)):
                 change = {role: rcfg} if m is None else {f"{role}_microbatches": m, role: rcfg}
-                variants.append((change, replace(w, **change)))
+                # with stages: the pipeline micro-batches and the schedule of each step
+                rows = -(-min(w.minibatch_size, w.rows) // (m or w.microbatches(role, g.batch)))
+                pipes = pipeline_micro_options(g.stages, rows // g.batch) if memory_knobs else []
+                for micro, schedule in itertools.product(pipes, PIPELINE_SCHEDULES):
+                    if schedule == "1f1b" and rows % micro:
+                        continue
+                    piped = replace(rcfg, pipeline_microbatches=micro, pipeline_schedule=schedule)
+                    staged_change = {**change, role: piped}
+                    variants.append((staged_change, replace(w, **staged_change)))
+                if not pipes:
+                    variants.append((change, replace(w, **change)))
         groups.append(([call], priced([call], variants)))
 
     settings = _residency_options(w, profile) if memory_knobs else []
@@ -1899,6 +1956,12 @@ def batch_bindings(workload: Workload) -> list[str]:
             m = getattr(workload, f"{role}_microbatches")
             lines.append(f"{role}/RoleConfig.microbatches = {m}")
         lines.append(f"{role}/RoleConfig.remat_policy = {getattr(workload, role).remat_policy!r}")
+    # pipeline micro-batches and schedule of the roles the plan stages (tune_batches)
+    for role, (cfg, _) in workload.models().items():
+        if cfg.pipeline_microbatches:
+            lines.append(f"{role}/RoleConfig.pipeline_microbatches = {cfg.pipeline_microbatches}")
+        if cfg.pipeline_schedule != "gpipe":
+            lines.append(f"{role}/RoleConfig.pipeline_schedule = {cfg.pipeline_schedule!r}")
     lines.append(f"Memory.generation_copy = {workload.generation_copy!r}")
     lines.append(f"Memory.offload = {tuple(workload.offload)!r}")
     return lines

@@ -1,12 +1,16 @@
 """Search for the fastest execution plan under a cost estimate (ReaL's plan search, in small).
 
-The space gives each model call a slot (``candidates.Slot``: an aligned power-of-two device slice
-and a tensor size). When the product of the per-call candidate counts is small the search is
-exhaustive; otherwise it runs simulated-annealing MCMC as ReaL does: propose a change of one call's
+The space gives each model call a slot (``candidates.Slot``: an aligned power-of-two device slice,
+a tensor size and, for training and scoring, an expert-parallel size for a mixture of experts
+and a pipeline stage count for a model whose state does not fit one node, ``staged_calls``).
+When the product of the per-call candidate counts is small the search is exhaustive; otherwise
+it runs simulated-annealing MCMC as ReaL does: propose a change of one call's
 placement, accept it with probability ``min(1, exp(-(c' - c) / T))`` while ``T`` cools, from
 several starting plans, with a fixed seed so a run is reproducible. The three named strategies of
 the literature (flatten, interleave, separate), each over a few tensor sizes, are always
-evaluated: they are the baselines the result is compared against and the MCMC's starting points.
+evaluated: they are the baselines the result is compared against and the MCMC's starting points,
+with the best variant of each also with every training and scoring call staged or its experts
+split (``axis_seeds``: the strategies never use those axes).
 
 The search never looks inside the cost: it calls ``cost_fn(plan) -> PlanEstimate``, by default
 ``jrlhf.placement.estimator.estimate`` with the workload and device profile, so tests can inject a
@@ -28,7 +32,7 @@ import dataclasses
 import itertools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -156,6 +160,8 @@ class SearchSpace:
 
     Calls whose model is absent (no critic in GRPO, a Python reward function) are *tied*: they
     follow the actor's training slot, so they neither enlarge the space nor write odd meshes.
+    ``stage_calls``: the calls offered pipeline stages (None: every training and scoring call;
+    ``search`` offers them where a model's state does not fit one node, ``staged_calls``).
     """
 
     def __init__(
@@ -166,6 +172,7 @@ class SearchSpace:
         devices_per_node: int = DEVICES_PER_NODE,
         max_tensor: int | None = None,
         candidates: Mapping[str, Sequence[Slot]] | None = None,
+        stage_calls: Collection[str] | None = None,
     ):
         if num_devices < 1:
             raise ValueError(f"need at least one device, got {num_devices}")
@@ -184,6 +191,7 @@ class SearchSpace:
                     batch=self.batches[c],
                     devices_per_node=devices_per_node,
                     max_tensor=max_tensor,
+                    stages=stage_calls is None or c in stage_calls,
                 )
                 for c in self.free
             }
@@ -240,6 +248,10 @@ class SearchSpace:
             return False
         return self.plan(slots).placements == plan.placements
 
+    def has(self, call: str, slot: Slot) -> bool:
+        """Whether ``slot`` is one of ``call``'s candidates."""
+        return slot in self._members[call]
+
     def valid(self, slots: Mapping[str, Slot]) -> bool:
         return all(self.problem(c, slots[c]) is None for c in self.free)
 
@@ -252,20 +264,27 @@ class SearchSpace:
 
     def neighbours(self, call: str, slot: Slot) -> list[Slot]:
         """Slots one step away: shift by one slice, halve or double the slice, halve or double
-        the tensor size. Local moves let the annealing refine a plan it has found."""
+        the tensor size, the stage count or the expert size. Local moves let the annealing
+        refine a plan it has found."""
         key = (call, slot)
         if key not in self._neighbours:
             s, n, t = slot.start, slot.size, slot.tensor
+            st, ex = slot.stages, slot.experts
             near = [
-                Slot(s - n, n, t),
-                Slot(s + n, n, t),
-                Slot(s, n // 2, t),
-                Slot(s + n // 2, n // 2, t),
-                Slot(s - s % (2 * n), 2 * n, t),
-                Slot(s, n, t * 2),
-                Slot(s, n, t // 2),
-                Slot(s, n // 2, max(1, t // 2)),
-                Slot(s - s % (2 * n), 2 * n, t * 2),
+                Slot(s - n, n, t, None, st, ex),
+                Slot(s + n, n, t, None, st, ex),
+                Slot(s, n // 2, t, None, st, ex),
+                Slot(s + n // 2, n // 2, t, None, st, ex),
+                Slot(s - s % (2 * n), 2 * n, t, None, st, ex),
+                Slot(s, n, t * 2, None, st, ex),
+                Slot(s, n, t // 2, None, st, ex),
+                Slot(s, n // 2, max(1, t // 2), None, st, ex),
+                Slot(s - s % (2 * n), 2 * n, t * 2, None, st, ex),
+                Slot(s, n, t, None, st * 2, ex),
+                Slot(s, n, t, None, st // 2, ex),
+                Slot(s, n, t, None, st, ex * 2),
+                Slot(s, n, t, None, st, ex // 2),
+                Slot(s - s % (2 * n), 2 * n, t, None, st * 2, ex),
             ]
             # a member is found by its shape: its rule set follows from it (generation_rules)
             members = {m.shape_key: m for m in self._members.get(call, set())}
@@ -298,6 +317,27 @@ class SearchSpace:
             choice = rng.choice(self.candidates[call])
         out[call] = choice
         return out
+
+
+def staged_calls(workload: Any, profile: Any, devices_per_node: int) -> set[str]:
+    """The calls whose model's state does not fit one node's memory: the trained roles'
+    weights and AdamW moments, the frozen roles' weights. Stages are candidates for these
+    only: a model that fits a node trains there with FSDP and tensor parallelism, whose traffic
+    inside it is cheaper than a pipeline's bubble (docs/pipelines.md); past a node, stages
+    cross the slow links with activations where FSDP would gather weights."""
+    node = getattr(profile, "usable_bytes", 0) * devices_per_node
+    out = set()
+    for call, model in call_models(workload).items():
+        if model is None or CALLS[call][1] == "generate":
+            continue
+        role = CALLS[call][0]
+        head = "value" if role in ("critic", "reward") else "lm"
+        state = param_bytes(model, head)
+        if role in ("actor", "critic"):
+            state += num_params(model, head) * MOMENT_BYTES
+        if state > node:
+            out.add(call)
+    return out
 
 
 def generation_splits(num_devices: int) -> list[int]:
@@ -352,7 +392,15 @@ def _plan_valid(space: SearchSpace, plan: ExecutionPlan) -> bool:
         mesh = plan[call].mesh
         ids = sorted(mesh.device_ids())
         rules = plan[call].rules if plan[call].rules == KV_REPLICATED_RULES else None
-        slot = Slot(ids[0], len(ids), mesh.shape.get("tensor", 1), rules)
+        shape = mesh.shape
+        slot = Slot(
+            ids[0],
+            len(ids),
+            shape.get("tensor", 1),
+            rules,
+            shape.get("stage", 1),
+            shape.get("expert", 1),
+        )
         model = space.models[call]
         # Strategy slices need not be power-of-two aligned (separate on 3/4 of the devices), so
         # check the dimensions, not membership in the candidate list.
@@ -427,8 +475,15 @@ def search(
     capacity = getattr(profile, "usable_bytes", getattr(profile, "memory_bytes", None))
     if space is None:
         admitted = _whole_batches(workload) if tune_batches else workload
+        stage_calls = None
+        if capacity and dataclasses.is_dataclass(workload):
+            stage_calls = staged_calls(workload, profile, devices_per_node)
         space = SearchSpace(
-            admitted, num_devices, devices_per_node=devices_per_node, max_tensor=max_tensor
+            admitted,
+            num_devices,
+            devices_per_node=devices_per_node,
+            max_tensor=max_tensor,
+            stage_calls=stage_calls,
         )
     # Keyed by placements (not names): the same plan reached twice is evaluated once.
     evaluated: dict[tuple, tuple[float, ExecutionPlan, Any]] = {}
@@ -442,6 +497,7 @@ def search(
 
     baselines: dict[str, Ranked] = {}
     seeds: list[dict[str, Slot]] = []
+    best_seeds: list[dict[str, Slot]] = []  # each strategy's best variant
     variants_of = strategy_variants(space)
     outside = sum(not space.contains(p) for v in variants_of.values() for p in v)
     for strategy, variants in variants_of.items():
@@ -449,10 +505,16 @@ def search(
         if scored:
             best = scored[0][2]
             baselines[strategy] = Ranked(best, evaluated[best.placements][2])
-        for _, _, p in scored[:2]:
+        for i, (_, _, p) in enumerate(scored[:2]):
             slots = slots_of(p)
             if slots is not None:
                 seeds.append({c: slots[c] for c in space.free})
+                if i == 0:
+                    best_seeds.append(seeds[-1])
+
+    # The strategies never split stages or experts: their best variants with every training
+    # and scoring call staged or expert-split where it can be start the chains too.
+    seeds += axis_seeds(space, best_seeds)
 
     if space.size <= exhaustive_limit:
         method = "exhaustive"
@@ -464,6 +526,24 @@ def search(
 
     ranked = _rank(evaluated.values(), baselines, top)
     return SearchResult(ranked, baselines, method, space.size, len(evaluated), outside, capacity)
+
+
+def axis_seeds(space: SearchSpace, seeds: Sequence[Mapping[str, Slot]]) -> list[dict[str, Slot]]:
+    """``seeds`` with every call but generation given one stage count and expert size, for each
+    pair some call admits on its slice (a call that does not admit it keeps its slot)."""
+    calls = [c for c in space.free if c != "actor_generate"]
+    pairs = sorted({(x.stages, x.experts) for c in calls for x in space.candidates[c]} - {(1, 1)})
+    out = []
+    for seed in seeds:
+        for stages, experts in pairs:
+            moved = dict(seed)
+            for c in calls:
+                slot = dataclasses.replace(seed[c], stages=stages, experts=experts)
+                if space.has(c, slot):
+                    moved[c] = slot
+            if moved != seed:
+                out.append(moved)
+    return out
 
 
 def _anneal(
