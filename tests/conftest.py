@@ -175,36 +175,33 @@ def pytest_unconfigure(config):
 
 
 # Seconds each of the slowest test files took in a full run on the 2-core machine (2026-12-05,
-# both workers busy). pytest-xdist hands out whole files (--dist loadfile) in collection order
-# (--no-loadscope-reorder: by default it orders files by their number of tests, which put the
-# slowest file, test_trainer.py, near the end, with one worker idle while it finished). Longest
-# first is the classic rule for balancing jobs over workers; files not listed follow in their
-# usual order. A stale figure only costs balance, never a test.
+# both workers busy; 5:38 in all). pytest-xdist hands out whole files (--dist loadfile) in
+# collection order (--no-loadscope-reorder: by default it orders files by their number of
+# tests, which put the slowest file, test_trainer.py, near the end, with one worker idle while
+# it finished). Longest first is the classic rule for balancing jobs over workers; files not
+# listed follow in their usual order. A stale figure only costs balance, never a test.
 _SLOW_FILES = {
-    "test_lora.py": 70,
-    "test_trainer.py": 89,
-    "test_decode.py": 54,
-    "test_staleness.py": 42,
-    "test_pipeline_stages.py": 25,
-    "test_multiturn.py": 39,
-    "test_reliability.py": 34,
-    "test_residency.py": 25,
-    "test_recipe.py": 24,
+    "test_trainer.py": 74,
+    "test_lora.py": 58,
+    "test_decode.py": 51,
+    "test_reliability.py": 32,
+    "test_pipeline_stages.py": 31,
+    "test_multiturn.py": 29,
+    "test_staleness.py": 28,
+    "test_residency.py": 28,
+    "test_train_step.py": 25,
     "test_decode_kernels.py": 23,
-    "test_train_step.py": 22,
-    "test_bench_gpu.py": 17,
-    "test_reshard.py": 17,
-    "test_packing.py": 16,
-    "test_native.py": 15,
-    "test_ppo_math.py": 15,
+    "test_bench_gpu.py": 20,
+    "test_recipe.py": 19,
+    "test_packing.py": 14,
+    "test_native.py": 14,
     "test_distributed.py": 14,
-    "test_math_rewards.py": 12,
-    "test_bench_rl.py": 10,
-    "test_models_hf.py": 10,
-    "test_fusion.py": 9,
-    "test_moe.py": 15,
-    "test_moe_decode.py": 15,
-    "test_readme.py": 12,
+    "test_ppo_math.py": 11,
+    "test_models_hf.py": 11,
+    "test_moe.py": 11,
+    "test_plan_search.py": 10,
+    "test_fusion.py": 10,
+    "test_plan_estimator.py": 10,
 }
 
 

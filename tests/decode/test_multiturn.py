@@ -325,7 +325,7 @@ def test_calculator_run_trains_with_tool_calls_and_evaluates_alike(tmp_path, mon
     short = [
         "RunConfig.stages=('grpo',)", "actor/RoleConfig.init='tiny'",
         "RLConfig.iterations=2", "RLConfig.prompts_per_iteration=8",
-        "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16",
+        "RLConfig.samples_per_prompt=4", "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8",
         "RunConfig.tensorboard=False",
         "Asynchrony.max_staleness=2", "Asynchrony.partial_rollout_tokens=10",
     ]  # fmt: skip

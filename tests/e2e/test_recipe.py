@@ -21,7 +21,11 @@ CONFIG = "configs/gsm8k_grpo_tiny.gin"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return write_recipe_files(
-        tmp_path_factory.mktemp("gsm8k_tiny"), num_train=256, num_heldout=16, num_sft=1024
+        # 8 held-out prompts of 4 samples: an iteration's 32 rows, so its programs
+        tmp_path_factory.mktemp("gsm8k_tiny"),
+        num_train=256,
+        num_heldout=8,
+        num_sft=1024,
     )
 
 
@@ -79,7 +83,7 @@ def test_recipe_twin_end_to_end(files, tmp_path):
     short = [
         *_paths(files), "SFTConfig.steps=30", "RLConfig.iterations=2",
         "RLConfig.prompts_per_iteration=8", "RLConfig.samples_per_prompt=4",
-        "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=16", "RLConfig.checkpoint_every=1",
+        "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8", "RLConfig.checkpoint_every=1",
         "RunConfig.tensorboard=False", "TaskConfig.reward_fn='math_verify + 0.1*format'",
     ]  # fmt: skip
     assert train.main(["--config", CONFIG, "--run-dir", str(run), "--quiet", *short]) == 0

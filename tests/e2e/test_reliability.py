@@ -195,7 +195,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_step(
         args = ["--checkpoint", str(run_dir), "--mesh", mesh, "--output", str(out)]
         assert evaluate.main([*args, "--samples", "2"]) == 0
         assert "step 4 of" in caplog.text and "trying an older step" in caplog.text
-        assert json.loads(out.read_text())["num_samples"] == 32
+        assert json.loads(out.read_text())["num_samples"] == 4 * 2  # 4 held-out prompts
         assert not victim.exists() and damaged is None
     capsys.readouterr()
 
@@ -208,7 +208,8 @@ def test_evaluate_an_sft_only_run_reports_no_reward_or_kl_from_random_models(tmp
     run_dir = tmp_path / "sft"
     bindings = ["RunConfig.stages=('sft',)", "SFTConfig.steps=2"]
     bindings.append("reference/RoleConfig.init='tiny'")
-    assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings, *SMALL]) == 0
+    bindings.append("TaskConfig.num_heldout=4")  # test_trainer's, as its mesh and samples
+    assert train.main(["--run-dir", str(run_dir), "--quiet", *SMALL, *bindings]) == 0
     capsys.readouterr()
     out = tmp_path / "eval.json"
     # test_trainer's evaluation mesh and samples: its programs, from the compilation cache
@@ -218,7 +219,7 @@ def test_evaluate_an_sft_only_run_reports_no_reward_or_kl_from_random_models(tmp
     report = json.loads(out.read_text())
     assert report["checkpoint"] == str(run_dir / "sft")
     assert "reward" not in report and "kl_to_ref" not in report, report
-    assert report["num_samples"] == 32 and 0.0 <= report["gt_score"] <= 1.0
+    assert report["num_samples"] == 4 * 2 and 0.0 <= report["gt_score"] <= 1.0
     why = {
         "kl_to_ref": "the run (stages sft) had no reference: reference/RoleConfig.init='tiny' is "
         "a random model",

@@ -270,7 +270,8 @@ def test_evaluate_on_another_mesh_and_export(colocated_run, tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert 0.0 <= report["gt_score"] <= 1.0 and report["num_samples"] == 32
+    # the run's 4 held-out prompts (run_helpers.ppo_bindings), 2 samples each
+    assert 0.0 <= report["gt_score"] <= 1.0 and report["num_samples"] == 4 * 2
     out = tmp_path / "hf"
     assert convert.main(["--from", str(colocated_run), "--to-hf", str(out)]) == 0
     assert (out / "tokenizer.json").exists()

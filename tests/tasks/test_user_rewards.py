@@ -98,8 +98,8 @@ def _answer_task(tmp_path):
     letter (the words of that class start with it)."""
     task = SyntheticTask(seed=0)
     files = task.write_jsonl(
-        tmp_path / "data", num_prompts=64, num_heldout=16, num_sft=8, num_pairs=8
-    )
+        tmp_path / "data", num_prompts=64, num_heldout=8, num_sft=8, num_pairs=8
+    )  # 8 held-out prompts x 4 samples: the rows of an iteration (16 x 2), its programs
     for key in ("prompts", "heldout_prompts"):
         rows = [json.loads(line) for line in files[key].read_text().splitlines()]
         for row in rows:
@@ -128,9 +128,9 @@ def test_a_jsonl_task_with_answers_trains_through_a_user_reward_by_import_path(
     ]
     assert train.main(["--run-dir", str(run_dir), "--quiet", *bindings]) == 0
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    # The start-up check (4 dummy samples, before any stage), held-out before (16 prompts x 4
+    # The start-up check (4 dummy samples, before any stage), held-out before (8 prompts x 4
     # samples), 2 iterations (16 prompts x 2), held-out after.
-    assert [c["n"] for c in calls] == [4, 64, 32, 32, 64]
+    assert [c["n"] for c in calls] == [4, 32, 32, 32, 32]
     assert set(calls[2]["answers"]) <= set("abcd") and calls[2]["prompt"].endswith("=")
     assert calls[2]["response"] and calls[2]["ids"]  # text decoded from the ids
     rewards = [r["reward"] for r in metric_rows(run_dir, "grpo") if "reward" in r]
