@@ -56,14 +56,18 @@ def tiny(**overrides):
     return tiny_config(vocab_size=64, **{**base, **overrides})
 
 
-def rl_batch(b=8, seed=0):
-    """A PPO minibatch: left-padded prompts, ragged responses."""
+def rl_batch(b=8, seed=0, vocab=64):
+    """A PPO minibatch of ``b`` rows (P prompt + R response columns): left-padded prompts,
+    ragged responses (two rows empty), behaviour log-probs, advantages, reference log-probs, a
+    KL coefficient, old values and returns; drawn from ``seed``. The pipelined-training tests
+    share it (tests/models/test_pipeline_stages.py, tests/runtime/test_fused_step.py)."""
     rng = np.random.default_rng(seed)
     t = P + R
-    tokens = rng.integers(0, 64, (b, t)).astype(np.int32)
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
     segments = np.ones((b, t), np.int32)
     segments[::3, :2] = 0
-    mask = (np.arange(R)[None, :] < np.array([0, 0, 1, 1, 6, 3, 5, 2])[:, None]).astype(np.float32)
+    lengths = np.array([0, 0, 1, 1, 6, 3, 5, 2])[:b]
+    mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.float32)
     old_lp = np.log(rng.uniform(0.01, 0.2, (b, R))).astype(np.float32)
     normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     return {

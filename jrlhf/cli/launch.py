@@ -22,7 +22,6 @@ import math
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 
 from jrlhf.devices import MAX_HOST_DEVICES, with_host_device_count
 from jrlhf.runtime import job_env
+from jrlhf.runtime.distributed import free_port
 
 # The entry points that take --distributed, by the name used after ``python -m jrlhf.``.
 ENTRY_POINTS = ("train", "evaluate", "generate", "convert", "bench", "plan.calibrate")
@@ -164,13 +164,6 @@ def child_env(
     # Lines reach the launcher (and the terminal) as they are written, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_status(index: int, code: int) -> str:

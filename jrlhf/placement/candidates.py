@@ -279,11 +279,18 @@ def slot_of(placement_: CallPlacement) -> Slot | None:
     inner = names[1:-1] if len(names) > 1 else []
     if len(names) > 3 or inner not in ([], ["expert"]) or names[0] in ("stage", "expert"):
         return None
+    return placement_slot(placement_)
+
+
+def placement_slot(placement_: CallPlacement) -> Slot:
+    """The slot ``placement_``'s mesh spans (its first device, device count, tensor, stage and
+    expert ways, and the KV-replicated rules where it uses them), whatever its layout."""
+    mesh = placement_.mesh
     rules = placement_.rules if placement_.rules == KV_REPLICATED_RULES else None
     shape = mesh.shape
     return Slot(
-        ids[0],
-        len(ids),
+        min(mesh.device_ids()),
+        len(mesh.device_ids()),
         shape.get("tensor", 1),
         rules,
         shape.get("stage", 1),

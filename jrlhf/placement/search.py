@@ -42,12 +42,12 @@ from jrlhf.models.config import ModelConfig
 from jrlhf.placement import plan as plans
 from jrlhf.placement.candidates import (
     DEVICES_PER_NODE,
-    KV_REPLICATED_RULES,
     Slot,
     build_plan,
     call_batches,
     call_candidates,
     call_models,
+    placement_slot,
     slot_problem,
     slots_of,
 )
@@ -389,18 +389,7 @@ def _plan_valid(space: SearchSpace, plan: ExecutionPlan) -> bool:
     except ValueError:
         return False
     for call in CALLS:
-        mesh = plan[call].mesh
-        ids = sorted(mesh.device_ids())
-        rules = plan[call].rules if plan[call].rules == KV_REPLICATED_RULES else None
-        shape = mesh.shape
-        slot = Slot(
-            ids[0],
-            len(ids),
-            shape.get("tensor", 1),
-            rules,
-            shape.get("stage", 1),
-            shape.get("expert", 1),
-        )
+        slot = placement_slot(plan[call])
         model = space.models[call]
         # Strategy slices need not be power-of-two aligned (separate on 3/4 of the devices), so
         # check the dimensions, not membership in the candidate list.
@@ -408,7 +397,7 @@ def _plan_valid(space: SearchSpace, plan: ExecutionPlan) -> bool:
             call,
             model,
             slot,
-            max(ids) + 1,
+            max(plan[call].mesh.device_ids()) + 1,
             batch=space.batches[call],
             devices_per_node=space.devices_per_node,
         )

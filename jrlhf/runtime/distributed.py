@@ -49,6 +49,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import random
 import signal
 import socket
 import sys
@@ -235,7 +236,31 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
-def _free_port(host: str) -> int:
+# Where Linux says its ephemeral ports (those it gives outgoing connections) start and end.
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 10000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a listener that binds it later (the coordination
+    service, JAX's cross-host transfer socket at the job's first transfer).
+
+    Drawn at random below the OS's ephemeral range where it can: meanwhile, a port of that range
+    may go to any outgoing connection (gloo's between the processes, a checkpoint's), and the
+    listener then fails with "bind: Address already in use" (seen in CI); a random draw keeps
+    processes that choose at the same time apart. Falls back to the OS's choice."""
+    low = _LOWEST_PORT
+    with contextlib.suppress(OSError, ValueError), open(_EPHEMERAL_RANGE) as f:
+        low = int(f.read().split()[0])
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -256,7 +281,7 @@ def _use_cross_host_transfers(info: ProcessInfo, environ: Mapping[str, str]) -> 
     if sep and not port.isdigit():
         raise DistributedError(f"{TRANSFER_ADDRESS}={value!r}: the port must be an integer")
     try:
-        number = int(port) if port and int(port) else _free_port(host)
+        number = int(port) if port and int(port) else free_port(host)
     except OSError as e:
         raise DistributedError(f"{TRANSFER_ADDRESS}: cannot listen on {host} ({e})") from None
     jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{number}")

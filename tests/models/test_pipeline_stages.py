@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import fsdp_memory as fm
 from benchmarks import pipeline_memory
+from benchmarks.fused_pipeline import P, rl_batch
 from jrlhf.cli import train
 from jrlhf.config import ConfigError, RLConfig, RoleConfig
 from jrlhf.meshes import activation_sharding, make_mesh
@@ -29,7 +30,6 @@ from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import init_train_state, make_train_step
 
 TOL = 1e-5
-P, R = 4, 6
 REFERENCE_MESH = "fsdp=2,tensor=2"
 SGD = optax.sgd(0.5)
 
@@ -37,33 +37,6 @@ SGD = optax.sgd(0.5)
 def tiny(**overrides):
     base = dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
     return tiny_config(vocab_size=64, **{**base, **overrides})
-
-
-def rl_batch(b=8, seed=0, vocab=64):
-    """A PPO minibatch: left-padded prompts (segment 0 before each row's start), ragged
-    responses (rows 0-1 empty)."""
-    rng = np.random.default_rng(seed)
-    t = P + R
-    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
-    segments = np.ones((b, t), np.int32)
-    segments[::3, :2] = 0
-    lengths = np.array([0, 0, 1, 1, 6, 3, 5, 2])[:b]
-    mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.float32)
-    old_lp = np.log(rng.uniform(0.01, 0.2, (b, R))).astype(np.float32)
-    normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    return {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-        "segment_ids": segments,
-        "response_tokens": tokens[:, P:],
-        "mask": mask,
-        "old_logprobs": old_lp,
-        "advantages": normal(b, R),
-        "ref_logprobs": (old_lp + 0.3 * normal(b, R)).astype(np.float32),
-        "kl_coef": np.full((b,), 0.1, np.float32),
-        "old_values": normal(b, R),
-        "returns": normal(b, R),
-    }
 
 
 def forward(model, params, mesh_spec, batch):

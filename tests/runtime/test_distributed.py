@@ -36,12 +36,6 @@ JOB_VARS = (
 ADDR = "127.0.0.1:1234"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(extra)
@@ -153,7 +147,7 @@ def test_cross_host_transfer_address_from_the_environment(transfer_address):
 def test_unreachable_coordinator_fails_within_the_timeout():
     # Process 1 of 2 with nobody listening at the coordinator's address: one line after ~2 s
     # (JAX's own deadline would end it later with SIGABRT and a stack trace).
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{distributed.free_port()}"
     env = _clean_env(
         **{
             job_env.COORDINATOR: addr,
@@ -304,3 +298,18 @@ def test_launcher_core_sets_per_process():
     ):
         with pytest.raises(ValueError, match=re.escape(why)):
             launch.core_sets(spec, processes, 2)
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range():
+    """A listener's port is chosen at start-up and bound later: drawn below the range the OS
+    gives outgoing connections, no connection can take it meanwhile (CI once lost a job to
+    "bind: Address already in use" on a port from that range)."""
+    path = Path(distributed._EPHEMERAL_RANGE)
+    if not path.exists():
+        pytest.skip("no ephemeral port range to read on this OS")
+    low = int(path.read_text().split()[0])
+    ports = [distributed.free_port() for _ in range(20)]
+    assert all(distributed._LOWEST_PORT <= p < low for p in ports), (ports, low)
+    assert len(set(ports)) > 1  # drawn, not the same port for every caller
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # and free

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from benchmarks.fused_pipeline import P, rl_batch
 from jrlhf.config import RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
@@ -19,7 +20,6 @@ from jrlhf.runtime.fused_step import make_fused_train_step
 from jrlhf.runtime.steps import TrainState, state_shardings
 
 TOL = 1e-5
-P, R = 4, 6
 SGD = optax.sgd(1.0)  # parameters after the step minus before are minus the gradients
 RL = RLConfig(entropy_coef=0.01, kl_in_loss=True)
 LOSSES = {"lm": actor_loss(P, RL, kl_in_loss=True), "value": critic_loss(P, RL)}
@@ -29,32 +29,6 @@ SEEDS = {"lm": 0, "value": 1}
 def tiny(**overrides):
     base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
     return tiny_config(vocab_size=64, **{**base, **overrides})
-
-
-def rl_batch(b=8, seed=0):
-    """A PPO minibatch: left-padded prompts, ragged responses (rows 0-1 empty)."""
-    rng = np.random.default_rng(seed)
-    t = P + R
-    tokens = rng.integers(0, 64, (b, t)).astype(np.int32)
-    segments = np.ones((b, t), np.int32)
-    segments[::3, :2] = 0
-    lengths = np.array([0, 0, 1, 1, 6, 3, 5, 2])[:b]
-    mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.float32)
-    old_lp = np.log(rng.uniform(0.01, 0.2, (b, R))).astype(np.float32)
-    normal = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    return {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-        "segment_ids": segments,
-        "response_tokens": tokens[:, P:],
-        "mask": mask,
-        "old_logprobs": old_lp,
-        "advantages": normal(b, R),
-        "ref_logprobs": (old_lp + 0.3 * normal(b, R)).astype(np.float32),
-        "kl_coef": np.full((b,), 0.1, np.float32),
-        "old_values": normal(b, R),
-        "returns": normal(b, R),
-    }
 
 
 @pytest.fixture(scope="module")
