@@ -202,16 +202,21 @@ def _check_tail(spec: EngineSpec, tail: EngineSpec) -> None:
         raise ValueError(f"migration tail engine differs from the engine in {what}")
 
 
+def _turn_budget(turns: Turns | None) -> np.int32:
+    """The tokens a turn may sample: ``Turns.max_tokens``, or without one (or without turns) a
+    number no episode reaches, so only the episode's own budget ends it."""
+    return np.int32((turns.max_tokens if turns is not None else 0) or 2**30)
+
+
 def _scalars(sp: SamplingParams, stops: tuple[int, ...], turns: Turns | None) -> tuple:
     """The per-call inputs of ``insert`` and ``decode_chunk`` after their arrays: padded stop
     ids (so changing them never recompiles), the turn limits and the sampling settings."""
     stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     stop_ids[: len(stops)] = stops
     turn_stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    turn_tokens = np.int32(2**30)  # no turn limit but the episode's
     if turns is not None:
         turn_stop_ids[: len(turns.stop_ids)] = turns.stop_ids
-        turn_tokens = np.int32(turns.max_tokens or 2**30)
+    turn_tokens = _turn_budget(turns)
     return (
         stop_ids,
         turn_stop_ids,
@@ -600,9 +605,8 @@ class _Call:
             slots[k], forced[k, : len(obs)], forced_n[k] = slot, obs, len(obs)
             k += 1
         if k:
-            turn_tokens = np.int32(turns.max_tokens or 2**30)
             self.state = self.decoder.programs.resume(
-                self.state, slots, forced, forced_n, turn_tokens
+                self.state, slots, forced, forced_n, _turn_budget(turns)
             )
         return ended
 
