@@ -78,6 +78,16 @@ class Turns:
             raise ValueError("Turns needs stop_ids or max_tokens: otherwise no turn ever ends")
 
 
+def current_turn_tokens(policy: Sequence[bool] | np.ndarray) -> int:
+    """How many tokens the current turn has sampled: the policy's tokens at the end of an
+    episode's ``policy`` mask, since its last observation (or its start)."""
+    mask = np.asarray(policy, bool)
+    start = len(mask)
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return len(mask) - start
+
+
 def end_reason(last: int, generated: int, max_new: int, eos: Sequence[int], turns: Turns) -> str:
     """Why a slot stopped after ``generated`` tokens, the last ``last``: "eos", "length", "stop"
     or "turn_budget" (the engine's order: an end-of-sequence id or the budget end the episode

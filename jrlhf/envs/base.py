@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from jrlhf.decode.turns import current_turn_tokens
+
 
 class EnvFailure(RuntimeError):
     """Environments failed in more episodes than ``EnvConfig.failure_limit`` allows."""
@@ -54,11 +56,8 @@ class Conversation:
     @property
     def last_turn_ids(self) -> list[int]:
         """The policy's tokens since the last observation."""
-        mask = np.asarray(self.policy_mask, bool)
-        start = len(mask)
-        while start > 0 and mask[start - 1]:
-            start -= 1
-        return self.response_ids[start:]
+        n = current_turn_tokens(self.policy_mask)
+        return self.response_ids[len(self.response_ids) - n :]
 
     def text(self, ids: Sequence[int]) -> str:
         if self.decode is None:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from jrlhf.decode import GenerationResult, SamplingParams
-from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns
+from jrlhf.decode.turns import CONTINUING, TurnEnd, Turns, current_turn_tokens
 from jrlhf.envs import EnvSetup, EpisodeRunner
 from jrlhf.ppo.staleness import GeneratedBatch
 
@@ -140,16 +140,6 @@ def run_pass(
     return {"rows": len(todo), "recomputed_tokens": int(recomputed)}
 
 
-def trailing_turn(policy: np.ndarray) -> int:
-    """How many tokens the current turn has sampled: the policy's tokens since the last
-    observation (or the episode's start)."""
-    policy = np.asarray(policy, bool)
-    n = len(policy)
-    while n > 0 and policy[n - 1]:
-        n -= 1
-    return len(policy) - n
-
-
 class EpisodesInFlight:
     """Multi-turn episodes (jrlhf.envs) across partial passes: the environments of every round in
     flight live from its first pass to its last, one ``EpisodeRunner`` a round, so an episode
@@ -225,7 +215,7 @@ class EpisodesInFlight:
                 if reason == "length" and len(tokens) < max_len:  # the pass's budget
                     if tokens[-1] in stop_ids:
                         reason, cut = "stop", True
-                    elif max_tokens and trailing_turn(policy) >= max_tokens:
+                    elif max_tokens and current_turn_tokens(policy) >= max_tokens:
                         reason, cut = "turn_budget", True
                     else:
                         continue  # mid-turn: the next pass goes on with it
@@ -251,7 +241,7 @@ class EpisodesInFlight:
                         answers[k] = obs
             return answers
 
-        sampled = tuple(trailing_turn(g.policy_masks[r]) for g, r in todo)
+        sampled = tuple(current_turn_tokens(g.policy_masks[r]) for g, r in todo)
         return Turns(handler, stop_ids, max_tokens, sampled=sampled)
 
 
