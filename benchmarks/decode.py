@@ -285,7 +285,8 @@ def _groups(md, params, mesh, args) -> dict:
 def _turns(md, params, mesh, args) -> dict:
     """Multi-turn episodes against single-turn generation of the same total tokens (see module
     docstring): ``--turns`` turns of the policy, each but the last answered with
-    ``--observation-tokens`` tokens, which the engine feeds through the slot's decode steps."""
+    ``--observation-tokens`` tokens, which the engine prefills into the slot's pages in one
+    chunk (``programs.extend``)."""
     import numpy as np
 
     from jrlhf.decode.engine import DecodeEngine, EngineConfig

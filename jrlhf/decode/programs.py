@@ -13,8 +13,10 @@ it first, then the weights and a ``DecodeState`` (jrlhf.decode.state), and retur
   with its own key.
 * ``decode_chunk``: a ``lax.while_loop`` of up to ``chunk_steps`` decode steps (``decode_step``)
   over all slots; it stops early once no slot is active.
-* ``resume`` starts a multi-turn slot's next turn; ``extract`` and ``adopt`` move sequences out
-  of one engine's state and into another's (migration).
+* ``extend`` starts a multi-turn slot's next turn: one chunked prefill of the observation's
+  tokens into the slot's pages, then the turn's first sampled token.
+* ``extract`` and ``adopt`` move sequences out of one engine's state and into another's
+  (migration).
 
 The model is the trainer's own (``Transformer.embed/run_layers/logits``) with a paged ``attend``
 hook, and the raw log-probs are ``token_logprobs`` of its float32 logits, so rollout and trainer
@@ -58,10 +60,13 @@ from jrlhf.meshes.rules import Rules, axis_size, logical_to_spec
 from jrlhf.models import moe
 from jrlhf.models.attention import (
     aligned_causal_attention,
+    attention_mask,
     full_attention,
     fused_attention_fits,
     layer_choice,
     layer_masks,
+    masked_attention,
+    select_choice,
 )
 from jrlhf.models.config import ModelConfig
 from jrlhf.models.model_def import ModelDef
@@ -284,8 +289,6 @@ def insert(
         raw_lp=state.raw_lp.at[slots_m, 0].set(rlp, mode="drop"),
         policy=state.policy.at[slots_m, 0].set(True, mode="drop"),
         turn_left=put(state.turn_left, jnp.broadcast_to(turn_left, lens_m.shape)),
-        forced_n=put(state.forced_n, jnp.zeros_like(lens_m)),
-        forced_i=put(state.forced_i, jnp.zeros_like(lens_m)),
         routes=routes,
     )
 
@@ -429,8 +432,8 @@ def decode_step(
     greedy,
     filtered,
 ) -> DecodeState:
-    """One decode step of every slot: an active slot feeds its last token (or its observation's
-    next one), writes its K/V and samples; ``layer_params`` are the unrolled layer copies (None:
+    """One decode step of every slot: an active slot feeds its last token, writes its K/V and
+    samples; ``layer_params`` are the unrolled layer copies (None:
     scan ``params``' stacked layers). The other arguments are as for ``insert``."""
     with activation_sharding(spec.mesh, spec.rules):
         model = spec.model_def.bind(params)
@@ -448,20 +451,11 @@ def decode_step(
     tok, slp, rlp = sample(spec, logits, step_keys, temperature, top_k, top_p, greedy, filtered)
     active = state.active
     slots = jnp.arange(active.shape[0])
-    # A slot feeding an observation takes its next token instead of the sample (the logits
-    # of this step, after the turn's last token, are not the policy's choice of anything).
-    forcing = state.forced_i < state.forced_n
-    at = jnp.minimum(state.forced_i, state.forced.shape[1] - 1)
-    forced_tok = jnp.take_along_axis(state.forced, at[:, None], axis=1)[:, 0]
-    tok = jnp.where(forcing, forced_tok, tok)
-    slp, rlp = jnp.where(forcing, 0.0, slp), jnp.where(forcing, 0.0, rlp)
-    sampled = active & ~forcing
-    turn_left = state.turn_left - sampled
+    turn_left = state.turn_left - active
     col = jnp.where(active, state.num_generated, state.tokens.shape[1])  # idle: dropped
     num_generated = state.num_generated + active
     done = num_generated >= state.max_new
-    done |= ~forcing & (is_stop(tok, stop_ids) | is_stop(tok, turn_stop_ids))
-    done |= sampled & (turn_left <= 0)
+    done |= is_stop(tok, stop_ids) | is_stop(tok, turn_stop_ids) | (turn_left <= 0)
     routes = state.routes
     if spec.config.record_routes:  # this step's experts (L, slots, 1, k) -> (slots, L, k)
         chosen = jnp.transpose(layer_stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
@@ -477,9 +471,8 @@ def decode_step(
         tokens=state.tokens.at[slots, col].set(tok, mode="drop"),
         sampling_lp=state.sampling_lp.at[slots, col].set(slp, mode="drop"),
         raw_lp=state.raw_lp.at[slots, col].set(rlp, mode="drop"),
-        policy=state.policy.at[slots, col].set(~forcing, mode="drop"),
+        policy=state.policy.at[slots, col].set(True, mode="drop"),
         turn_left=turn_left,
-        forced_i=state.forced_i + (active & forcing),
     )
 
 
@@ -500,16 +493,109 @@ def decode_chunk(spec: EngineSpec, params, layer_params, state, *scalars, greedy
     return state
 
 
-def resume(state: DecodeState, slots_m, forced_mf, forced_n_m, turn_tokens):
-    """Slots ``slots_m`` (out of range: padding) go on with a new turn: first the
-    ``forced_n_m`` observation tokens of ``forced_mf``, then ``turn_tokens`` sampled ones."""
+def extend_attend(spec: EngineSpec, positions_mt, valid_mt, page_rows_mp):
+    """The ``extend`` hook: write the fed tokens' K/V (``valid_mt``) into their slots' pages
+    (``page_rows_mp``, global ids), then attend over each slot's pages, everything it cached
+    before and the fed tokens up to each query's own position."""
+    ps, cfg, total_pages = spec.config.page_size, spec.cfg, spec.config.total_pages
+    m, pages = page_rows_mp.shape
+    col = jnp.minimum(positions_mt // ps, pages - 1)
+    page_idx = jnp.where(valid_mt, jnp.take_along_axis(page_rows_mp, col, axis=1), total_pages)
+    offsets = positions_mt % ps
+    key_pos = jnp.broadcast_to(jnp.arange(pages * ps, dtype=jnp.int32), (m, pages * ps))
+    # Keys past a query's position are masked, so the pages a slot has not taken (out-of-range
+    # ids, read clipped) are never attended to.
+    windows = cfg.layer_windows
+    options, _ = layer_choice(windows, 0)
+    q_seg, k_seg = jnp.ones_like(positions_mt), jnp.ones_like(key_pos)
+    masks = [attention_mask(positions_mt, key_pos, q_seg, k_seg, w) for w in options]
+
+    def attend(q, k, v, layer, cache):
+        kp, vp = cache
+        kp = kp.at[layer, page_idx, offsets].set(k.astype(kp.dtype), mode="drop")
+        vp = vp.at[layer, page_idx, offsets].set(v.astype(vp.dtype), mode="drop")
+
+        def gather(pool):  # (m, pages * page_size, kv_heads, head_dim), the slots' cache
+            rows = jnp.take(pool[layer], page_rows_mp, axis=0, mode="clip")
+            return rows.reshape(m, pages * ps, *rows.shape[3:]).astype(q.dtype)
+
+        mask = select_choice(masks, layer_choice(windows, layer)[1])
+        out = masked_attention(q, gather(kp), gather(vp), mask, cfg.attn_logit_softcap)
+        return out, (kp, vp)
+
+    return attend
+
+
+def extend(
+    spec: EngineSpec,
+    params,
+    state: DecodeState,
+    slots_m,
+    obs_mw,
+    obs_n_m,
+    page_rows_mp,
+    stop_ids,
+    turn_stop_ids,
+    turn_tokens,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    greedy,
+    filtered,
+):
+    """Slots ``slots_m`` (out of range: padding) go on with a new turn after an observation:
+    one pass feeds each slot's last token and the ``obs_n_m`` tokens of ``obs_mw`` at its next
+    positions, writing their K/V into its pages (``page_rows_mp``, global ids) and attending
+    over everything it cached (a chunked prefill of the new tokens only, not the history); the
+    last one's logits give the new turn's first token, unless the observation used up the
+    sequence's budget. The observation's tokens are recorded as not the policy's, with
+    log-probs 0. Tokens and log-probs equal feeding them one decode step at a time."""
+    m, w = obs_mw.shape
+    take = lambda a: jnp.take(a, slots_m, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    start, n_gen, keys = take(state.lengths), take(state.num_generated), take(state.keys)
+    feed = jnp.concatenate([take(state.last_token)[:, None], obs_mw], axis=1)  # (m, w + 1)
+    cols = jnp.arange(w + 1, dtype=jnp.int32)[None, :]
+    after = n_gen + obs_n_m  # tokens generated once the observation is in
+    room = after < take(state.max_new)  # a token left for the new turn
+    positions = start[:, None] + cols
+    written = (cols < (obs_n_m + room)[:, None]) & (slots_m < state.active.shape[0])[:, None]
+    attend = extend_attend(spec, positions, written, page_rows_mp)
+    with activation_sharding(spec.mesh, spec.rules):
+        model = spec.model_def.bind(params)
+        hidden, (kp, vp), layer_stats = model.run_layers(
+            model.embed(feed), positions, attend, (state.k_pages, state.v_pages), with_stats=True
+        )
+        last = jnp.take_along_axis(hidden, obs_n_m[:, None, None], axis=1)[:, 0]
+        logits = model.logits(last)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, after)
+    tok, slp, rlp = sample(spec, logits, step_keys, temperature, top_k, top_p, greedy, filtered)
+    turn_left = jnp.broadcast_to(turn_tokens - 1, tok.shape)
+    done = ~room | (after + 1 >= take(state.max_new)) | (turn_left <= 0)
+    done |= is_stop(tok, stop_ids) | is_stop(tok, turn_stop_ids)
+    # Output column n_gen + j: observation token j, then the sampled one (column obs_n).
+    sampled = cols == obs_n_m[:, None]
+    out_cols = jnp.where(written, n_gen[:, None] + cols, state.tokens.shape[1])  # else dropped
+    rows = jnp.broadcast_to(slots_m[:, None], out_cols.shape)
+    obs_ext = jnp.concatenate([obs_mw, jnp.zeros((m, 1), obs_mw.dtype)], axis=1)
+    put_cols = lambda a, x: a.at[rows, out_cols].set(x, mode="drop")  # noqa: E731
+    routes = state.routes
+    if spec.config.record_routes:  # each fed token's experts (L, m, t, k) -> (m, t, L, k)
+        routes = put_cols(routes, jnp.transpose(layer_stats[moe.EXPERTS], (1, 2, 0, 3)))
     put = _slot_setter(slots_m)
     return state.replace(
-        active=put(state.active, True),
-        forced=put(state.forced, forced_mf),
-        forced_n=put(state.forced_n, forced_n_m),
-        forced_i=put(state.forced_i, jnp.zeros_like(forced_n_m)),
-        turn_left=put(state.turn_left, jnp.broadcast_to(turn_tokens, forced_n_m.shape)),
+        k_pages=kp,
+        v_pages=vp,
+        lengths=put(state.lengths, start + obs_n_m + room),
+        last_token=put(state.last_token, tok),
+        num_generated=put(state.num_generated, after + room),
+        active=put(state.active, ~done),
+        tokens=put_cols(state.tokens, jnp.where(sampled, tok[:, None], obs_ext)),
+        sampling_lp=put_cols(state.sampling_lp, jnp.where(sampled, slp[:, None], 0.0)),
+        raw_lp=put_cols(state.raw_lp, jnp.where(sampled, rlp[:, None], 0.0)),
+        policy=put_cols(state.policy, sampled),
+        turn_left=put(state.turn_left, turn_left),
+        routes=routes,
     )
 
 
@@ -549,7 +635,7 @@ class Programs:
     init: Callable  # () -> DecodeState, the empty state
     insert: Callable
     decode_chunk: Callable
-    resume: Callable
+    extend: Callable
     extract: Callable  # returns (state, moved rows laid out as moved_shardings)
     adopt: Callable
     state_shardings: DecodeState  # of NamedShardings
@@ -571,7 +657,9 @@ def jit_programs(spec: EngineSpec) -> Programs:
         decode_chunk=jax.jit(
             bind(decode_chunk), donate_argnums=(2,), out_shardings=state_out, static_argnames=flags
         ),
-        resume=jax.jit(resume, donate_argnums=(0,), out_shardings=state_out),
+        extend=jax.jit(
+            bind(extend), donate_argnums=(1,), out_shardings=state_out, static_argnames=flags
+        ),
         extract=jax.jit(extract, donate_argnums=(0,), out_shardings=(state_out, moved_out)),
         adopt=jax.jit(adopt, donate_argnums=(0,), out_shardings=state_out),
         state_shardings=state_out,

@@ -581,11 +581,8 @@ class _Call:
         answers = list(turns.handler(ends))
         if len(answers) != len(ends):
             raise ValueError(f"turn handler answered {len(answers)} of {len(ends)} turn ends")
-        num_slots, width = spec.config.num_slots, spec.config.max_observation_tokens
-        slots = np.full((num_slots,), num_slots, np.int32)
-        forced = np.zeros((num_slots, max(1, width)), np.int32)
-        forced_n = np.zeros((num_slots,), np.int32)
-        ended, k = [], 0
+        width = spec.config.max_observation_tokens
+        going, ended = [], []
         for slot, end, answer in zip(finished, ends, answers):
             if end.reason not in CONTINUING or answer is None or not len(answer):
                 ended.append(slot)
@@ -602,13 +599,37 @@ class _Call:
                     f"request {end.index}: observation token id {bad[0]} outside vocab "
                     f"{spec.cfg.vocab_size}"
                 )
-            slots[k], forced[k, : len(obs)], forced_n[k] = slot, obs, len(obs)
-            k += 1
-        if k:
-            self.state = self.decoder.programs.resume(
-                self.state, slots, forced, forced_n, _turn_budget(turns)
-            )
+            going.append((slot, obs, len(obs) < end.room))
+        if going:
+            self._extend(going)
         return ended
+
+    def _extend(self, going: list[tuple[int, list[int], bool]]) -> None:
+        """Feed each (slot, observation, room) of ``going`` its observation in one chunked
+        prefill (``programs.extend``) that also samples its next turn's first token where the
+        sequence has ``room`` for one; rows and length padded to powers of two."""
+        ec, alloc = self.decoder.spec.config, self.alloc
+        m = bucket(len(going), 1, ec.num_slots)
+        w = bucket(max(len(obs) for _, obs, _ in going) + 1, 2, ec.max_observation_tokens + 1) - 1
+        slots = np.full((m,), ec.num_slots, np.int32)
+        obs_mw = np.zeros((m, w), np.int32)
+        obs_n = np.zeros((m,), np.int32)
+        page_rows = np.full((m, ec.max_pages_per_seq), ec.total_pages, np.int32)
+        for k, (slot, obs, room) in enumerate(going):
+            req, n = self.slot_req[slot], int(self.num_gen[slot])
+            # the cache then holds the turn's last token, the observation and, with room,
+            # nothing more (the new token is fed by the next decode step)
+            alloc.grow(slot, min(len(req.prompt) + n + len(obs), req.max_cached))
+            slots[k], obs_mw[k, : len(obs)], obs_n[k] = slot, obs, len(obs)
+            page_rows[k] = alloc.global_rows(slot)
+            self.num_gen[slot] = n + len(obs) + room
+        stop_ids, turn_stop_ids, turn_tokens, *sampling = self.scalars
+        self.state = self.decoder.programs.extend(
+            self.params, self.state, slots, obs_mw, obs_n, page_rows, stop_ids, turn_stop_ids,
+            turn_tokens, *sampling, **self.flags,
+        )  # fmt: skip
+        self.stats["extend_calls"] += 1
+        self.stats["observation_tokens"] += int(obs_n.sum())
 
     def _migrate(self, running: int) -> None:
         """Move the ``running`` sequences, their pages' KV and the parameters onto the

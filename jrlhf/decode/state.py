@@ -144,13 +144,9 @@ class DecodeState:
     sampling_lp: jax.Array  # (slots, max_new_tokens) float32
     raw_lp: jax.Array  # (slots, max_new_tokens) float32
     # Multi-turn (jrlhf.decode.turns): whether the policy sampled each token (False: an
-    # observation's), the sampled tokens the current turn may still take, and the observation
-    # being fed (its tokens, how many, how many fed so far).
+    # observation's) and the sampled tokens the current turn may still take.
     policy: jax.Array  # (slots, max_new_tokens) bool
     turn_left: jax.Array  # (slots,) int32
-    forced: jax.Array  # (slots, max(1, max_observation_tokens)) int32
-    forced_n: jax.Array  # (slots,) int32
-    forced_i: jax.Array  # (slots,) int32
     # The experts each layer chose at the pass that produced generated token j (the prompt's
     # last token for j = 0): (slots, max_new_tokens, layers, top_k) int32 when the engine
     # records routes (EngineConfig.record_routes), else a (slots, 1, 1, 1) placeholder.
@@ -172,9 +168,6 @@ STATE_AXES = DecodeState(
     raw_lp=("slots", None),
     policy=("slots", None),
     turn_left=("slots",),
-    forced=("slots", None),
-    forced_n=("slots",),
-    forced_i=("slots",),
     routes=("slots", None, None, None),
 )
 
@@ -185,11 +178,8 @@ MOVED_AXES = {
     "rows": (None,),
     "rows2": (None, None),
 }
-MOVED_ROWS = (
-    "lengths", "last_token", "num_generated", "max_new", "active", "turn_left", "forced_n",
-    "forced_i",
-)  # fmt: skip
-MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp", "policy", "forced")
+MOVED_ROWS = ("lengths", "last_token", "num_generated", "max_new", "active", "turn_left")
+MOVED_ROWS2 = ("keys", "tokens", "sampling_lp", "raw_lp", "policy")
 
 
 def data_shards(mesh: Mesh, rules: Rules | str) -> int:
@@ -254,9 +244,6 @@ def init_state(config: EngineConfig, model: ModelConfig, num_shards: int) -> Dec
         raw_lp=jnp.zeros((s, n), jnp.float32),
         policy=jnp.zeros((s, n), bool),
         turn_left=zi(s),
-        forced=zi(s, max(1, ec.max_observation_tokens)),
-        forced_n=zi(s),
-        forced_i=zi(s),
         routes=zi(*routes_shape(ec, c)),
     )
 

@@ -3,9 +3,10 @@
 An episode is one sequence in one slot of the paged engine: the policy samples a turn, the turn
 ends (at one of ``Turns.stop_ids``, e.g. a closing tool-call tag, or after ``Turns.max_tokens``
 sampled tokens), the engine hands the episode so far to ``Turns.handler``, and the handler's
-answer (an observation's token ids) is appended to the same slot: the engine feeds those tokens
-through its decode steps instead of sampling, so only the new tokens are computed, on top of the
-slot's KV cache, interleaved with every other slot's decoding (continuous batching). The episode
+answer (an observation's token ids) is appended to the same slot: one chunked prefill
+(``jrlhf.decode.programs.extend``) writes those tokens' K/V into the slot's pages, on top of its
+cache (only the new tokens are computed), and samples the next turn's first token; the episode
+then decodes on, interleaved with every other slot (continuous batching). The episode
 ends at an end-of-sequence id, at the total token budget, or when the handler answers None.
 
 The ids the policy trained on are those it generated: nothing is decoded to text and tokenized

@@ -29,8 +29,8 @@ TURN_TOKENS = 3
 
 
 @functools.cache
-def _engine(mesh_text: str = "data=1,tensor=1"):
-    model_def, params, mesh = _hf("llama3", mesh_text)
+def _engine(mesh_text: str = "data=1,tensor=1", kind: str = "llama3"):
+    model_def, params, mesh = _hf(kind, mesh_text)
     return DecodeEngine(model_def, mesh, "dp_tp", ENGINE), params
 
 
@@ -79,14 +79,22 @@ def _turn_by_turn(engine, params, prompt, prompt_index, stops):
             return tokens, policy
 
 
-def test_greedy_episodes_equal_turn_by_turn_calls_and_the_trainer_forward():
-    engine, params = _engine()
+# gemma2: sliding windows of 8 on alternate layers and soft-capped attention logits, which the
+# observation's chunked prefill must apply as the decode steps do.
+@pytest.mark.parametrize("kind", ["llama3", "gemma2"])
+def test_greedy_episodes_equal_turn_by_turn_calls_and_the_trainer_forward(kind):
+    engine, params = _engine(kind=kind)
     prompts = _prompts(PROMPT_LENS)
     env = ScriptedEnv()
     stops = (2,)
     turns = Turns(env, max_tokens=TURN_TOKENS)
     out = engine.generate(params, prompts, SamplingParams(greedy=True, stop_ids=stops), turns=turns)
     assert out.stats["turns"] > len(prompts)  # episodes did go on past their first turn
+    # Observations went into the cache as chunked prefills (programs.extend), several slots and
+    # tokens a call, not one token per decode step.
+    fed = sum(int(np.sum(~np.asarray(m))) for m in out.policy_masks)
+    assert out.stats["observation_tokens"] == fed
+    assert 0 < out.stats["extend_calls"] < out.stats["turns"] - len(prompts)
     for i, prompt in enumerate(prompts):
         want, want_policy = _turn_by_turn(engine, params, prompt, i, stops)
         assert out.completion_ids[i] == want, i
@@ -126,7 +134,7 @@ def test_sampled_episodes_turn_stop_ids_and_meshes_agree():
     assert other.completion_ids == out.completion_ids
     for a, b in zip(other.policy_masks, out.policy_masks):
         np.testing.assert_array_equal(a, b)
-    # Migration of the last episodes (mid-observation included) onto one replica: the same.
+    # Migration of the last episodes (between turns included) onto one replica: the same.
     from jrlhf.ppo.fusion import tail_migration
 
     migration = tail_migration(mesh_engine, 6, 1)
