@@ -434,13 +434,6 @@ class RoleConfig:
                 "the actor's pipeline (critic/RoleConfig.pipeline_schedule='fused')",
             )
             check_fused_role(self, role)
-        if self.generate_mesh:
-            _check(
-                "stage" not in MeshSpec.parse(self.generate_mesh).names,
-                f"{f}.generate_mesh",
-                "a stage axis pipelines training and scoring only; pipelined decode is not "
-                "built (issue #63, part 3): give generation a mesh without one",
-            )
         _check(
             not (self.microbatch_tokens and self.microbatches > 1),
             f"{f}.microbatch_tokens",
