@@ -174,10 +174,11 @@ def check_stages(cfg: ModelConfig, ec: EngineConfig, stages: int, groups: int, s
             f"{cfg.num_layers} layers do not split over {stages} pipeline stages of the "
             "generation mesh"
         )
-    if not 1 <= groups <= stages:
+    if stages % groups:
+        # more batches than stages would only wait; a divisor keeps round_slots' multiple whole
         raise ValueError(
-            f"EngineConfig.pipeline_batches {ec.pipeline_batches} must be 0 or 1..{stages} "
-            f"(the mesh's pipeline stages): more batches than stages would only wait"
+            f"EngineConfig.pipeline_batches {ec.pipeline_batches} must be 0 or a divisor of the "
+            f"generation mesh's {stages} pipeline stages"
         )
     if ec.num_slots % (shards * groups):
         raise ValueError(

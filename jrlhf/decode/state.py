@@ -73,7 +73,8 @@ class EngineConfig:
     ``pipeline_batches`` is how many groups of slots are in flight through the pipeline stages
     of a mesh with a stage axis (jrlhf.decode.pipelined): 0 takes one group per stage (the
     delayed inter-batch pipeline, every stage busy at every tick), 1 is naive pipelined decode
-    (one batch in flight, the other stages idle). Ignored without a stage axis.
+    (one batch in flight, the other stages idle); it must divide the stage count. Ignored
+    without a stage axis.
     """
 
     num_slots: int = 8

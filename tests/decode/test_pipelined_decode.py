@@ -79,6 +79,9 @@ def test_pipelined_greedy_decoding_gives_the_unpipelined_tokens_and_logprobs(mes
         1 - sum(st["pipeline_stage_busy"]) / (stages * st["pipeline_ticks"])
     )
     assert engine.compile_counts()["decode_chunk"] == 1
+    # Each device holds its stage's layers' KV pages (of its data shard and KV heads).
+    pool = engine.state.k_pages
+    assert pool.addressable_shards[0].data.shape[0] == MODEL.config.num_layers // stages
     # One prompt per group, none stopping: the first chunk's ticks are all busy but the fill and
     # drain, (S - 1) / (chunk_steps * S + S - 1) of them idle.
     full = SamplingParams(greedy=True, stop_ids=(), max_new_tokens=ENGINE.chunk_steps + 1)
@@ -121,7 +124,7 @@ def test_group_rows_take_every_groups_th_slot_of_each_data_shard():
 def test_pipelined_decode_settings_fail_in_one_line():
     mesh = make_mesh("stage=2,data=2,tensor=2")
     assert round_slots(5, mesh, "dp_tp") == 8  # data shards x stages
-    with pytest.raises(ValueError, match="pipeline_batches 3 must be 0 or 1..2"):
+    with pytest.raises(ValueError, match="pipeline_batches 3 must be 0 or a divisor of the gen"):
         DecodeEngine(MODEL, mesh, "dp_tp", dataclasses.replace(ENGINE, pipeline_batches=3))
     with pytest.raises(ValueError, match="num_slots 6 is not divisible by 2 data shards x 2"):
         DecodeEngine(MODEL, mesh, "dp_tp", dataclasses.replace(ENGINE, num_slots=6))
@@ -133,3 +136,28 @@ def test_pipelined_decode_settings_fail_in_one_line():
         DecodeEngine(three, mesh, "dp_tp", ENGINE)
     with pytest.raises(ValueError, match="pipeline_batches must be >= 0"):
         EngineConfig(pipeline_batches=-1)
+
+
+def test_the_trainer_builds_its_engine_on_a_staged_generation_mesh():
+    """RoleConfig.generate_mesh takes a stage axis; DecodeConfig.pipeline_batches reaches the
+    rollout's engine, whose slots round to data shards x stages."""
+    from jrlhf.config import ConfigError, load_config
+    from jrlhf.ppo.rollout import engine_config
+
+    cfg = load_config(
+        [],
+        [
+            "actor/RoleConfig.generate_mesh='stage=2,data=4'",
+            "DecodeConfig.pipeline_batches=1",
+            "RLConfig.prompts_per_iteration=3",
+            "RLConfig.samples_per_prompt=1",
+            "RLConfig.minibatch_size=3",
+        ],
+    )
+    mesh = make_mesh(cfg.roles["actor"].generate_mesh)
+    config = engine_config(cfg, mesh, "dp_tp")
+    assert (config.num_slots, config.pipeline_batches) == (8, 1)
+    engine = DecodeEngine(MODEL, mesh, "dp_tp", config)
+    assert (engine.spec.stages, engine.spec.groups) == (2, 1)
+    with pytest.raises(ConfigError, match="DecodeConfig.pipeline_batches: must be >= 0"):
+        load_config([], ["DecodeConfig.pipeline_batches=-1"])
