@@ -80,7 +80,9 @@ class DecodeEngine:
 
     Construct once and call ``generate`` every RL iteration: the device state (including the page
     pools) persists and is reused, programs compile on first use only, and parameters are used
-    in place (pass them already sharded on ``mesh``).
+    in place (pass them already sharded on ``mesh``). A ``stage`` axis in ``mesh`` splits the
+    layers and their KV pages over pipeline stages, and decode steps run as a pipeline with
+    groups of slots in flight (jrlhf.decode.pipelined); the samples are the same.
     """
 
     def __init__(

@@ -297,6 +297,9 @@ class GenerationResult:
     completion, True at the tokens the policy sampled, False at observation tokens (whose
     log-probs are 0). ``episodes`` (filled by jrlhf.ppo.rollout when an environment answered,
     else None): per completion, what its episode recorded (jrlhf.envs.EPISODE_FIELDS).
+    ``stats``: the call's counts (prefill calls and rows, decode chunks, pages...); on a mesh
+    with pipeline stages also ``pipeline_ticks``, ``pipeline_stage_busy`` (per stage) and
+    ``pipeline_bubble`` (jrlhf.decode.scheduler.pipeline_stats).
     """
 
     completion_ids: list[list[int]]
