@@ -434,13 +434,6 @@ class RoleConfig:
                 "the actor's pipeline (critic/RoleConfig.pipeline_schedule='fused')",
             )
             check_fused_role(self, role)
-        if self.generate_mesh:
-            _check(
-                "stage" not in MeshSpec.parse(self.generate_mesh).names,
-                f"{f}.generate_mesh",
-                "a stage axis pipelines training and scoring only; pipelined decode is not "
-                "built (issue #63, part 3): give generation a mesh without one",
-            )
         _check(
             not (self.microbatch_tokens and self.microbatches > 1),
             f"{f}.microbatch_tokens",
@@ -971,6 +964,10 @@ class DecodeConfig:
     # update reports how often its training pass routes them differently (moe/* metrics,
     # docs/moe.md). Synchronous rollouts only (not fused, partial or asynchronous ones).
     record_routes: bool = False
+    # With a stage axis in the actor's generation mesh (docs/pipelines.md): how many groups of
+    # slots are in flight through the stages; 0: one per stage (every stage busy), 1: naive
+    # pipelined decode (one batch, the other stages idle).
+    pipeline_batches: int = 0
 
     def validate(self) -> None:
         check_types(self, "DecodeConfig")
@@ -978,6 +975,11 @@ class DecodeConfig:
         _check(self.num_pages >= 0, "DecodeConfig.num_pages", "must be >= 0 (0: derived)")
         _check(self.page_size >= 1, "DecodeConfig.page_size", "must be >= 1")
         _check(self.chunk_steps >= 1, "DecodeConfig.chunk_steps", "must be >= 1")
+        _check(
+            self.pipeline_batches >= 0,
+            "DecodeConfig.pipeline_batches",
+            "must be >= 0 (0: one per pipeline stage of the generation mesh)",
+        )
         _check(
             self.layer_loop in DECODE_LAYER_LOOPS,
             "DecodeConfig.layer_loop",

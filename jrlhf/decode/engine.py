@@ -5,7 +5,7 @@ An engine is three parts, each in its own module, composed here:
 * the decode state, one pytree the device keeps between calls, and the plain data the parts
   share (``EngineConfig``, ``GenerationResult``, ``Migration``...): jrlhf.decode.state;
 * the device programs (prefill ``insert``, ``decode_chunk``, migration's ``extract``/``adopt``,
-  multi-turn ``resume``), pure functions of a static ``EngineSpec``, the weights and the state,
+  multi-turn ``extend``), pure functions of a static ``EngineSpec``, the weights and the state,
   jitted once per spec: jrlhf.decode.programs;
 * the host scheduler that runs one ``generate`` call over them (admission, page allocation,
   chunks, finished rows, turns, migration): jrlhf.decode.scheduler.
@@ -80,7 +80,9 @@ class DecodeEngine:
 
     Construct once and call ``generate`` every RL iteration: the device state (including the page
     pools) persists and is reused, programs compile on first use only, and parameters are used
-    in place (pass them already sharded on ``mesh``).
+    in place (pass them already sharded on ``mesh``). A ``stage`` axis in ``mesh`` splits the
+    layers and their KV pages over pipeline stages, and decode steps run as a pipeline with
+    groups of slots in flight (jrlhf.decode.pipelined); the samples are the same.
     """
 
     def __init__(

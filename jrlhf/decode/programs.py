@@ -12,7 +12,9 @@ it first, then the weights and a ``DecodeState`` (jrlhf.decode.state), and retur
   (which its decode steps write into) and its own first token, drawn from the shared logits
   with its own key.
 * ``decode_chunk``: a ``lax.while_loop`` of up to ``chunk_steps`` decode steps (``decode_step``)
-  over all slots; it stops early once no slot is active.
+  over all slots; it stops early once no slot is active. On a mesh with a stage axis it is
+  jrlhf.decode.pipelined's ``staged_chunk`` instead: the layers run as a pipeline over the
+  stages, with groups of slots in flight (the same tokens and log-probs).
 * ``extend`` starts a multi-turn slot's next turn: one chunked prefill of the observation's
   tokens into the slot's pages, then the turn's first sampled token.
 * ``extract`` and ``adopt`` move sequences out of one engine's state and into another's
@@ -51,6 +53,7 @@ from jrlhf.decode.state import (
     EngineConfig,
     data_shards,
     init_state,
+    layer_stages,
     moved_shardings,
     state_shardings,
 )
@@ -89,6 +92,8 @@ class EngineSpec:
     kv_select: bool  # query heads split finer than KV heads: each shard picks its own KV heads
     kernel_pick: bool  # the token choice runs as one kernel call (jrlhf.kernels' token_pick)
     weight_layout: str  # how unrolled layer copies store their kernels (see choose_layout)
+    stages: int  # pipeline stages the layers (and their KV pages) are split over; 1: none
+    groups: int  # groups of slots in flight through the stages (EngineConfig.pipeline_batches)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -129,6 +134,10 @@ def engine_spec(model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineCon
         )
     if cfg.num_kv_heads % tensor:
         raise ValueError(f"{cfg.num_kv_heads} kv heads cannot be split over tensor size {tensor}")
+    stages = layer_stages(mesh, rules)
+    groups = (ec.pipeline_batches or stages) if stages > 1 else 1
+    if stages > 1:
+        check_stages(cfg, ec, stages, groups, num_shards)
     # Query heads split over more tensor shards than the KV heads are (rules that replicate
     # the KV heads, e.g. dp_tp_kv_replicated): each shard's query heads must read whole KV
     # heads, i.e. its heads and a KV head's group nest one in the other.
@@ -158,7 +167,35 @@ def engine_spec(model_def: ModelDef, mesh: Mesh, rules: Rules, config: EngineCon
         # device only
         kernel_pick=mesh.devices.size == 1 and kernels.usable("token_pick") is not None,
         weight_layout=choose_layout(cfg, mesh, ec.weight_layout),
+        stages=stages,
+        groups=groups,
     )
+
+
+def check_stages(cfg: ModelConfig, ec: EngineConfig, stages: int, groups: int, shards: int):
+    """One line of error for what pipelined decode over ``stages`` stages cannot run."""
+    if cfg.num_layers % stages:
+        raise ValueError(
+            f"{cfg.num_layers} layers do not split over {stages} pipeline stages of the "
+            "generation mesh"
+        )
+    if stages % groups:
+        # more batches than stages would only wait; a divisor keeps round_slots' multiple whole
+        raise ValueError(
+            f"EngineConfig.pipeline_batches {ec.pipeline_batches} must be 0 or a divisor of the "
+            f"generation mesh's {stages} pipeline stages"
+        )
+    if ec.num_slots % (shards * groups):
+        raise ValueError(
+            f"num_slots {ec.num_slots} is not divisible by {shards} data shards x {groups} "
+            "pipelined batches (round_slots rounds to a multiple)"
+        )
+    if ec.record_routes:
+        # a group's layers run at different ticks on different stages: nothing gathers them
+        raise ValueError(
+            "EngineConfig.record_routes is not collected through the pipeline stages of a "
+            "generation mesh with a stage axis"
+        )
 
 
 def choose_layout(cfg: ModelConfig, mesh: Mesh, wanted: str | None) -> str:
@@ -345,8 +382,13 @@ def prefill_attend(spec: EngineSpec, positions, lens_n, page_rows_np, src_m, cop
     return attend
 
 
-def paged_attend(spec: EngineSpec, state: DecodeState):
-    """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
+def paged_call(spec: EngineSpec, staged: bool = False):
+    """``run(q, k, v, layer, kp, vp, table, lengths, active, which)`` -> (out, kp, vp): one
+    layer's decode attention under ``shard_map``, each device writing this step's K/V into
+    its own pages and attending over them. ``layer`` indexes the pools given; ``which`` is
+    the layer's sliding-window choice (``layer_choice``), an int or traced. ``staged``: the
+    pools are one pipeline stage's (a vmap over the stages adds the stage axis, see
+    jrlhf.decode.pipelined), so their layer dimension is whole here."""
     mesh, rules = spec.mesh, spec.rules
     ps, windows, kernel = spec.config.page_size, spec.cfg.layer_windows, spec.kernel
     cfg, select, q_axis = spec.cfg, spec.kv_select, spec.q_axes
@@ -354,6 +396,8 @@ def paged_attend(spec: EngineSpec, state: DecodeState):
     q_spec = part("slots", None, "act_heads", "head_dim")
     kv_spec = part("slots", None, "act_kv_heads", "head_dim")
     pool_spec = part(*STATE_AXES.k_pages)
+    if staged:
+        pool_spec = PartitionSpec(None, *pool_spec[1:])
     slot_spec = part("slots")
     table_spec = part("slots", None)
     options, _ = layer_choice(windows, 0)
@@ -405,13 +449,23 @@ def paged_attend(spec: EngineSpec, state: DecodeState):
             check_vma=False,
         )
 
+    def run(q, k, v, layer, kp, vp, table, lengths, active, which):
+        static = isinstance(which, int)
+        args = (q, k, v, jnp.asarray(layer, jnp.int32), kp, vp, table, lengths, active)
+        return mapped(which if static else None)(*args, *(() if static else (which,)))
+
+    return run
+
+
+def paged_attend(spec: EngineSpec, state: DecodeState):
+    """The decode ``attend`` hook: write this step's K/V into its page, attend over pages."""
+    run, windows = paged_call(spec), spec.cfg.layer_windows
+
     def attend(q, k, v, layer, cache):
         kp, vp = cache
         _, which = layer_choice(windows, layer)
-        static = isinstance(which, int)
-        args = (q, k, v, jnp.asarray(layer, jnp.int32), kp, vp)
-        args += (state.page_table, state.lengths, state.active)
-        out, kp, vp = mapped(which if static else None)(*args, *(() if static else (which,)))
+        args = (state.page_table, state.lengths, state.active, which)
+        out, kp, vp = run(q, k, v, layer, kp, vp, *args)
         return out, (kp, vp)
 
     return attend
@@ -433,8 +487,8 @@ def decode_step(
     filtered,
 ) -> DecodeState:
     """One decode step of every slot: an active slot feeds its last token, writes its K/V and
-    samples; ``layer_params`` are the unrolled layer copies (None:
-    scan ``params``' stacked layers). The other arguments are as for ``insert``."""
+    samples; ``layer_params`` are the unrolled layer copies (None: scan ``params``' stacked
+    layers). The other arguments are as for ``insert``."""
     with activation_sharding(spec.mesh, spec.rules):
         model = spec.model_def.bind(params)
         x = model.embed(state.last_token[:, None])
@@ -447,6 +501,34 @@ def decode_step(
             with_stats=True,
         )
         logits = model.logits(hidden[:, 0], layer_params)
+    chosen = None
+    if spec.config.record_routes:  # this step's experts (L, slots, 1, k) -> (slots, L, k)
+        chosen = jnp.transpose(layer_stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
+    scalars = (stop_ids, turn_stop_ids, turn_tokens, temperature, top_k, top_p)
+    state = advance(spec, state, logits, chosen, *scalars, greedy=greedy, filtered=filtered)
+    return state.replace(k_pages=kp, v_pages=vp)
+
+
+def advance(
+    spec: EngineSpec,
+    state: DecodeState,
+    logits,
+    chosen,
+    stop_ids,
+    turn_stop_ids,
+    turn_tokens,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    greedy,
+    filtered,
+) -> DecodeState:
+    """The slots of ``state`` after a step whose float32 ``logits`` (slots, vocab) they
+    computed: an active slot samples, records the token and its log-probs, and stops at a stop
+    token or its budget. ``chosen``: the step's experts per slot (slots, layers, k) where the
+    engine records routes, else None. Every slot-indexed field is read and written, the pools
+    are not: a pipelined decode passes the rows of one group of slots."""
     step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
     tok, slp, rlp = sample(spec, logits, step_keys, temperature, top_k, top_p, greedy, filtered)
     active = state.active
@@ -457,13 +539,10 @@ def decode_step(
     done = num_generated >= state.max_new
     done |= is_stop(tok, stop_ids) | is_stop(tok, turn_stop_ids) | (turn_left <= 0)
     routes = state.routes
-    if spec.config.record_routes:  # this step's experts (L, slots, 1, k) -> (slots, L, k)
-        chosen = jnp.transpose(layer_stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
+    if chosen is not None:
         routes = routes.at[slots, col].set(chosen, mode="drop")
     return state.replace(
         routes=routes,
-        k_pages=kp,
-        v_pages=vp,
         lengths=state.lengths + active,
         last_token=jnp.where(active, tok, state.last_token),
         num_generated=num_generated,
@@ -648,14 +727,20 @@ def jit_programs(spec: EngineSpec) -> Programs:
     moved_out = moved_shardings(spec.mesh, spec.rules)
     flags = ("greedy", "filtered")
     bind = lambda fn: functools.partial(fn, spec)  # noqa: E731
-    init = functools.partial(init_state, spec.config, spec.cfg, spec.num_shards)
+    init = functools.partial(init_state, spec.config, spec.cfg, spec.num_shards, spec.stages)
+    chunk = decode_chunk
+    if spec.stages > 1:
+        # jrlhf.decode.pipelined builds on this module's programs, so it is imported here
+        from jrlhf.decode.pipelined import staged_chunk  # noqa: PLC0415
+
+        chunk = staged_chunk
     return Programs(
         init=jax.jit(init, out_shardings=state_out),
         insert=jax.jit(
             bind(insert), donate_argnums=(1,), out_shardings=state_out, static_argnames=flags
         ),
         decode_chunk=jax.jit(
-            bind(decode_chunk), donate_argnums=(2,), out_shardings=state_out, static_argnames=flags
+            bind(chunk), donate_argnums=(2,), out_shardings=state_out, static_argnames=flags
         ),
         extend=jax.jit(
             bind(extend), donate_argnums=(1,), out_shardings=state_out, static_argnames=flags

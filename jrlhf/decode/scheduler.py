@@ -111,6 +111,20 @@ def allocator(spec: EngineSpec) -> PageAllocator:
     )  # fmt: skip
 
 
+def pipeline_stats(spec: EngineSpec, counts: np.ndarray) -> dict[str, Any]:
+    """The statistics of a pipelined decode (jrlhf.decode.pipelined) from its counters
+    ``DecodeState.pipe_counts`` (ticks, each stage's busy ticks): the bubble is the share of
+    stage-ticks in which a stage held no group with an active slot."""
+    ticks, busy = int(counts[0]), [int(b) for b in counts[1:]]
+    return {
+        "pipeline_stages": spec.stages,
+        "pipeline_batches": spec.groups,
+        "pipeline_ticks": ticks,
+        "pipeline_stage_busy": busy,
+        "pipeline_bubble": 1.0 - sum(busy) / (spec.stages * ticks) if ticks else 0.0,
+    }
+
+
 def generate(
     engine: EngineParts,
     params: Params,
@@ -424,6 +438,10 @@ class _Call:
         self._use_params(params)
         self.state = engine.state
         engine.state = None  # the programs donate it; run gives it back
+        if spec.stages > 1:  # pipelined decode counts this call's ticks from zero
+            zeros = np.zeros((1 + spec.stages,), np.int32)
+            counts = jax.device_put(zeros, engine.programs.state_shardings.pipe_counts)
+            self.state = self.state.replace(pipe_counts=counts)
         self.own_state = self.own_alloc = None  # engine's while the tail engine decodes
         self.alloc = allocator(spec)
         self.queue = collections.deque(self.requests)
@@ -441,7 +459,8 @@ class _Call:
         over per-layer copies where that engine unrolls (``unrolls``)."""
         spec = self.decoder.spec
         self.params = params
-        self.unrolled = unrolls(spec.config, params["layers"])
+        # pipelined decode runs each stage's slice of the stacked layers (jrlhf.decode.pipelined)
+        self.unrolled = spec.stages == 1 and unrolls(spec.config, params["layers"])
         self.layer_params = decode_weights(params, spec.weight_layout) if self.unrolled else None
 
     def run(self) -> None:
@@ -565,7 +584,7 @@ class _Call:
 
     def _next_turns(self, finished: list[int], toks, policy) -> list[int]:
         """The slots in ``finished`` whose turn ended ask ``turns.handler`` for their next
-        observation; those that get one go on (a ``resume`` call feeds it), the others' episodes
+        observation; those that get one go on (an ``extend`` call prefills it), the others' episodes
         end. Returns the slots whose episodes ended."""
         turns, spec = self.turns, self.decoder.spec
         ends = []
@@ -662,6 +681,11 @@ class _Call:
         stats["pages_taken"] = alloc.taken
         stats["pool_pages"] = self.engine.spec.config.total_pages
         stats["generated_tokens"] = sum(len(o[0]) for o in outputs)
+        if self.engine.spec.stages > 1:
+            own = self.state if self.decoder is self.engine else self.own_state
+            counts = np.asarray(to_host(own.pipe_counts))
+            for key, value in pipeline_stats(self.engine.spec, counts).items():
+                stats[key] = value  # set, not added: a Counter's update would add
         record = self.engine.spec.config.record_routes
         return GenerationResult(
             completion_ids=[o[0] for o in outputs],

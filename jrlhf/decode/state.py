@@ -69,6 +69,12 @@ class EngineConfig:
     ``share_prefixes`` lets the samples of one prompt that are admitted in the same prefill call
     and land on the same data shard share that prompt's prefill and its full KV pages (tokens
     and log-probs are the same as without: only pages and prefill work are saved).
+
+    ``pipeline_batches`` is how many groups of slots are in flight through the pipeline stages
+    of a mesh with a stage axis (jrlhf.decode.pipelined): 0 takes one group per stage (the
+    delayed inter-batch pipeline, every stage busy at every tick), 1 is naive pipelined decode
+    (one batch in flight, the other stages idle); it must divide the stage count. Ignored
+    without a stage axis.
     """
 
     num_slots: int = 8
@@ -85,6 +91,7 @@ class EngineConfig:
     share_prefixes: bool = True
     max_observation_tokens: int = 0
     record_routes: bool = False
+    pipeline_batches: int = 0
 
     def __post_init__(self):
         for name in (
@@ -100,6 +107,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_pages < 0:
             raise ValueError(f"EngineConfig.num_pages must be >= 0 (got {self.num_pages})")
+        if self.pipeline_batches < 0:
+            raise ValueError(
+                "EngineConfig.pipeline_batches must be >= 0 (0: one per pipeline stage; got "
+                f"{self.pipeline_batches})"
+            )
         if self.max_observation_tokens < 0:
             raise ValueError(
                 "EngineConfig.max_observation_tokens must be >= 0 "
@@ -151,6 +163,9 @@ class DecodeState:
     # last token for j = 0): (slots, max_new_tokens, layers, top_k) int32 when the engine
     # records routes (EngineConfig.record_routes), else a (slots, 1, 1, 1) placeholder.
     routes: jax.Array
+    # Pipelined decode's counters since the call began (jrlhf.decode.pipelined): ticks, then
+    # each stage's busy ticks; (1 + stages,) int32, untouched without stages.
+    pipe_counts: jax.Array
 
 
 STATE_AXES = DecodeState(
@@ -169,6 +184,7 @@ STATE_AXES = DecodeState(
     policy=("slots", None),
     turn_left=("slots",),
     routes=("slots", None, None, None),
+    pipe_counts=(None,),
 )
 
 # The decode state of migrated sequences in transit (Migration): one row per tail slot, the KV
@@ -187,9 +203,15 @@ def data_shards(mesh: Mesh, rules: Rules | str) -> int:
     return axis_size(mesh, logical_to_spec(("slots",), mesh, get_rules(rules))[0])
 
 
+def layer_stages(mesh: Mesh, rules: Rules | str) -> int:
+    """How many pipeline stages ``mesh`` splits the layers over (1 without a stage axis)."""
+    return axis_size(mesh, logical_to_spec(("layers",), mesh, get_rules(rules))[0])
+
+
 def round_slots(wanted: int, mesh: Mesh, rules: Rules | str) -> int:
-    """``wanted`` slots rounded up to a multiple of the mesh's data shards."""
-    shards = data_shards(mesh, rules)
+    """``wanted`` slots rounded up to a multiple of the mesh's data shards times its pipeline
+    stages (each data shard's slots split into one group per stage, jrlhf.decode.pipelined)."""
+    shards = data_shards(mesh, rules) * layer_stages(mesh, rules)
     return -(-max(wanted, 1) // shards) * shards
 
 
@@ -222,9 +244,12 @@ def routes_shape(config: EngineConfig, model: ModelConfig) -> tuple[int, int, in
     return (slots, 1, 1, 1)
 
 
-def init_state(config: EngineConfig, model: ModelConfig, num_shards: int) -> DecodeState:
+def init_state(
+    config: EngineConfig, model: ModelConfig, num_shards: int, stages: int = 1
+) -> DecodeState:
     """The empty state: zeroed pools and buffers, every slot idle, every page-table entry out of
-    range (one data shard's ``total_pages // num_shards`` pages are its shard-local ids)."""
+    range (one data shard's ``total_pages // num_shards`` pages are its shard-local ids), the
+    counters of ``stages`` pipeline stages zero."""
     ec, c = config, model
     pool = (c.num_layers, ec.total_pages, ec.page_size, c.num_kv_heads, c.head_dim)
     s, n = ec.num_slots, ec.max_new_tokens
@@ -245,6 +270,7 @@ def init_state(config: EngineConfig, model: ModelConfig, num_shards: int) -> Dec
         policy=jnp.zeros((s, n), bool),
         turn_left=zi(s),
         routes=zi(*routes_shape(ec, c)),
+        pipe_counts=zi(1 + stages),
     )
 
 
@@ -258,6 +284,9 @@ class GenerationResult:
     completion, True at the tokens the policy sampled, False at observation tokens (whose
     log-probs are 0). ``episodes`` (filled by jrlhf.ppo.rollout when an environment answered,
     else None): per completion, what its episode recorded (jrlhf.envs.EPISODE_FIELDS).
+    ``stats``: the call's counts (prefill calls and rows, decode chunks, pages...); on a mesh
+    with pipeline stages also ``pipeline_ticks``, ``pipeline_stage_busy`` (per stage) and
+    ``pipeline_bubble`` (jrlhf.decode.scheduler.pipeline_stats).
     """
 
     completion_ids: list[list[int]]

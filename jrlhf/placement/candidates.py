@@ -5,7 +5,8 @@ devices ``[start, start + size)``, a tensor-parallel size and, for training and 
 pipeline stage count and an expert-parallel size. Training and inference calls lay their model
 out as ``stage x fsdp x expert x tensor`` with the ``fsdp_tp`` rules (the stage and expert axes
 only where they are above 1); generation as ``data x tensor`` with ``dp_tp`` (no FSDP: each
-decode step must read its weights locally; no stages: pipelined decode is not built).
+decode step must read its weights locally; no stages: the search does not price pipelined
+decode, which a role's ``generate_mesh`` may still name, docs/pipelines.md).
 Power-of-two aligned slices are the sub-meshes that nest cleanly (ReaL's device-mesh candidates
 are the same shape); they keep the space small without excluding the placements the literature
 uses.
@@ -150,7 +151,10 @@ def slot_problem(
     if slot.rules not in (None, KV_REPLICATED_RULES) or (slot.rules and not generating):
         return f"rule set {slot.rules!r} is not a candidate for {call}"
     if generating and (stages > 1 or experts > 1):
-        return "generation meshes take no stage or expert axis (pipelined decode is not built)"
+        return (
+            "generation meshes take no stage or expert axis here (the search does not price "
+            "pipelined decode; RoleConfig.generate_mesh may name a stage axis)"
+        )
     if stages > 1 and size // stages < devices_per_node:
         return f"stages={stages}: each stage must hold whole nodes ({devices_per_node} devices)"
     if model is not None:

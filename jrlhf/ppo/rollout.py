@@ -59,6 +59,7 @@ def engine_config(cfg: Config, mesh: Mesh, rules: Rules | str) -> EngineConfig:
         unroll_layers=DECODE_LAYER_LOOPS[cfg.decode.layer_loop],
         max_observation_tokens=cfg.env.max_observation_tokens if cfg.env.name else 0,
         record_routes=cfg.decode.record_routes,
+        pipeline_batches=cfg.decode.pipeline_batches,
     )
 
 
