@@ -3,8 +3,8 @@
     python -m jrlhf.launch --processes 2 --devices-per-process 2 -- tests.launch_helper MODE
 
 MODE ``sum``: print the global device count and the sum, over every process's devices, of a
-sharded array (a cross-process collective); every process must print the same, then the host
-cores it may run on. MODE ``exit3``:
+sharded array (a cross-process collective), and ``to_host`` of a value each process computed on
+its own; every process must print the same, then the host cores it may run on. MODE ``exit3``:
 process 1 exits with status 3 once the job is joined, the others wait for the launcher to end them.
 MODE ``survivor``: process 1 is killed (SIGKILL, like kill -9) once the job is joined; process 0
 fails for want of it, as a survivor does, with a long traceback.
@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import fetch, post
 from jrlhf.runtime import distributed
 
@@ -78,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("d")), lambda idx: values[idx])
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
     ids = multihost_utils.process_allgather(jnp.array([jax.process_index()]))
+    # A value every process computes from host values on its own default device (as the
+    # off-policy metrics are): to_host reads each process's own copy, never their sum.
+    mine = to_host({"half": jnp.asarray(np.float32(0.5)) * 3})["half"]
     print(
         f"process {jax.process_index()} of {jax.process_count()}: devices {n} "
         f"local {jax.local_device_count()} sum {float(total.addressable_data(0))} "
-        f"processes {sorted(int(i) for i in np.ravel(ids))}"
+        f"processes {sorted(int(i) for i in np.ravel(ids))} own {float(mine)}"
     )
     print(f"process {jax.process_index()} cores {sorted(os.sched_getaffinity(0))}")
     return distributed.end_process(0)

@@ -135,12 +135,20 @@ def broadcast_from_first(value: np.ndarray) -> np.ndarray:
     return _group_broadcast(mine, value.shape, value.dtype, source, group)
 
 
+def _process_local(x: Any) -> bool:
+    """Whether ``x`` was computed from host values on this process's default device (not
+    placed on any mesh): every process running the same host code holds its own copy of the
+    same value, each on a different device, so it is read here and never gathered or broadcast
+    (a broadcast from every process at once adds the copies up)."""
+    if not isinstance(x, jax.Array):
+        return False
+    return x.is_fully_addressable and not getattr(x, "_committed", True)
+
+
 def _leaf_to_host_in_group(x: Any, group: frozenset[int]) -> Any:
     if not isinstance(x, jax.Array):
         return x
-    if x.is_fully_addressable and not getattr(x, "_committed", True):
-        # Computed from host values on this process's default device: every process of the
-        # group holds its own copy of the same value (and each names a different device).
+    if _process_local(x):
         return np.asarray(jax.device_get(x))
     held = owners(x.sharding)
     me = jax.process_index()
@@ -182,7 +190,9 @@ def to_host(tree: Any) -> Any:
     apart = [
         i
         for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and not spans_all_processes(x.sharding)
+        if isinstance(x, jax.Array)
+        and not _process_local(x)
+        and not spans_all_processes(x.sharding)
     ]
     out = [None if i in apart else _leaf_to_host(x) for i, x in enumerate(leaves)]
     if apart:

@@ -207,7 +207,9 @@ def test_launcher_runs_one_job_over_every_process():
     results = re.findall(r"^\[p(\d)\] .*?process (\d) of 2: (devices .*)$", p.stdout, re.M)
     assert sorted((a, b) for a, b, _ in results) == [("0", "0"), ("1", "1")], p.stdout
     # 2 x 2 devices, device d holding d: both processes computed 0 + 1 + 2 + 3 together.
-    assert {rest for _, _, rest in results} == {"devices 4 local 2 sum 6.0 processes [0, 1]"}
+    # ... and each read its own copy of a value computed on its default device (1.5, not 3.0).
+    want = "devices 4 local 2 sum 6.0 processes [0, 1] own 1.5"
+    assert {rest for _, _, rest in results} == {want}
     # --cores-per-process 1: process i runs on core i (modulo the cores there are)
     cores = dict(re.findall(r"^\[p\d\] .*?process (\d) cores (\[.*\])$", p.stdout, re.M))
     total = os.cpu_count()
