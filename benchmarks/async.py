@@ -23,7 +23,10 @@ process's XLA threads spread over every core, so on an idle 2-core machine the g
 cores from each other (measured with 1+1: asynchronous 0.76x of synchronous).
 
 The iteration time is the median gap between consecutive iterations' metric records (written by
-process 0 as each iteration ends), after ``--warmup`` iterations (compilation). Beside it:
+process 0 as each iteration ends), after ``--warmup`` iterations (compilation). Each run also
+reports its ``planes``: the sample channel's control-plane and data-plane bytes per iteration
+and the most keys the coordination service held (a long ``--iterations`` run shows them flat).
+Beside it:
 
 * ``estimator``: the cost estimator's phases for the plan and workload (jrlhf.placement, this
   machine's calibrated ``cpu`` profile) and its iteration time, synchronous (the sum) and
@@ -129,6 +132,25 @@ def _summary(rows: list[dict], warmup: int) -> dict:
         "iteration_s_all": times,
         "phases_s": phases,
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
+        "planes": _planes(rows),
+    }
+
+
+def _planes(rows: list[dict]) -> dict:
+    """What the sample channel moved per iteration, as process 0 counted it (its own sends and
+    receipts), and the most keys the coordination service held at any iteration's end: the
+    control plane must stay small and flat however many iterations run and whatever the batch,
+    the data plane carries the batch."""
+    counted = [r for r in rows if "samples/control_bytes" in r]
+    if not counted:  # a layout whose groups share process 0's schedule without a channel
+        return {}
+    per = lambda k: [int(r[k]) for r in counted]  # noqa: E731
+    control, data = per("samples/control_bytes"), per("samples/data_bytes")
+    return {
+        "iterations": len(counted),
+        "control_bytes_per_iteration": {"min": min(control), "max": max(control)},
+        "data_bytes_per_iteration": {"min": min(data), "max": max(data)},
+        "stored_keys_max": max(per("samples/stored_keys")),
     }
 
 
