@@ -49,7 +49,7 @@ from jrlhf.decode.programs import EngineSpec, advance, paged_call
 from jrlhf.decode.state import STATE_AXES, DecodeState
 from jrlhf.meshes.context import activation_sharding, constrain
 from jrlhf.meshes.rules import logical_to_spec
-from jrlhf.models import pipeline
+from jrlhf.models import moe, pipeline
 from jrlhf.models.attention import layer_choice
 from jrlhf.models.transformer import unstack_layers
 
@@ -94,14 +94,17 @@ def _stage_pools(spec: EngineSpec, pool: jax.Array) -> jax.Array:
 
 
 def _stage_function(spec: EngineSpec, model, graphdef):
-    """``stage_fn(stage_state, kp, vp, x, lengths, table, active, stage)`` -> (x, kp, vp): one
-    stage's layers on the group it holds, its K/V written into and read from its own pools
-    ``kp``, ``vp`` (L/S, pages, ...); ``stage`` is traced under the vmap over stages."""
+    """``stage_fn(stage_state, kp, vp, x, routes, lengths, table, active, stage)`` -> (x, kp,
+    vp, routes): one stage's layers on the group it holds, its K/V written into and read from
+    its own pools ``kp``, ``vp`` (L/S, pages, ...); ``stage`` is traced under the vmap over
+    stages. ``routes`` (rows, L, k), the experts the group's token chose at the stages before,
+    gains this stage's layers' (engines that record routes; else passed through)."""
     cfg = spec.cfg
     per_stage = cfg.num_layers // spec.stages
     run, windows = paged_call(spec, staged=True), cfg.layer_windows
+    record = spec.config.record_routes
 
-    def stage_fn(stage_state, kp, vp, x, lengths, table, active, stage):
+    def stage_fn(stage_state, kp, vp, x, routes, lengths, table, active, stage):
         first = stage * per_stage
 
         def attend(q, k, v, layer, cache):
@@ -111,10 +114,13 @@ def _stage_function(spec: EngineSpec, model, graphdef):
             return out, (kp, vp)
 
         params = unstack_layers(nnx.to_pure_dict(stage_state)) if cfg.unroll_layers else None
-        out, (kp, vp), _ = model.layer_loop(
+        out, (kp, vp), stats = model.layer_loop(
             graphdef, stage_state, x, lengths[:, None], attend, (kp, vp), params, first
         )
-        return out, kp, vp
+        if record:  # this stage's layers' experts (L/S, rows, 1, k) -> their rows of routes
+            chosen = jnp.transpose(stats[moe.EXPERTS][:, :, 0], (1, 0, 2))
+            routes = jax.lax.dynamic_update_slice_in_dim(routes, chosen, first, axis=1)
+        return out, kp, vp, routes
 
     return stage_fn
 
@@ -140,11 +146,15 @@ def staged_chunk(spec: EngineSpec, params, layer_params, state, *scalars, greedy
         kp, vp = _stage_pools(spec, state.k_pages), _stage_pools(spec, state.v_pages)
         rows = spec.config.num_slots // groups
         hidden = jnp.zeros((stages, rows, 1, spec.cfg.hidden_size), spec.cfg.jnp_dtype)
+        # the experts each in-flight token chose so far travel with its hidden state
+        record = spec.config.record_routes
+        route_shape = (num_layers, spec.cfg.num_experts_per_tok) if record else (1, 1)
+        routes = jnp.zeros((stages, rows, *route_shape), jnp.int32)
         # the pools travel staged in the loop; the state's own would be a second copy
         state = state.replace(k_pages=None, v_pages=None)
 
         def tick(carry):
-            t, state, kp, vp, hidden = carry
+            t, state, kp, vp, hidden, routes = carry
             entry = t - stage_ids  # the tick the group each stage holds entered stage 0
             valid = (entry >= 0) & (entry < steps * stages) & (entry % stages < groups)
             held = jnp.minimum(entry % stages, groups - 1)
@@ -155,17 +165,18 @@ def staged_chunk(spec: EngineSpec, params, layer_params, state, *scalars, greedy
             active = constrain(per_stage(state.active) & valid[:, None], ("act_stage", "slots"))
             x0 = model.embed(rows_of(state.last_token, held[0])[:, None])
             hidden = jnp.where((stage_ids == 0)[:, None, None, None], x0[None], hidden)
-            out, kp, vp = run_stages(
-                stage_state, kp, vp, constrain(hidden, IN_FLIGHT), lengths, table, active,
-                stage_ids,
+            out, kp, vp, routes = run_stages(
+                stage_state, kp, vp, constrain(hidden, IN_FLIGHT), routes, lengths, table,
+                active, stage_ids,
             )  # fmt: skip
             out = constrain(out, IN_FLIGHT)
             # The last stage's group samples; its rows change only where it held one.
             last, done = held[stages - 1], valid[stages - 1]
             logits = model.logits(model.final_norm(out[stages - 1])[:, 0])
             old = {f: rows_of(getattr(state, f), last) for f in SLOT_FIELDS}
+            chosen = routes[stages - 1] if record else None
             new = advance(
-                spec, state.replace(**old), logits, None, *scalars, greedy=greedy,
+                spec, state.replace(**old), logits, chosen, *scalars, greedy=greedy,
                 filtered=filtered,
             )  # fmt: skip
             busy = valid & jnp.any(active, axis=1)
@@ -181,12 +192,13 @@ def staged_chunk(spec: EngineSpec, params, layer_params, state, *scalars, greedy
             )
             # each stage's output moves on to the next stage: a collective permute
             hidden = constrain(jnp.roll(out, 1, axis=0), IN_FLIGHT)
-            return t + 1, state, kp, vp, hidden
+            return t + 1, state, kp, vp, hidden, jnp.roll(routes, 1, axis=0)
 
         def cond(carry):
             t, state = carry[:2]
             return (t < ticks) & jnp.any(state.active)
 
-        _, state, kp, vp, _ = jax.lax.while_loop(cond, tick, (jnp.int32(0), state, kp, vp, hidden))
+        init = (jnp.int32(0), state, kp, vp, hidden, routes)
+        _, state, kp, vp, _, _ = jax.lax.while_loop(cond, tick, init)
     unstage = lambda pool: pool.reshape(num_layers, *pool.shape[2:])  # noqa: E731
     return state.replace(k_pages=unstage(kp), v_pages=unstage(vp))

@@ -190,12 +190,6 @@ def check_stages(cfg: ModelConfig, ec: EngineConfig, stages: int, groups: int, s
             f"num_slots {ec.num_slots} is not divisible by {shards} data shards x {groups} "
             "pipelined batches (round_slots rounds to a multiple)"
         )
-    if ec.record_routes:
-        # a group's layers run at different ticks on different stages: nothing gathers them
-        raise ValueError(
-            "EngineConfig.record_routes is not collected through the pipeline stages of a "
-            "generation mesh with a stage axis"
-        )
 
 
 def choose_layout(cfg: ModelConfig, mesh: Mesh, wanted: str | None) -> str:

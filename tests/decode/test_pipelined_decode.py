@@ -128,14 +128,35 @@ def test_pipelined_decode_settings_fail_in_one_line():
         DecodeEngine(MODEL, mesh, "dp_tp", dataclasses.replace(ENGINE, pipeline_batches=3))
     with pytest.raises(ValueError, match="num_slots 6 is not divisible by 2 data shards x 2"):
         DecodeEngine(MODEL, mesh, "dp_tp", dataclasses.replace(ENGINE, num_slots=6))
-    moe = ModelDef(tiny_config(vocab_size=64, num_experts=4, num_experts_per_tok=2))
-    with pytest.raises(ValueError, match="record_routes is not collected through the pipeline"):
-        DecodeEngine(moe, mesh, "dp_tp", dataclasses.replace(ENGINE, record_routes=True))
     three = ModelDef(tiny_config(vocab_size=64, num_layers=3))
     with pytest.raises(ValueError, match="3 layers do not split over 2 pipeline stages"):
         DecodeEngine(three, mesh, "dp_tp", ENGINE)
     with pytest.raises(ValueError, match="pipeline_batches must be >= 0"):
         EngineConfig(pipeline_batches=-1)
+
+
+def test_recorded_routes_travel_through_the_stages():
+    """A mixture of experts recording its routes (DecodeConfig.record_routes): each stage adds
+    its layers' experts to the token's as the token passes, and the result equals the
+    unpipelined engine's routes, tokens and log-probs."""
+    moe = ModelDef(tiny_config(vocab_size=64, num_layers=4, num_experts=4, num_experts_per_tok=2))
+    params = jax.jit(moe.init)(jax.random.key(1))
+    config = dataclasses.replace(ENGINE, record_routes=True)
+    prompts = _prompts(PROMPT_LENS[:6], vocab=64)
+    sp = SamplingParams(seed=3, temperature=0.9)
+    got = {}
+    for mesh_text in ("data=2", "stage=2,data=2"):
+        mesh = make_mesh(mesh_text)
+        engine = DecodeEngine(moe, mesh, "dp_tp", config)
+        got[mesh_text] = engine.generate(
+            jax.device_put(params, moe.shardings(mesh, "dp_tp")), prompts, sp
+        )
+    want, staged = got["data=2"], got["stage=2,data=2"]
+    _assert_same(staged, want)
+    assert staged.stats["pipeline_stages"] == 2
+    for a, b in zip(staged.routes, want.routes):
+        np.testing.assert_array_equal(a, b)
+    assert len({int(e) for r in want.routes for e in np.ravel(r)}) > 1  # routes that vary
 
 
 def test_the_trainer_builds_its_engine_on_a_staged_generation_mesh():
