@@ -194,6 +194,7 @@ def _assert_prefixed(p: subprocess.CompletedProcess) -> None:
         assert re.match(r"\[(p[01]|launch)\] ", line), line
 
 
+@pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
 def test_launcher_runs_one_job_over_every_process():
     p, _ = _launch(
         "--processes 2 --devices-per-process 2 --timeout 30 --cores-per-process 1 "
@@ -216,6 +217,7 @@ def test_launcher_runs_one_job_over_every_process():
     assert cores == {"0": "[0]", "1": f"[{1 % total}]"}, p.stdout
 
 
+@pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
 def test_launcher_ends_the_others_when_one_fails():
     p, elapsed = _launch(
         "--processes 2 --devices-per-process 1 --timeout 30 --grace 2 -- tests.launch_helper exit3"
@@ -236,6 +238,7 @@ def test_launcher_ends_the_others_when_one_fails():
         os.kill(pid, 0)
 
 
+@pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
 def test_launcher_folds_what_a_survivor_writes_after_its_peer_died():
     """Process 1 is killed; process 0 then fails with a traceback, as a survivor of a killed
     peer does: the launcher shows none of it, and counts it in its one line."""
