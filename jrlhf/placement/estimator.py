@@ -1996,7 +1996,10 @@ def tune_batches(
                 # with stages: the pipeline micro-batches and the schedule of each step
                 rows = -(-min(w.minibatch_size, w.rows) // (m or w.microbatches(role, g.batch)))
                 pipes = pipeline_micro_options(g.stages, rows // g.batch) if memory_knobs else []
-                for micro, schedule in itertools.product(pipes, PIPELINE_SCHEDULES):
+                # the fused step runs its own schedule: a critic binding 'gpipe' or '1f1b'
+                # would turn it off (batch_bindings), so only the micro-batches are a knob
+                schedules = [cfg.pipeline_schedule] if w.fused_actor_critic else PIPELINE_SCHEDULES
+                for micro, schedule in itertools.product(pipes, schedules):
                     if schedule == "1f1b" and rows % micro:
                         continue
                     piped = replace(rcfg, pipeline_microbatches=micro, pipeline_schedule=schedule)
