@@ -29,6 +29,8 @@ def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):
     table = fs.step_schedule(2, (2, 2), 4, (16, 16)).schedule
     for schedule, r in row["schedules"].items():
         assert r["step_s"] > 0 and r["bubble_measured"] == pytest.approx(1 - useful / r["step_s"])
+        fastest = 2 * 2 * row["stage_s_min"] / r["step_s_min"]
+        assert r["bubble_measured_min"] == pytest.approx(1 - fastest)
         est = r["estimator"]
         assert est["seconds"] > 0 and 0 <= est["bubble"] < 1
         if schedule == "fused":
