@@ -217,7 +217,7 @@ def _estimator(args, micro: int) -> dict:
     return est.train_schedule_prices(w, placement, DeviceProfile.load("cpu"))
 
 
-def report(args, per_process: list[dict]) -> dict:
+def report(args, per_process: list[dict], load_before: tuple[float, ...]) -> dict:
     """The JSON report from every process's timings (process 0's step times: the steps are
     collective, every process waits for the slowest stage)."""
     train = []
@@ -268,6 +268,8 @@ def report(args, per_process: list[dict]) -> dict:
         "definition": DEFINITION,
         "setting": {k: v for k, v in vars(args).items() if k not in ("out", "worker")},
         "cpu_count": os.cpu_count(),
+        # the machine's 1-minute load average before and after the runs (others' jobs too)
+        "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
         "train": train,
         # pipelined decode (issue #63 part 3) is built apart: its section lands with it
         "decode": None,
@@ -347,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.worker) / f"p{jax.process_index()}.json"
         path.write_text(json.dumps(timings))
         return 0
+    load = os.getloadavg()
     if args.in_process:
         ensure_host_devices(args.stages)  # unless the caller chose its devices (the tests' 8)
         per_process = [measure(args)]
     else:
         per_process = _launch(args)
-    emit(report(args, per_process), args.out)
+    emit(report(args, per_process, load), args.out)
     return 0
 
 

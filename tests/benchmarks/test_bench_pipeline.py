@@ -23,6 +23,7 @@ def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):
     out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
     assert out["benchmark"] == "pipeline" and "t_stage" in out["definition"]
     assert out["decode"] is None  # the slot pipelined decode fills
+    assert set(out["load_average"]) == {"before", "after"}
     (row,) = out["train"]
     assert row["microbatches"] == 2 and row["stage_s"] > 0
     useful = 2 * 2 * row["stage_s"]  # both models' 2 micro-batches
