@@ -36,9 +36,11 @@ accelerators. ``--in-process`` runs one process of ``S`` virtual devices instead
 way): the stages then share every core, so the step's time counts the work computed, filler
 included, not idle time.
 
-The ``decode`` section is a slot for pipelined decode (the engine with several batches of
-slots in flight over the stages, its stats counting ticks and each stage's busy ticks; being
-built apart, issue #63 part 3): ``null`` until that lands, then measured here the same way.
+The ``decode`` section is a slot for pipelined decode (issue #63 part 3, jrlhf.decode.pipelined:
+``G`` groups of slots in flight over the stages, ``GenerationResult.stats`` counting the ticks
+and each stage's busy ticks), ``null`` here: ``python -m benchmarks.pipelined_decode`` reports
+those counts on its own, one process of virtual devices; measuring it here in the terms above
+(a stage's decode step timed alone, the engine on a process a stage) is not built.
 
 Models: random Llama-like (``--hidden``, ``--layers``, ...), float32, PPO losses (KL in the
 actor's loss), SGD; rows: ``benchmarks.fused_pipeline.rl_batch`` draws.
@@ -271,7 +273,7 @@ def report(args, per_process: list[dict], load_before: tuple[float, ...]) -> dic
         # the machine's 1-minute load average before and after the runs (others' jobs too)
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
         "train": train,
-        # pipelined decode (issue #63 part 3) is built apart: its section lands with it
+        # pipelined decode's slot (issue #63 part 3; benchmarks/pipelined_decode.py counts it)
         "decode": None,
     }
 
