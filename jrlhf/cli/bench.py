@@ -1,5 +1,6 @@
 """``python -m jrlhf.bench
-{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu,lora,moe_routing}
+{decode,reshard,interleave,plan,algorithms,rl,async,fusion,staleness,gpu,lora,moe_routing,
+pipeline}
 [options]``: one JSON object on stdout.
 
 The benchmarks are not part of the installed library: they live in ``benchmarks/`` of the source
@@ -19,7 +20,7 @@ from jrlhf.runtime import distributed
 
 SUITES = (
     "decode", "reshard", "interleave", "plan", "algorithms", "rl", "async", "fusion", "staleness",
-    "gpu", "lora", "moe_routing",
+    "gpu", "lora", "moe_routing", "pipeline",
 )  # fmt: skip
 CHECKOUT = Path(__file__).resolve().parents[2]
 

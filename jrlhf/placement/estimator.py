@@ -80,6 +80,7 @@ from jrlhf.models import lora as lora_lib
 from jrlhf.models.config import PIPELINE_SCHEDULES, ModelConfig
 from jrlhf.models.lora import LoraConfig
 from jrlhf.models.model_def import ModelDef
+from jrlhf.models.pipeline import bubble_fraction
 from jrlhf.placement.plan import CALLS, INFERENCE_CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import (
@@ -95,6 +96,7 @@ from jrlhf.placement.workload import (
     num_params,
 )
 from jrlhf.reshard.layout import moved_elements
+from jrlhf.runtime import fused_schedule
 
 replace = dataclasses.replace
 
@@ -377,21 +379,32 @@ class _Pipeline:
     each pass's rows in ``micro`` micro-batches through ``stages`` stages; GPipe runs
     ``micro + stages - 1`` iterations, 1F1B (train steps only) ``micro + 2 stages - 1`` ticks of
     a forward and a backward each, each device running its ``num_layers / stages`` layers once
-    per iteration. Without stages: one micro-batch through one stage (every factor 1)."""
+    per iteration; ``fused`` (a PPO train step in the fused actor-critic program,
+    jrlhf.runtime.fused_step) the ``ticks`` of its table, at each of which every stage runs a
+    forward and a backward of this model (and of the other one: its own ``_Pipeline``), the
+    lockstep program computing every slot the table leaves idle or gives the other model.
+    Without stages: one micro-batch through one stage (every factor 1)."""
 
     stages: int
     micro: int
     schedule: str = "gpipe"
+    ticks: int = 0  # fused: the table's length (fused_schedule.step_schedule)
 
     @property
     def iterations(self) -> int:
+        if self.schedule == "fused":
+            return self.ticks
         extra = 2 * self.stages - 1 if self.schedule == "1f1b" else self.stages - 1
         return self.micro + extra
 
     @property
     def bubble(self) -> float:
-        """The share of stage-iterations spent on filler: (S - 1) / (M + S - 1)."""
-        return (self.stages - 1) / self.iterations
+        """The share of this model's stage-iterations spent on filler: GPipe's and 1F1B's
+        ``pipeline.bubble_fraction``; fused, ``1 - M / ticks`` (a forward and a backward of the
+        model every tick, ``M`` of them its micro-batches')."""
+        if self.schedule == "fused":
+            return 1.0 - self.micro / self.ticks
+        return bubble_fraction(self.stages, self.micro, self.schedule) if self.stages > 1 else 0.0
 
     @property
     def layer_work(self) -> float:
@@ -407,23 +420,119 @@ class _Pipeline:
         return self.iterations / self.stages
 
 
-def _pipeline(cfg: ModelConfig, g: _Geometry, train: bool = False) -> _Pipeline:
+def _pipeline(cfg: ModelConfig, g: _Geometry, train: bool = False, ticks: int = 0) -> _Pipeline:
     """The schedule of a call's passes: a train step's is the model's ``pipeline_schedule``,
-    a scoring call's the GPipe forward."""
+    or the fused program's of ``ticks`` (``_fused_table``); a scoring call's the GPipe
+    forward."""
     if g.stages <= 1:
         return _Pipeline(1, 1)
+    micro = cfg.pipeline_microbatches or g.stages
+    if train and ticks:
+        return _Pipeline(g.stages, micro, "fused", ticks)
     schedule = cfg.pipeline_schedule if train else "gpipe"
-    return _Pipeline(g.stages, cfg.pipeline_microbatches or g.stages, schedule)
+    return _Pipeline(g.stages, micro, schedule)
+
+
+def _fused_table(w: Workload, g: _Geometry) -> fused_schedule.Schedule | None:
+    """The table the fused actor-critic step runs for ``w`` on a training call of geometry
+    ``g`` (the PPO update's, ``fused_schedule.step_schedule``), or None where ``w`` trains the
+    two models apart: no fused critic, no stages, or minibatch rows that do not split into a
+    model's pipeline micro-batches (``fused_problem`` says so)."""
+    if not w.fused_actor_critic or w.critic is None or g.stages < 2:
+        return None
+    rows = min(w.minibatch_size, w.rows)
+    micro = tuple(c.pipeline_microbatches or g.stages for c in (w.actor, w.critic))
+    if any(rows % m for m in micro):
+        return None
+    hidden = (w.actor.hidden_size, w.critic.hidden_size)
+    return fused_schedule.step_schedule(g.stages, micro, rows, hidden).schedule
+
+
+def fused_problem(w: Workload, plan: ExecutionPlan, profile: DeviceProfile) -> str | None:
+    """Why the fused actor-critic step (``w.fused_actor_critic``) cannot run on ``plan``, as
+    the PPO update refuses it (jrlhf.ppo.update.fused_step), or None."""
+    if not w.fused_actor_critic or w.critic is None:
+        return None
+    actor, critic = plan["actor_train"], plan["critic_train"]
+    if actor != critic:
+        return (
+            "critic/RoleConfig.pipeline_schedule='fused' needs the actor and the critic on one "
+            f"training mesh and rule set; actor {actor}, critic {critic}"
+        )
+    g = _geometry(actor, profile)
+    if g.stages < 2:
+        return (
+            "critic/RoleConfig.pipeline_schedule='fused' needs a stage axis of 2 or more, got "
+            f"{actor}"
+        )
+    if _fused_table(w, g) is None:
+        return (
+            f"critic/RoleConfig.pipeline_schedule='fused': {min(w.minibatch_size, w.rows)} "
+            "minibatch rows do not split into the actor's and critic's pipeline micro-batches"
+        )
+    return None
+
+
+def train_schedule_prices(
+    w: Workload, p: CallPlacement, profile: DeviceProfile
+) -> dict[str, dict[str, float]]:
+    """The actor's and the critic's PPO train steps of ``w`` on one staged placement ``p``,
+    priced on each schedule: ``gpipe`` and ``1f1b`` (two steps, one after the other) and, with
+    a critic, ``fused`` (one program on the table ``fused_schedule.step_schedule`` picks). Per
+    schedule: ``seconds`` (both steps), ``ticks`` (iterations of each model's schedule, summed:
+    the fused program's once), ``bubble`` (the share of the priced layer work that is not a
+    forward and a backward of a real micro-batch: filler, and 1F1B's recompute), and for
+    ``fused`` ``table_bubble``, the table's own idle share (``Schedule.bubble``), which the
+    lockstep program does not save (every tick computes both models' forward and backward)."""
+    g = _geometry(p, profile)
+    roles = ["actor"] + (["critic"] if w.critic is not None else [])
+    out: dict[str, dict[str, float]] = {}
+    for schedule in ("gpipe", "1f1b", "fused"):
+        if schedule == "fused" and len(roles) < 2:
+            continue
+        changes = {r: replace(getattr(w, r), pipeline_schedule="gpipe") for r in roles}
+        if schedule != "fused":
+            changes = {r: replace(c, pipeline_schedule=schedule) for r, c in changes.items()}
+        wk = replace(w, fused_actor_critic=schedule == "fused", **changes)
+        table = _fused_table(wk, g) if schedule == "fused" else None
+        if schedule == "fused" and table is None:
+            continue
+        ticks = table.ticks if table is not None else 0
+        useful = priced = 0.0
+        iterations = []
+        for r in roles:
+            cfg, head = wk.models()[r]
+            pipe = _pipeline(cfg, g, train=True, ticks=ticks)
+            per_pass = forward_flops(cfg, 1, wk.seq_len, head, 0)  # any rows: a ratio
+            useful += 3 * pipe.micro * per_pass
+            priced += (4 if pipe.schedule == "1f1b" else 3) * pipe.iterations * per_pass
+            iterations.append(pipe.iterations)
+        row = {
+            "seconds": sum(train_seconds(wk, r, p, profile) for r in roles),
+            "ticks": ticks or sum(iterations),
+            "bubble": 1.0 - useful / priced,
+        }
+        if table is not None:
+            row["table_bubble"] = table.bubble()
+        out[schedule] = row
+    return out
 
 
 def pipeline_send_seconds(
-    cfg: ModelConfig, rows: int, seq: int, g: _Geometry, passes: int, profile: DeviceProfile
+    cfg: ModelConfig,
+    rows: int,
+    seq: int,
+    g: _Geometry,
+    passes: int,
+    profile: DeviceProfile,
+    ticks: int = 0,
 ) -> float:
     """The activations crossing stages in one pipelined pass over ``rows`` rows per device:
     at every iteration each stage's micro-batch output moves one stage on (a collective
     permute) and the last stage's goes to every stage (the schedule's output), in the forward
-    and, for ``passes`` 2, again as gradients in the backward. 0 without stages."""
-    pipe = _pipeline(cfg, g, train=passes > 1)
+    and, for ``passes`` 2, again as gradients in the backward. 0 without stages. ``ticks``:
+    the fused program's (``_pipeline``)."""
+    pipe = _pipeline(cfg, g, train=passes > 1, ticks=ticks)
     if pipe.stages <= 1:
         return 0.0
     micro_bytes = -(-rows // pipe.micro) * seq * cfg.hidden_size * itemsize(cfg.dtype)
@@ -1045,18 +1154,27 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     flops = passes * forward_flops(cfg, mb, seq, head, _head_tokens(w, head, role, mb))
     # With pipeline stages (_Pipeline): the bubble's filler on the layer work, each iteration
     # launching (and, scanned, gathering) its stage's layers again, and the stage sends; 1F1B
-    # recomputes each stage's forward in its backward.
-    pipe = _pipeline(cfg, g, train=True)
+    # recomputes each stage's forward in its backward. In the fused actor-critic program each
+    # model pays a forward and a backward per tick of the shared table (its forward under
+    # jax.vjp is the backward's recompute: no extra pass), and the two models' shares add up
+    # (the caller sums the two calls, which share their devices).
+    table = _fused_table(w, g) if role in ("actor", "critic") else None
+    ticks = table.ticks if table is not None else 0
+    pipe = _pipeline(cfg, g, train=True, ticks=ticks)
     if pipe.schedule == "1f1b":
         flops += forward_flops(cfg, mb, seq, head, 0)
     runs = cfg.num_layers * pipe.layer_runs
+    # one program for both models in the fused step: the actor's share pays its dispatch
+    dispatch = 0.0 if ticks and role == "critic" else profile.call_overhead_s
     step = _fixed_s(
-        profile.call_overhead_s
-        + profile.train_step_overhead_s
-        + m * runs * profile.train_layer_overhead_s,
+        dispatch + profile.train_step_overhead_s + m * runs * profile.train_layer_overhead_s,
         g,
         profile,
     )
+    if ticks and role == "critic":
+        # the critic's stage weights flipped onto the reversed stages, their gradients back
+        # (jrlhf.runtime.fused_step._flip_stages: collective permutes)
+        step += _comm_s(2 * shard_bytes(cfg, head, p, ("layers",)), 2, g, profile)
     step += m * runs * profile.train_layer_overhead_once_s
     step += pipe.layer_work * _work_s(
         flops / g.n, g, profile.matmul_flops * profile.train_efficiency, profile
@@ -1064,7 +1182,7 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     step += (m * pipe.layer_work / pipe.stages) * _activation_s(
         cfg, -(-micro // g.batch) * seq, seq, g, profile.train_activation_efficiency, profile
     )
-    step += m * pipeline_send_seconds(cfg, -(-micro // g.batch), seq, g, 2, profile)
+    step += m * pipeline_send_seconds(cfg, -(-micro // g.batch), seq, g, 2, profile, ticks)
     gathered = _gathered_weight_bytes(cfg, head, p, g)
     if pipe.stages > 1 and not layers_unrolled(cfg, profile):
         # scanned layers inside the schedule's loop: every iteration gathers its stage's
@@ -1479,6 +1597,9 @@ def estimate(plan: ExecutionPlan, workload: Workload, profile: DeviceProfile) ->
         problem = batch_problem(w, call, plan[call])
         if problem:
             reasons.append(f"{call}: {plan[call]}: {problem}")
+    problem = fused_problem(w, plan, profile)
+    if problem:
+        reasons.append(f"critic_train: {problem}")
 
     call_seconds = {c: 0.0 for c in CALLS}
     for call in active:
@@ -1875,7 +1996,10 @@ def tune_batches(
                 # with stages: the pipeline micro-batches and the schedule of each step
                 rows = -(-min(w.minibatch_size, w.rows) // (m or w.microbatches(role, g.batch)))
                 pipes = pipeline_micro_options(g.stages, rows // g.batch) if memory_knobs else []
-                for micro, schedule in itertools.product(pipes, PIPELINE_SCHEDULES):
+                # the fused step runs its own schedule: a critic binding 'gpipe' or '1f1b'
+                # would turn it off (batch_bindings), so only the micro-batches are a knob
+                schedules = [cfg.pipeline_schedule] if w.fused_actor_critic else PIPELINE_SCHEDULES
+                for micro, schedule in itertools.product(pipes, schedules):
                     if schedule == "1f1b" and rows % micro:
                         continue
                     piped = replace(rcfg, pipeline_microbatches=micro, pipeline_schedule=schedule)

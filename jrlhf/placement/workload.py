@@ -88,6 +88,10 @@ class Workload:
     # of its own (jrlhf.ppo.weights: the weight channel sends merged weights).
     actor_lora: LoraConfig | None = None
     critic_lora: LoraConfig | None = None
+    # critic/RoleConfig.pipeline_schedule='fused': each minibatch's actor and critic steps run
+    # as one fused bidirectional pipeline program (jrlhf.runtime.fused_step; the critic's
+    # ModelConfig then says 'gpipe', its scoring's schedule).
+    fused_actor_critic: bool = False
 
     def lora(self, role: str) -> LoraConfig | None:
         """The role's adapters (None: none, or a frozen role)."""
@@ -201,7 +205,14 @@ class Workload:
             offload=tuple(cfg.rl.memory.offload),
             actor_lora=_lora(cfg, "actor"),
             critic_lora=_lora(cfg, "critic") if critic is not None else None,
+            fused_actor_critic=critic is not None and _fused(cfg),
         )
+
+
+def _fused(cfg) -> bool:
+    """Whether the critic's RoleConfig asks for the fused actor-critic step."""
+    rc = (getattr(cfg, "roles", None) or {}).get("critic")
+    return getattr(rc, "pipeline_schedule", "gpipe") == "fused"
 
 
 def _lora(cfg, role: str) -> LoraConfig | None:

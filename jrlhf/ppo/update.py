@@ -84,11 +84,9 @@ def fused_step(
     roles: Mapping[str, RoleSetup], opts: Mapping[str, Any], losses: Mapping[str, Any], rows: int
 ):
     """The fused actor-critic train step of ``rows``-row minibatches on the actor's and
-    critic's shared training mesh, on the schedule the search picks
-    (jrlhf.runtime.fused_schedule): every op one tick long (the program runs the stages in
-    lockstep), and no stage holding more micro-batch inputs than the larger of the two
-    models' 1F1B steps alone (``min(S, M)`` micro-batches; a micro-batch's input counts its
-    rows times the model's hidden size). One ConfigError when the meshes differ, have no stage
+    critic's shared training mesh, on the schedule ``fused_schedule.step_schedule`` picks
+    (unit costs, a memory limit of what either model's 1F1B step alone keeps; the estimator
+    prices the same one). One ConfigError when the meshes differ, have no stage
     axis, or the rows do not split into a model's pipeline micro-batches."""
     actor, critic = roles["actor"], roles["critic"]
     setting = "critic/RoleConfig.pipeline_schedule"
@@ -110,7 +108,7 @@ def fused_step(
             f"{setting}: 'fused' needs a stage axis of 2 or more in the actor's and critic's "
             f"training mesh, got {dict(mesh.shape)}"
         )
-    micro, memory = [], []
+    micro = []
     for r in (actor, critic):
         m = r.model.config.pipeline_microbatches or stages
         if rows % m:
@@ -120,9 +118,8 @@ def fused_step(
                 "micro-batches, which they do not make"
             )
         micro.append(m)
-        memory.append(rows // m * r.model.config.hidden_size)
-    limit = max(min(stages, m) * mem for m, mem in zip(micro, memory, strict=True))
-    found = fused_schedule.search(stages, micro, ((1.0, 1.0), (1.0, 1.0)), memory, limit)
+    hidden = (actor.model.config.hidden_size, critic.model.config.hidden_size)
+    found = fused_schedule.step_schedule(stages, (micro[0], micro[1]), rows, hidden)
     return make_fused_train_step(
         (actor.model, opts["actor"], losses["actor"]),
         (critic.model, opts["critic"], losses["critic"]),

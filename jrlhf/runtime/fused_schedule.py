@@ -26,6 +26,7 @@ runtime's fused train step executes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -475,6 +476,23 @@ def search(
     best = orders_of(best)
     sched = table(best, stages, micro)
     return SearchResult(sched, best_span, sched.peak_memory(memory), start_span)
+
+
+@functools.lru_cache(maxsize=256)
+def step_schedule(
+    stages: int, micro: tuple[int, int], rows: int, hidden: tuple[int, int]
+) -> SearchResult:
+    """The schedule the fused train step runs (jrlhf.ppo.update.fused_step) for ``rows``-row
+    minibatches cut into ``micro = (actor, critic)`` pipeline micro-batches of models of hidden
+    sizes ``hidden``; the estimator prices the same one (jrlhf.placement.estimator), so its
+    settings live here only. Unit costs: the program runs the stages in lockstep, so an op
+    takes one tick whatever its model or direction. A micro-batch's memory: its rows times its
+    model's hidden size (a stage keeps its input). The limit: what the larger of the two
+    models' 1F1B steps alone keeps on a stage, ``min(S, M)`` micro-batches. Cached, as a
+    planner prices the same setting many times (callers must not write to its arrays)."""
+    memory = tuple(float(rows // m * h) for m, h in zip(micro, hidden, strict=True))
+    limit = max(min(stages, m) * mem for m, mem in zip(micro, memory, strict=True))
+    return search(stages, micro, ((1.0, 1.0), (1.0, 1.0)), memory, limit)
 
 
 @dataclasses.dataclass(frozen=True)
