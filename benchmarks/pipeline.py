@@ -36,11 +36,14 @@ accelerators. ``--in-process`` runs one process of ``S`` virtual devices instead
 way): the stages then share every core, so the step's time counts the work computed, filler
 included, not idle time.
 
-The ``decode`` section is a slot for pipelined decode (issue #63 part 3, jrlhf.decode.pipelined:
-``G`` groups of slots in flight over the stages, ``GenerationResult.stats`` counting the ticks
-and each stage's busy ticks), ``null`` here: ``python -m benchmarks.pipelined_decode`` reports
-those counts on its own, one process of virtual devices; measuring it here in the terms above
-(a stage's decode step timed alone, the engine on a process a stage) is not built.
+The ``decode`` section (``--decode-tokens``, 0 leaves it out) times pipelined decode
+(jrlhf.decode.pipelined) on the same processes, the engine's mesh spanning them (a stage a
+process): greedy decoding of the same prompts with the delayed inter-batch pipeline (``G = S``
+groups of slots in flight), naive pipelined decode (``G = 1``) and tensor parallelism over the
+same devices (``benchmarks.pipelined_decode.measure``: tokens/s, best of ``--repeats``, and the
+staged runs' ticks, busy ticks and bubble as the engine counts them on the device), with the
+speed-up of ``G = S`` over ``G = 1`` beside the one its busy ticks allow (its busy stage-ticks
+over naive decode's, per token).
 
 Models: random Llama-like (``--hidden``, ``--layers``, ...), float32, PPO losses (KL in the
 actor's loss), SGD; rows: ``benchmarks.fused_pipeline.rl_batch`` draws.
@@ -62,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import pipelined_decode
 from benchmarks.fused_pipeline import HEADS, LOSSES, SGD, P, R, rl_batch, tiny
 from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.devices import ensure_host_devices
@@ -171,9 +175,15 @@ def _steps(args, mesh, micro: int) -> dict:
 def measure(args) -> dict:
     """This process's timings, per micro-batch count: its stage program alone and the steps of
     each schedule (``--repeats`` calls after ``--warmup``, the stage program 10 x as many; the
-    schedules take turns within each repeat, so load on the machine hits all of them)."""
+    schedules take turns within each repeat, so load on the machine hits all of them); then
+    pipelined decode's (``decode``) unless ``--decode-tokens`` is 0."""
     mesh = make_mesh(f"stage={args.stages}")
-    out = {}
+    out: dict = {}
+    if args.decode_tokens:
+        out["decode"] = pipelined_decode.measure(
+            devices=args.stages, hidden=args.hidden, layers=args.layers,
+            new_tokens=args.decode_tokens, repeats=args.repeats,
+        )  # fmt: skip
     for micro in args.microbatches:
         stage = _stage_program(args, micro)
         steps = _steps(args, mesh, micro)
@@ -273,8 +283,27 @@ def report(args, per_process: list[dict], load_before: tuple[float, ...]) -> dic
         # the machine's 1-minute load average before and after the runs (others' jobs too)
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
         "train": train,
-        # pipelined decode's slot (issue #63 part 3; benchmarks/pipelined_decode.py counts it)
-        "decode": None,
+        "decode": _decode_report(args, per_process[0].get("decode")),
+    }
+
+
+def _decode_report(args, runs: dict | None) -> dict | None:
+    """Pipelined decode's runs (process 0's: the engine's calls are collective), with the
+    delayed pipeline's speed-up over naive pipelined decode beside the one its counts allow."""
+    if runs is None:
+        return None
+    s = args.stages
+    delayed, naive = runs[f"stage={s},batches={s}"], runs[f"stage={s},batches=1"]
+
+    def busy_per_tick(run):  # the stages' busy share of the ticks
+        return 1 - run["pipeline_bubble"]
+
+    return {
+        **runs,
+        "delayed_over_naive_tokens_per_s": delayed["tokens_per_s"] / naive["tokens_per_s"],
+        "delayed_over_naive_from_counts": busy_per_tick(delayed) / busy_per_tick(naive),
+        "delayed_over_tensor_tokens_per_s": delayed["tokens_per_s"]
+        / runs[f"tensor={s}"]["tokens_per_s"],
     }
 
 
@@ -291,6 +320,7 @@ def _launch(args) -> list[dict]:
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
             "--rows", str(args.rows), "--hidden", str(args.hidden), "--mlp", str(args.mlp),
             "--layers", str(args.layers), "--heads", str(args.heads),
+            "--decode-tokens", str(args.decode_tokens),
         ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "jrlhf.launch", "--processes", str(args.stages),
@@ -321,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp", type=int, default=1408)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="decode: tokens each sequence generates (0: no decode section)",
+    )
     p.add_argument("--timeout", type=int, default=1800, help="seconds for the job")
     p.add_argument(
         "--in-process",

@@ -3,6 +3,7 @@ and the counts beside the measured bubbles are the schedules' own."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -16,13 +17,14 @@ from jrlhf.runtime import fused_schedule as fs
 def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):
     assert "pipeline" in bench_cli.SUITES
     tiny = ["--hidden", "16", "--mlp", "32", "--layers", "2", "--heads", "2", "--rows", "4"]
-    rc = bench.main(
-        ["--in-process", *tiny, "--microbatches", "2", "--repeats", "1", "--warmup", "1"]
-    )
+    rc = bench.main([
+        "--in-process", *tiny, "--microbatches", "2", "--repeats", "1", "--warmup", "1",
+        "--decode-tokens", "0",
+    ])  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
     assert out["benchmark"] == "pipeline" and "t_stage" in out["definition"]
-    assert out["decode"] is None  # the slot pipelined decode fills
+    assert out["decode"] is None  # --decode-tokens 0 (the engines' equality: test_pipelined_decode)
     assert set(out["load_average"]) == {"before", "after"}
     (row,) = out["train"]
     assert row["microbatches"] == 2 and row["stage_s"] > 0
@@ -40,3 +42,19 @@ def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):
         else:
             assert r["count"] == bubble_fraction(2, 2, schedule)
     assert set(row["schedules"]) == {"gpipe", "1f1b", "fused"}
+
+
+def test_decode_report_sets_the_measured_speed_up_beside_the_counts():
+    """The delayed pipeline's speed-up over naive pipelined decode, measured and as the busy
+    stage-ticks allow: with S = 2, a bubble of 0.1 against naive decode's 0.55 allows 2x."""
+    runs = {
+        "stage=2,batches=2": {"tokens_per_s": 300.0, "pipeline_bubble": 0.1},
+        "stage=2,batches=1": {"tokens_per_s": 200.0, "pipeline_bubble": 0.55},
+        "tensor=2": {"tokens_per_s": 400.0},
+    }
+    args = argparse.Namespace(stages=2)
+    out = bench._decode_report(args, runs)
+    assert out["delayed_over_naive_tokens_per_s"] == pytest.approx(1.5)
+    assert out["delayed_over_naive_from_counts"] == pytest.approx(2.0)
+    assert out["delayed_over_tensor_tokens_per_s"] == pytest.approx(0.75)
+    assert bench._decode_report(args, None) is None
