@@ -48,6 +48,9 @@ EQUALITY_CASES = (
     ("stage=4,fsdp=2", 4, (4, 4)),
     ("stage=4,fsdp=2", 4, (8, 8)),
     ("stage=4,fsdp=2", 4, (8, 2)),
+    # stage axes only: the per-stage program (jrlhf.runtime.fused_step.run_fused)
+    ("stage=2", 2, (4, 8)),
+    ("stage=4", 4, (8, 2)),
 )
 
 

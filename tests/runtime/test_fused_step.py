@@ -1,8 +1,9 @@
-"""The fused actor-critic train step (jrlhf.runtime.fused_step) on 8 fake CPU devices: one
+"""The fused actor-critic train step (jrlhf.runtime.fused_step) on fake CPU devices: one
 program trains the actor (stages first-to-last) and the critic (last-to-first) of a PPO
-minibatch on a searched table, and its losses, metrics, gradients and parameters after the
-optimizer step equal each model's own update without stages: autodiff of its loss on one
-device and an SGD step (float32, 1e-5 absolute)."""
+minibatch on a searched table, each stage running only its own table slots, and its losses,
+metrics, gradients and parameters after the optimizer step equal each model's own update
+without stages: autodiff of its loss on one device and an SGD step (float32, 1e-5
+absolute)."""
 
 import chex
 import jax
@@ -55,7 +56,10 @@ def separate():
 @pytest.mark.parametrize(
     "mesh_spec,stages,micro",
     [
-        ("stage=2,fsdp=2,tensor=2", 2, (8, 4)),
+        # stage axes only: the per-stage program, idle slots skipped (the lockstep one, on
+        # meshes with other axes, is measured by python -m benchmarks.fused_pipeline equality;
+        # one compiled case here: the suite's time)
+        ("stage=2", 2, (8, 4)),
     ],
 )
 def test_the_fused_update_equals_the_separate_updates(separate, mesh_spec, stages, micro):
