@@ -15,16 +15,18 @@ The measured bubble (``DEFINITION``): ``1 - sum over the models of M x t_stage /
 back) on one micro-batch, timed as a program of its own on one device, the slowest stage's
 (each process times its own; the actor's and the critic's layers are the same here), and
 ``t_step`` the measured time of the pipelined steps of both models. Everything in a step that
-is not that useful layer work counts: the schedule's filler, 1F1B's recompute, the fused
-program's lockstep slots, stage sends, embedding, heads, losses, optimizer and dispatch.
+is not that useful layer work counts: the schedule's filler, 1F1B's and the fused program's
+recompute, stages waiting on each other, stage sends, embedding, heads, losses, optimizer and
+dispatch.
 ``bubble_measured`` takes the medians (of ``--repeats`` step calls, of 10 x as many stage
 calls), ``bubble_measured_min`` the fastest calls, the ones other load on the machine disturbed
 least. Beside them, per schedule:
 
 * ``count``: the schedule's own count of idle slots: ``pipeline.bubble_fraction(S, M,
   schedule)`` for GPipe and 1F1B; the fused table's idle share (``Schedule.bubble``), and
-  ``count_lockstep``, ``1 - 2M / (2 ticks)``, the share of the program's slots (a forward and
-  a backward of both models at every tick and stage) not spent on a real micro-batch;
+  ``count_path``, ``1 - 6M / path``: the share of the table's critical path
+  (``Schedule.critical_path``, a forward one unit, a backward with its recompute three, idle
+  slots free: what the program runs) that is not the two models' useful work;
 * ``estimator``: jrlhf.placement.estimator.train_schedule_prices on the ``cpu`` profile for the
   same models, minibatch and ``stage=S`` placement: ``seconds`` of both steps and ``bubble``
   (the priced layer work's share that is filler or recompute).
@@ -86,7 +88,7 @@ DEFINITION = (
     "timed alone on one device (the slowest stage's; the actor's and the critic's layers are "
     "the same here); t_step, the measured time of both models' pipelined train steps of one "
     "minibatch (gpipe, 1f1b: the two steps one after the other; fused: the one program). "
-    "Filler, recompute, lockstep slots, sends, embedding, heads, losses, optimizer and "
+    "Filler, recompute, waits between stages, sends, embedding, heads, losses, optimizer and "
     "dispatch all count as bubble. bubble_measured: medians of the calls; "
     "bubble_measured_min: the fastest calls (the least disturbed by other load)."
 )
@@ -235,7 +237,8 @@ def report(args, per_process: list[dict], load_before: tuple[float, ...]) -> dic
     train = []
     for micro in args.microbatches:
         key = str(micro)
-        # the slowest stage paces the lockstep program; both models' micro-batches are work
+        # the slowest stage paces the programs (their sends end every tick); both models'
+        # micro-batches are work
         stage_s = max(p[key]["stage_s"] for p in per_process)
         stage_min = max(p[key]["stage_s_min"] for p in per_process)
         table = fs.step_schedule(
@@ -249,7 +252,7 @@ def report(args, per_process: list[dict], load_before: tuple[float, ...]) -> dic
             if schedule == "fused":
                 count = {
                     "count": table.bubble(),
-                    "count_lockstep": 1 - 2 * micro / (2 * table.ticks),
+                    "count_path": 1 - 6 * micro / table.critical_path(((1, 3), (1, 3))),
                     "ticks": table.ticks,
                 }
             else:

@@ -380,15 +380,19 @@ class _Pipeline:
     ``micro + stages - 1`` iterations, 1F1B (train steps only) ``micro + 2 stages - 1`` ticks of
     a forward and a backward each, each device running its ``num_layers / stages`` layers once
     per iteration; ``fused`` (a PPO train step in the fused actor-critic program,
-    jrlhf.runtime.fused_step) the ``ticks`` of its table, at each of which every stage runs a
-    forward and a backward of this model (and of the other one: its own ``_Pipeline``), the
-    lockstep program computing every slot the table leaves idle or gives the other model.
-    Without stages: one micro-batch through one stage (every factor 1)."""
+    jrlhf.runtime.fused_step) the ``ticks`` of its table, its layer work ``work`` times both
+    models' useful work (``_fused_work``): on a mesh of stages only each stage runs the one op
+    its table slot names, or nothing, so each model's micro-batches run its layers once forward
+    and once backward on every stage; with other axes (``lockstep``) every stage runs a forward
+    and a backward of both models at every tick. Without stages: one micro-batch through one
+    stage (every factor 1)."""
 
     stages: int
     micro: int
     schedule: str = "gpipe"
     ticks: int = 0  # fused: the table's length (fused_schedule.step_schedule)
+    work: float = 0.0  # fused: _fused_work of the table
+    lockstep: bool = False  # fused: the lockstep program (stages' work split over other axes)
 
     @property
     def iterations(self) -> int:
@@ -398,37 +402,47 @@ class _Pipeline:
         return self.micro + extra
 
     @property
+    def busy_iterations(self) -> int:
+        """The iterations that run the model's layers: every one, but in the per-stage fused
+        program only its micro-batches' (each a forward and a backward on every stage; idle
+        slots and the other model's run none of its layers)."""
+        return self.micro if self.schedule == "fused" and not self.lockstep else self.iterations
+
+    @property
     def bubble(self) -> float:
         """The share of this model's stage-iterations spent on filler: GPipe's and 1F1B's
-        ``pipeline.bubble_fraction``; fused, ``1 - M / ticks`` (a forward and a backward of the
-        model every tick, ``M`` of them its micro-batches')."""
+        ``pipeline.bubble_fraction``; fused, the share of the critical path that is not useful
+        work (recompute and waits), ``1 - 1 / work``."""
         if self.schedule == "fused":
-            return 1.0 - self.micro / self.ticks
+            return 1.0 - 1.0 / self.work
         return bubble_fraction(self.stages, self.micro, self.schedule) if self.stages > 1 else 0.0
 
     @property
     def layer_work(self) -> float:
         """A device's layer work (FLOPs, activation passes, tensor-parallel traffic) per pass
         over the unpipelined model's on the same devices' share: the bubble's filler on top,
-        ``(M + S - 1) / M``; FLOPs per device already divide by every device, stages too."""
-        return self.iterations / self.micro
+        ``(M + S - 1) / M``; fused, ``work``; FLOPs per device already divide by every device,
+        stages too."""
+        return self.work if self.schedule == "fused" else self.iterations / self.micro
 
     @property
     def layer_runs(self) -> float:
         """Layer invocations a device runs per pass, over the model's layer count: (M + S - 1)
         iterations of ``L / S`` layers each (per-layer launches, scanned FSDP gathers)."""
-        return self.iterations / self.stages
+        return self.busy_iterations / self.stages
 
 
-def _pipeline(cfg: ModelConfig, g: _Geometry, train: bool = False, ticks: int = 0) -> _Pipeline:
+def _pipeline(
+    cfg: ModelConfig, g: _Geometry, train: bool = False, ticks: int = 0, work: float = 0.0
+) -> _Pipeline:
     """The schedule of a call's passes: a train step's is the model's ``pipeline_schedule``,
-    or the fused program's of ``ticks`` (``_fused_table``); a scoring call's the GPipe
-    forward."""
+    or the fused program's of ``ticks`` and ``work`` (``_fused_table``, ``_fused_work``); a
+    scoring call's the GPipe forward."""
     if g.stages <= 1:
         return _Pipeline(1, 1)
     micro = cfg.pipeline_microbatches or g.stages
     if train and ticks:
-        return _Pipeline(g.stages, micro, "fused", ticks)
+        return _Pipeline(g.stages, micro, "fused", ticks, work, lockstep=g.n > g.stages)
     schedule = cfg.pipeline_schedule if train else "gpipe"
     return _Pipeline(g.stages, micro, schedule)
 
@@ -446,6 +460,28 @@ def _fused_table(w: Workload, g: _Geometry) -> fused_schedule.Schedule | None:
         return None
     hidden = (w.actor.hidden_size, w.critic.hidden_size)
     return fused_schedule.step_schedule(g.stages, micro, rows, hidden).schedule
+
+
+def _fused_work(w: Workload, g: _Geometry, table: fused_schedule.Schedule) -> float:
+    """The fused program's layer work over the useful work of both models (3 forward passes of
+    each micro-batch): its table's critical path (``Schedule.critical_path``), an op costing
+    a forward of its model's micro-batch through a stage, a backward three (the forward
+    recomputed under ``jax.vjp``, then two matmuls a weight), idle slots nothing: 4/3 (the
+    recompute) where no stage ever waits. Where the mesh splits the stages' work over other
+    axes (jrlhf.runtime.fused_step.run_fused runs them in lockstep there) every tick costs a
+    forward and a backward of both models. The same factor prices both models' shares, which
+    add up to the program's."""
+    rows = min(w.minibatch_size, w.rows)
+    costs, useful = [], 0.0
+    for role in ("actor", "critic"):
+        cfg, head = w.models()[role]
+        micro = cfg.pipeline_microbatches or g.stages
+        forward = forward_flops(cfg, rows // micro, w.seq_len, head, 0)
+        costs.append((forward, 3 * forward))
+        useful += 3 * micro * forward
+    if g.n > g.stages:
+        return table.ticks * sum(back for _, back in costs) / useful
+    return table.critical_path(costs) / useful
 
 
 def fused_problem(w: Workload, plan: ExecutionPlan, profile: DeviceProfile) -> str | None:
@@ -482,8 +518,9 @@ def train_schedule_prices(
     schedule: ``seconds`` (both steps), ``ticks`` (iterations of each model's schedule, summed:
     the fused program's once), ``bubble`` (the share of the priced layer work that is not a
     forward and a backward of a real micro-batch: filler, and 1F1B's recompute), and for
-    ``fused`` ``table_bubble``, the table's own idle share (``Schedule.bubble``), which the
-    lockstep program does not save (every tick computes both models' forward and backward)."""
+    ``fused`` ``table_bubble``, the table's own idle share (``Schedule.bubble``): its idle
+    slots cost nothing, its ``bubble`` is what its critical path adds to the useful work
+    (recompute, and stages waiting on their neighbours' slower ops)."""
     g = _geometry(p, profile)
     roles = ["actor"] + (["critic"] if w.critic is not None else [])
     out: dict[str, dict[str, float]] = {}
@@ -498,14 +535,16 @@ def train_schedule_prices(
         if schedule == "fused" and table is None:
             continue
         ticks = table.ticks if table is not None else 0
+        work = _fused_work(wk, g, table) if table is not None else 0.0
         useful = priced = 0.0
         iterations = []
         for r in roles:
             cfg, head = wk.models()[r]
-            pipe = _pipeline(cfg, g, train=True, ticks=ticks)
+            pipe = _pipeline(cfg, g, train=True, ticks=ticks, work=work)
             per_pass = forward_flops(cfg, 1, wk.seq_len, head, 0)  # any rows: a ratio
             useful += 3 * pipe.micro * per_pass
-            priced += (4 if pipe.schedule == "1f1b" else 3) * pipe.iterations * per_pass
+            passes = 4 if pipe.schedule == "1f1b" else 3
+            priced += passes * pipe.micro * pipe.layer_work * per_pass
             iterations.append(pipe.iterations)
         row = {
             "seconds": sum(train_seconds(wk, r, p, profile) for r in roles),
@@ -531,12 +570,13 @@ def pipeline_send_seconds(
     at every iteration each stage's micro-batch output moves one stage on (a collective
     permute) and the last stage's goes to every stage (the schedule's output), in the forward
     and, for ``passes`` 2, again as gradients in the backward. 0 without stages. ``ticks``:
-    the fused program's (``_pipeline``)."""
+    the fused program's (``_pipeline``), whose stages send their activations and input
+    gradients to their neighbours every tick and nothing to every stage."""
     pipe = _pipeline(cfg, g, train=passes > 1, ticks=ticks)
     if pipe.stages <= 1:
         return 0.0
     micro_bytes = -(-rows // pipe.micro) * seq * cfg.hidden_size * itemsize(cfg.dtype)
-    sends = 2 * passes * pipe.iterations
+    sends = (1 if pipe.schedule == "fused" else 2) * passes * pipe.iterations
     return _comm_s(sends * micro_bytes, sends, g, profile)
 
 
@@ -1155,12 +1195,13 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     # With pipeline stages (_Pipeline): the bubble's filler on the layer work, each iteration
     # launching (and, scanned, gathering) its stage's layers again, and the stage sends; 1F1B
     # recomputes each stage's forward in its backward. In the fused actor-critic program each
-    # model pays a forward and a backward per tick of the shared table (its forward under
-    # jax.vjp is the backward's recompute: no extra pass), and the two models' shares add up
-    # (the caller sums the two calls, which share their devices).
+    # stage runs only the ops its table slots name: the layer work is the table's critical
+    # path (_fused_work, the backward's recompute in it: no extra pass), and the two models'
+    # shares add up to it (the caller sums the two calls, which share their devices).
     table = _fused_table(w, g) if role in ("actor", "critic") else None
     ticks = table.ticks if table is not None else 0
-    pipe = _pipeline(cfg, g, train=True, ticks=ticks)
+    work = _fused_work(w, g, table) if table is not None else 0.0
+    pipe = _pipeline(cfg, g, train=True, ticks=ticks, work=work)
     if pipe.schedule == "1f1b":
         flops += forward_flops(cfg, mb, seq, head, 0)
     runs = cfg.num_layers * pipe.layer_runs
@@ -1187,8 +1228,9 @@ def train_seconds(w: Workload, role: str, p: CallPlacement, profile: DeviceProfi
     if pipe.stages > 1 and not layers_unrolled(cfg, profile):
         # scanned layers inside the schedule's loop: every iteration gathers its stage's
         # layers again (forward, backward) and reduce-scatters their gradients
-        # (benchmarks/pipeline_memory.py's programs: the gathers sit in the inner loop body)
-        its = pipe.iterations
+        # (benchmarks/pipeline_memory.py's programs: the gathers sit in the inner loop body;
+        # the fused program's, in the branches that run them)
+        its = pipe.busy_iterations
         step += m * _comm_s(3 * its * gathered, 3 * round(runs), g, profile)
     elif layers_unrolled(cfg, profile):
         # unrolled layers: XLA gathers each weight once per step, and the forward's gathered

@@ -8,8 +8,8 @@ model is one chain of ops over its pipeline positions ``p = 0..S-1``: the forwar
 the backwards down (``fwd 0 -> ... -> fwd S-1 -> bwd S-1 -> ... -> bwd 0``); a stage runs one
 op at a time. A schedule fixes each stage's order of ops; its table (``Schedule``) gives each
 op a tick, the first one its order and chain allow with every op one tick long, which is how
-the fused train step (jrlhf.runtime.fused_step) executes it: one program, all stages in
-lockstep.
+the fused train step (jrlhf.runtime.fused_step) executes it: each stage runs its tick's op (or
+nothing), and the sends at the end of each tick keep the stages' ticks in step.
 
 Memory: a stage keeps a micro-batch's activations from the start of its forward on that stage
 to the end of its backward there (``memory[model]`` per micro-batch); a schedule fits when no
@@ -122,6 +122,21 @@ class Schedule:
         the tick its forward starts on the stage to the tick its backward there ends."""
         return np.array([_order_peak(order, memory) for order in self.orders()])
 
+    def critical_path(self, costs) -> float:
+        """How long the fused train step runs this table (jrlhf.runtime.fused_step) with
+        ``costs[model] = (forward, backward)`` per op: each stage runs its tick's op (an idle
+        slot costs nothing) once it and both its neighbours have ended the tick before, as
+        the sends that end every tick (to the next stage and the previous one, around the
+        ring) let it; the time the last stage ends."""
+        cost = np.zeros(self.model.shape)
+        for m in (ACTOR, CRITIC):
+            for back in (False, True):
+                cost[(self.model == m) & (self.backward == back)] = costs[m][back]
+        end = np.zeros(self.stages)
+        for row in cost:
+            end = np.maximum.reduce([end, np.roll(end, 1), np.roll(end, -1)]) + row
+        return float(end.max(initial=0.0))
+
     def validate(self) -> None:
         """One-line ValueError unless every op runs exactly once, on its stage, after the op
         its chain needs first."""
@@ -206,8 +221,8 @@ def makespan(orders: Sequence[Sequence[Op]], stages: int, costs) -> float:
 
 
 def table(orders: Sequence[Sequence[Op]], stages: int, micro: Sequence[int]) -> Schedule:
-    """The table of per-stage ``orders`` with every op one tick long (how the lockstep
-    program runs them)."""
+    """The table of per-stage ``orders`` with every op one tick long (how the fused step
+    runs them, tick by tick)."""
     timed = _timed(orders, stages, lambda op: 1.0)
     if timed is None:
         raise ValueError("schedule: the stages' orders wait on each other (deadlock)")
@@ -485,11 +500,13 @@ def step_schedule(
     """The schedule the fused train step runs (jrlhf.ppo.update.fused_step) for ``rows``-row
     minibatches cut into ``micro = (actor, critic)`` pipeline micro-batches of models of hidden
     sizes ``hidden``; the estimator prices the same one (jrlhf.placement.estimator), so its
-    settings live here only. Unit costs: the program runs the stages in lockstep, so an op
-    takes one tick whatever its model or direction. A micro-batch's memory: its rows times its
-    model's hidden size (a stage keeps its input). The limit: what the larger of the two
-    models' 1F1B steps alone keeps on a stage, ``min(S, M)`` micro-batches. Cached, as a
-    planner prices the same setting many times (callers must not write to its arrays)."""
+    settings live here only. Unit costs: the program runs the table tick by tick, one op a
+    stage a tick, so the table (``table``) gives every op one tick whatever its model or
+    direction (what a tick then costs, ``Schedule.critical_path``, is not what the search
+    minimises). A micro-batch's memory: its rows times its model's hidden size (a stage
+    keeps its input). The limit: what the larger of the two models' 1F1B steps alone keeps on
+    a stage, ``min(S, M)`` micro-batches. Cached, as a planner prices the same setting many
+    times (callers must not write to its arrays)."""
     memory = tuple(float(rows // m * h) for m, h in zip(micro, hidden, strict=True))
     limit = max(min(stages, m) * mem for m, mem in zip(micro, memory, strict=True))
     return search(stages, micro, ((1.0, 1.0), (1.0, 1.0)), memory, limit)

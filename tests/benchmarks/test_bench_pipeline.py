@@ -38,7 +38,7 @@ def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):
         assert est["seconds"] > 0 and 0 <= est["bubble"] < 1
         if schedule == "fused":
             assert r["count"] == table.bubble() and r["ticks"] == table.ticks == est["ticks"]
-            assert r["count_lockstep"] == pytest.approx(est["bubble"])
+            assert r["count_path"] == pytest.approx(est["bubble"])
         else:
             assert r["count"] == bubble_fraction(2, 2, schedule)
     assert set(row["schedules"]) == {"gpipe", "1f1b", "fused"}
