@@ -4,9 +4,9 @@ A call's placement is abstracted as a ``Slot``: a contiguous, aligned, power-of-
 devices ``[start, start + size)``, a tensor-parallel size and, for training and inference, a
 pipeline stage count and an expert-parallel size. Training and inference calls lay their model
 out as ``stage x fsdp x expert x tensor`` with the ``fsdp_tp`` rules (the stage and expert axes
-only where they are above 1); generation as ``data x tensor`` with ``dp_tp`` (no FSDP: each
-decode step must read its weights locally; no stages: the search does not price pipelined
-decode, which a role's ``generate_mesh`` may still name, docs/pipelines.md).
+only where they are above 1); generation as ``stage x data x tensor`` with ``dp_tp`` (no FSDP:
+each decode step must read its weights locally; stages run pipelined decode with a group of
+slots in flight a stage, jrlhf.decode.pipelined; no expert axis).
 Power-of-two aligned slices are the sub-meshes that nest cleanly (ReaL's device-mesh candidates
 are the same shape); they keep the space small without excluding the placements the literature
 uses.
@@ -150,11 +150,8 @@ def slot_problem(
         )
     if slot.rules not in (None, KV_REPLICATED_RULES) or (slot.rules and not generating):
         return f"rule set {slot.rules!r} is not a candidate for {call}"
-    if generating and (stages > 1 or experts > 1):
-        return (
-            "generation meshes take no stage or expert axis here (the search does not price "
-            "pipelined decode; RoleConfig.generate_mesh may name a stage axis)"
-        )
+    if generating and experts > 1:
+        return "generation meshes take no expert axis here (experts replicate for decode)"
     if stages > 1 and size // stages < devices_per_node:
         return f"stages={stages}: each stage must hold whole nodes ({devices_per_node} devices)"
     if model is not None:
@@ -214,8 +211,7 @@ def call_candidates(
     limit = min(node_span, max_tensor or node_span)
     out = []
     for start, size in slices(num_devices):
-        staged = stages and not generating
-        stage_counts = stage_options(model, size, devices_per_node) if staged else [1]
+        stage_counts = stage_options(model, size, devices_per_node) if stages else [1]
         expert_sizes = [1] if generating else expert_options(model, size)
         tensor = 1
         while tensor <= min(size, limit):
@@ -243,10 +239,14 @@ def placement(call: str, slot: Slot, actor_train: CallPlacement | None = None) -
     ``plan.flatten`` does."""
     if call == GENERATE_CALL:
         rules = slot.rules or PHASE_RULES["generate"]
-        if actor_train is not None and set(actor_train.mesh.device_ids()) == set(slot.devices):
+        same = actor_train is not None and set(actor_train.mesh.device_ids()) == set(slot.devices)
+        if same and slot.stages == 1:
             mesh = choose_generation_mesh(actor_train.mesh, slot.tensor)
             return CallPlacement(mesh, rules)
-        axes = (("data", slot.size // slot.tensor), ("tensor", slot.tensor))
+        axes = (("stage", slot.stages),) * (slot.stages > 1) + (
+            ("data", slot.fsdp),
+            ("tensor", slot.tensor),
+        )
         return CallPlacement(MeshSpec(axes, tuple(slot.devices)), rules)
     # stages outermost (each stage whole nodes), the expert axis next to tensor (its dispatch
     # and combine are an all-gather and a reduce-scatter per layer); sizes of 1 are left out

@@ -774,9 +774,10 @@ def _head_tokens(w: Workload, head: str, role: str, rows: int) -> int:
 
 
 def _engine_slots(w: Workload, g: _Geometry) -> int:
-    """Decode slots as the trainer sizes the engine: rounded up to a multiple of the data
-    shards."""
-    return -(-w.slots // g.batch) * g.batch
+    """Decode slots as the trainer sizes the engine (jrlhf.decode.state.round_slots): rounded
+    up to a multiple of the data shards times the pipeline stages."""
+    unit = g.batch * g.stages
+    return -(-w.slots // unit) * unit
 
 
 def _waves(w: Workload, g: _Geometry) -> list[int]:
@@ -846,9 +847,12 @@ def generate_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> f
         total += _work_s(
             weight_bytes, g, profile.memory_bandwidth * profile.decode_copy_efficiency, profile
         )
+    groups = min(w.decode_pipeline_batches or g.stages, g.stages)
     for in_flight in _waves(w, g):
-        step = _decode_step_s(cfg, p, g, profile, in_flight, context)
+        step = _decode_step_s(cfg, p, g, profile, in_flight, context, w.decode_pipeline_batches)
         total += steps * step + chunks * _fixed_s(profile.call_overhead_s, g, profile)
+        # a staged chunk fills and drains its pipeline: G - 1 ticks (of S a step) more
+        total += chunks * (groups - 1) * step / g.stages
     return total
 
 
@@ -859,31 +863,47 @@ def _decode_step_s(
     profile: DeviceProfile,
     in_flight: int,
     context: float,
+    groups: int = 0,
 ) -> float:
     """One decode step of ``in_flight`` sequences (over the call's data shards) that attend
-    to ``context`` KV positions each on average (``generate_seconds``)."""
+    to ``context`` KV positions each on average (``generate_seconds``).
+
+    With pipeline stages (jrlhf.decode.pipelined) a step, every sequence one token on, takes
+    ``S`` ticks: each group of ``in_flight / G`` sequences (``groups`` G, 0 = S) passes the
+    ``S`` stages one tick each, and a tick costs the busy stage's ``L / S`` layers on one group
+    (its weights and its layers' KV read, its matmuls, its tensor all-reduces) plus the send
+    of the group's hidden states to the next stage; the embedding and head run once a tick."""
     a = itemsize(cfg.dtype)
-    weight_bytes = shard_bytes(cfg, "lm", p)
-    per_shard = -(-in_flight // g.batch)
-    compute = _work_s(decode_step_flops(cfg, in_flight, 0) / g.n, g, profile.matmul_flops, profile)
+    stages = g.stages
+    groups = min(groups or stages, stages)
+    rows = -(-in_flight // groups) if stages > 1 else in_flight  # a tick's sequences
+    layers = cfg.num_layers // stages  # a tick's layers
+    weight_bytes = shard_bytes(cfg, "lm", p)  # a device's: its stage's layers
+    per_shard = -(-rows // g.batch)
+    flops = decode_step_flops(cfg, rows, 0) / stages  # a stage's share, on its devices
+    compute = _work_s(flops / (g.n // stages), g, profile.matmul_flops, profile)
     memory = _work_s(weight_bytes, g, profile.memory_bandwidth, profile)
-    kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / g.kv_tensor
+    kv_bytes = per_shard * context * kv_bytes_per_token(cfg) / stages / g.kv_tensor
     kv = _work_s(kv_bytes, g, profile.memory_bandwidth * profile.decode_kv_efficiency, profile)
+    # a stage's tensor group stays inside its own nodes (stages are whole nodes)
+    stage_g = dataclasses.replace(g, nodes=-(-g.nodes // stages)) if stages > 1 else g
     tp = _comm_s(
-        2 * cfg.num_layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
-        2 * cfg.num_layers,
-        g,
+        2 * layers * 2 * _ring(per_shard * cfg.hidden_size * a, g.tensor),
+        2 * layers,
+        stage_g,
         profile,
     )
     if profile.decode_weight_efficiency > 0:  # shared host: the two add up
-        step = compute / profile.decode_efficiency + kv
-        step += _work_s(
+        tick = compute / profile.decode_efficiency + kv
+        tick += _work_s(
             weight_bytes, g, profile.memory_bandwidth * profile.decode_weight_efficiency, profile
         )
     else:
-        step = max(compute, memory) / profile.decode_efficiency + kv
-    step += _fixed_s(cfg.num_layers * profile.decode_layer_overhead_s, g, profile) + tp
-    return step + cfg.num_layers * profile.decode_layer_overhead_once_s
+        tick = max(compute, memory) / profile.decode_efficiency + kv
+    tick += _fixed_s(layers * profile.decode_layer_overhead_s, g, profile) + tp
+    if stages > 1:  # the group's hidden states on to the next stage
+        tick += _comm_s(per_shard * cfg.hidden_size * a, 1, g, profile)
+    return stages * tick + cfg.num_layers * profile.decode_layer_overhead_once_s
 
 
 # ------------------------------------------------------------- long-tailed and partial rollouts
@@ -976,7 +996,9 @@ def engine_call_seconds(
     )
     for in_flight, count, attended in by:
         context = attended / (count * in_flight)
-        total += count * _decode_step_s(cfg, p, g, profile, in_flight, context)
+        total += count * _decode_step_s(
+            cfg, p, g, profile, in_flight, context, w.decode_pipeline_batches
+        )
     chunks = -(-steps // max(1, w.decode_chunk_steps))
     return total + chunks * _fixed_s(profile.call_overhead_s, g, profile)
 
@@ -1356,9 +1378,9 @@ def _moment_bytes(
 
 def _kv_pool_bytes(w: Workload, g: _Geometry) -> int:
     """The engine's page pool: its slots (not the rows) at full length, split over the data
-    shards and the kv-head axis."""
+    shards, the kv-head axis and the pipeline stages (each holds its layers' pages)."""
     per_shard = _engine_slots(w, g) // g.batch * w.seq_len * kv_bytes_per_token(w.actor)
-    return int(per_shard / g.kv_tensor)
+    return int(per_shard / g.kv_tensor / g.stages)
 
 
 def _resident_parts(

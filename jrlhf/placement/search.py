@@ -321,19 +321,20 @@ class SearchSpace:
 
 def staged_calls(workload: Any, profile: Any, devices_per_node: int) -> set[str]:
     """The calls whose model's state does not fit one node's memory: the trained roles'
-    weights and AdamW moments, the frozen roles' weights. Stages are candidates for these
-    only: a model that fits a node trains there with FSDP and tensor parallelism, whose traffic
-    inside it is cheaper than a pipeline's bubble (docs/pipelines.md); past a node, stages
-    cross the slow links with activations where FSDP would gather weights."""
+    weights and AdamW moments, the frozen roles' and generation's weights. Stages are
+    candidates for these only: a model that fits a node trains (and decodes) there with FSDP
+    and tensor parallelism, whose traffic inside it is cheaper than a pipeline's bubble
+    (docs/pipelines.md); past a node, stages cross the slow links with activations where FSDP
+    would gather weights and tensor parallelism all-reduce every layer."""
     node = getattr(profile, "usable_bytes", 0) * devices_per_node
     out = set()
     for call, model in call_models(workload).items():
-        if model is None or CALLS[call][1] == "generate":
+        if model is None:
             continue
         role = CALLS[call][0]
         head = "value" if role in ("critic", "reward") else "lm"
         state = param_bytes(model, head)
-        if role in ("actor", "critic"):
+        if role in ("actor", "critic") and CALLS[call][1] != "generate":
             state += num_params(model, head) * MOMENT_BYTES
         if state > node:
             out.add(call)

@@ -53,6 +53,9 @@ class Workload:
     # DecodeConfig.layer_loop: "unroll" (or "auto" on a shared-host CPU profile) holds a copy of
     # the layer weights while generating.
     decode_layer_loop: str = "auto"
+    # DecodeConfig.pipeline_batches: on a generation mesh with a stage axis, the groups of slots
+    # in flight over the stages (0 = one per stage: the delayed inter-batch pipeline).
+    decode_pipeline_batches: int = 0
     # Rows per reference / reward / critic scoring call (Memory.infer_batch_size; 0 = all rows
     # in one call). The trainer scores in chunks of this many rows, one after another.
     infer_batch_size: int = 0
@@ -191,6 +194,7 @@ class Workload:
             decode_slots=cfg.decode.num_slots,
             decode_page_size=cfg.decode.page_size,
             decode_layer_loop=getattr(cfg.decode, "layer_loop", "auto"),
+            decode_pipeline_batches=cfg.decode.pipeline_batches,
             infer_batch_size=cfg.rl.memory.infer_batch_size,
             actor_microbatches=_microbatches(cfg, "actor"),
             critic_microbatches=_microbatches(cfg, "critic") if critic is not None else 1,

@@ -1,7 +1,7 @@
 """The GSM8K-shaped recipe's CPU twin (configs/gsm8k_grpo_tiny.gin) end to end: a small random
 Qwen3 checkpoint with a ChatML template and synthetic word problems (jrlhf.tasks.word_problems)
 loads, renders, trains (SFT on conversations, then GRPO scored by math-verify), checkpoints,
-resumes, evaluates, and exports to HF where transformers reloads it with equal logits. The
+evaluates, and exports to HF where transformers reloads it with equal logits. The
 test scores with a weighted sum (``math_verify + 0.1*format``) where the recipe has
 ``math_verify`` alone."""
 
@@ -83,7 +83,7 @@ def test_recipe_twin_end_to_end(files, tmp_path):
     short = [
         *_paths(files), "SFTConfig.steps=30", "RLConfig.iterations=2",
         "RLConfig.prompts_per_iteration=8", "RLConfig.samples_per_prompt=4",
-        "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8", "RLConfig.checkpoint_every=1",
+        "RLConfig.minibatch_size=16", "TaskConfig.num_heldout=8",
         "RunConfig.tensorboard=False", "TaskConfig.reward_fn='math_verify + 0.1*format'",
     ]  # fmt: skip
     assert train.main(["--config", CONFIG, "--run-dir", str(run), "--quiet", *short]) == 0
@@ -91,9 +91,7 @@ def test_recipe_twin_end_to_end(files, tmp_path):
     rows = [r for r in metric_rows(run, "grpo") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0.0 <= r["reward"] <= 1.1 for r in rows)  # a weighted sum of two rewards
-    more = ["--config", CONFIG, "--run-dir", str(run), "--quiet", "--resume"]
-    assert train.main([*more, *short, "RLConfig.iterations=3"]) == 0
-    assert [r["step"] for r in metric_rows(run, "grpo") if "reward" in r] == [1, 2, 3]
+    # (resuming a finished run for more iterations: tests/e2e/test_reliability.py)
 
     out = tmp_path / "eval.json"
     assert evaluate.main(["--checkpoint", str(run), "--output", str(out)]) == 0
