@@ -56,10 +56,11 @@ def separate():
 @pytest.mark.parametrize(
     "mesh_spec,stages,micro",
     [
-        # stage axes only: the per-stage program, idle slots skipped (the lockstep one, on
-        # meshes with other axes, is measured by python -m benchmarks.fused_pipeline equality;
-        # one compiled case here: the suite's time)
+        # stage axes only: the per-stage program, idle slots skipped
         ("stage=2", 2, (8, 4)),
+        # a stage split over fsdp and tensor too: the lockstep program (every stage computes
+        # every slot); more cases in python -m benchmarks.fused_pipeline equality
+        ("stage=2,fsdp=2,tensor=2", 2, (2, 2)),
     ],
 )
 def test_the_fused_update_equals_the_separate_updates(separate, mesh_spec, stages, micro):
