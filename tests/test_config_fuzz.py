@@ -99,7 +99,7 @@ NAMES_A_FIELD = re.compile(rf"(^binding .|\w+Config[.:]|^config file |^({SUB_CON
 
 
 @settings(
-    max_examples=600,
+    max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -91,10 +91,10 @@ def test_pipelined_greedy_decoding_gives_the_unpipelined_tokens_and_logprobs(mes
     assert one_chunk["pipeline_bubble"] == pytest.approx((stages - 1) / ticks)
 
 
-def test_sampled_episodes_and_one_batch_in_flight_under_stages():
-    """Sampled multi-turn episodes (observations prefilled between turns, turn budgets, stop ids) on
-    two stages equal the unpipelined ones; so does naive pipelined decode (one batch in flight,
-    ``pipeline_batches=1``), whose bubble is at least ``1 - 1/S``."""
+def test_sampled_episodes_under_stages():
+    """Sampled multi-turn episodes (observations prefilled between turns, turn budgets, stop
+    ids) on two stages equal the unpipelined ones. (Naive pipelined decode, one batch in
+    flight, runs the same program with G = 1: ``bench pipeline`` checks its tokens too.)"""
     prompts = _prompts(PROMPT_LENS[:6], vocab=64)
     turns = Turns(ScriptedEnv(), stop_ids=(9,), max_tokens=3)
     sp = SamplingParams(seed=4, num_samples=2, temperature=0.9, stop_ids=(5,))
@@ -106,11 +106,6 @@ def test_sampled_episodes_and_one_batch_in_flight_under_stages():
     _assert_same(got, want)
     for a, b in zip(got.policy_masks, want.policy_masks):
         np.testing.assert_array_equal(a, b)
-    naive, _ = _engine("stage=2,data=2,tensor=2", pipeline_batches=1)
-    one = naive.generate(params, prompts, sp, turns=turns)
-    _assert_same(one, want)
-    assert one.stats["pipeline_batches"] == 1
-    assert one.stats["pipeline_bubble"] >= 0.5
 
 
 def test_group_rows_take_every_groups_th_slot_of_each_data_shard():
