@@ -27,7 +27,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrlhf.decode import scheduler
-from jrlhf.decode.programs import EngineSpec, Programs, engine_spec, jit_programs
+from jrlhf.decode.pipelined import staged_chunk
+from jrlhf.decode.programs import (
+    EngineSpec,
+    Programs,
+    decode_chunk,
+    engine_spec,
+    jit_programs,
+)
 from jrlhf.decode.sampling import SamplingParams
 from jrlhf.decode.scheduler import layer_copies_fit
 from jrlhf.decode.state import (
@@ -72,7 +79,7 @@ def engine_parts(
     traces, lowers nor compiles again. ``engine_parts.cache_clear()`` forgets them (an A/B of
     engine variants in one process)."""
     spec = engine_spec(model_def, mesh, rules, config)
-    return spec, jit_programs(spec)
+    return spec, jit_programs(spec, staged_chunk if spec.stages > 1 else decode_chunk)
 
 
 class DecodeEngine:

@@ -715,19 +715,15 @@ class Programs:
     moved_shardings: dict[str, NamedSharding]
 
 
-def jit_programs(spec: EngineSpec) -> Programs:
-    """The programs of ``spec``, jitted (compiled on first use, once per shape)."""
+def jit_programs(spec: EngineSpec, chunk: Callable = decode_chunk) -> Programs:
+    """The programs of ``spec``, jitted (compiled on first use, once per shape); ``chunk`` is
+    the decode chunk's function (``decode_chunk``, or on a staged mesh
+    jrlhf.decode.pipelined's ``staged_chunk``, which builds on this module)."""
     state_out = state_shardings(spec.mesh, spec.rules)
     moved_out = moved_shardings(spec.mesh, spec.rules)
     flags = ("greedy", "filtered")
     bind = lambda fn: functools.partial(fn, spec)  # noqa: E731
     init = functools.partial(init_state, spec.config, spec.cfg, spec.num_shards, spec.stages)
-    chunk = decode_chunk
-    if spec.stages > 1:
-        # jrlhf.decode.pipelined builds on this module's programs, so it is imported here
-        from jrlhf.decode.pipelined import staged_chunk  # noqa: PLC0415
-
-        chunk = staged_chunk
     return Programs(
         init=jax.jit(init, out_shardings=state_out),
         insert=jax.jit(
