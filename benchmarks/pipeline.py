@@ -73,8 +73,8 @@ from benchmarks.report import add_out_argument, check_out, emit
 from jrlhf.devices import ensure_host_devices
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef
+from jrlhf.models import fused_schedule as fs
 from jrlhf.models.pipeline import bubble_fraction
-from jrlhf.runtime import fused_schedule as fs
 from jrlhf.runtime.fused_step import make_fused_train_step
 from jrlhf.runtime.pipeline_step import pipeline_parts
 from jrlhf.runtime.steps import init_train_state, make_train_step

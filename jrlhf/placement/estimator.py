@@ -76,6 +76,7 @@ from jrlhf.config import DROPPED_COPY_PHASES, OFFLOAD_PHASES
 from jrlhf.decode.kernels.blocked import pages_per_block
 from jrlhf.meshes.mesh import MeshSpec, pick_replicas, replica_groups
 from jrlhf.meshes.rules import axis_size, get_rules, logical_to_spec, path_str
+from jrlhf.models import fused_schedule
 from jrlhf.models import lora as lora_lib
 from jrlhf.models.config import PIPELINE_SCHEDULES, ModelConfig
 from jrlhf.models.lora import LoraConfig
@@ -96,7 +97,6 @@ from jrlhf.placement.workload import (
     num_params,
 )
 from jrlhf.reshard.layout import moved_elements
-from jrlhf.runtime import fused_schedule
 
 replace = dataclasses.replace
 

@@ -22,11 +22,11 @@ from jrlhf.config import Config, ConfigError
 from jrlhf.data.batch import fit_microbatches
 from jrlhf.meshes.batch import batch_shards, to_host
 from jrlhf.meshes.rules import axis_size, logical_to_spec
+from jrlhf.models import fused_schedule
 from jrlhf.models.moe import rollout_routing_metrics
 from jrlhf.ppo import batch as rl_batch
 from jrlhf.ppo import core_algos as algos
 from jrlhf.ppo.losses import actor_loss, critic_loss, make_advantage_fn
-from jrlhf.runtime import fused_schedule
 from jrlhf.runtime.fused_step import make_fused_train_step
 from jrlhf.runtime.guard import UpdateGuard
 from jrlhf.runtime.model_source import load_weights

@@ -5,7 +5,7 @@ The actor's micro-batches flow through the stages first-to-last, the critic's la
 the critic's layer stack is laid on the ``stage`` axis in reverse (its block ``p`` on stage
 ``S - 1 - p``), so the two pipelines' warm-ups and drains fill each other's bubbles. Which
 micro-batch of which model each stage works on at each tick is data, a table
-(jrlhf.runtime.fused_schedule.Schedule: the search picks it under a memory limit); the program
+(jrlhf.models.fused_schedule.Schedule: the search picks it under a memory limit); the program
 executes any valid table. Per model and tick each stage reads its micro-batch's saved input,
 runs its layers' forward under ``jax.vjp`` and pulls the gradient of its output back through
 it when the table says backward (so a backward recomputes the forward from the saved input, as
@@ -44,9 +44,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jrlhf.meshes.batch import check_batch_divides, shard_batch
 from jrlhf.meshes.context import activation_sharding, constrain, current_rules, layer_stages
 from jrlhf.meshes.rules import Rules, get_rules
+from jrlhf.models import fused_schedule as fs
 from jrlhf.models import pipeline
 from jrlhf.models.model_def import ModelDef
-from jrlhf.runtime import fused_schedule as fs
 from jrlhf.runtime.pipeline_step import PipelineParts, finish, pipeline_parts
 from jrlhf.runtime.steps import LossFn, TrainState, apply_update, state_shardings
 

@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks import pipeline as bench
 from jrlhf.cli import bench as bench_cli
+from jrlhf.models import fused_schedule as fs
 from jrlhf.models.pipeline import bubble_fraction
-from jrlhf.runtime import fused_schedule as fs
 
 
 def test_bench_pipeline_reports_measured_bubbles_beside_the_counts(capsys):

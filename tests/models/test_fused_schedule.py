@@ -1,4 +1,4 @@
-"""The fused actor-critic schedule's search (jrlhf.runtime.fused_schedule): on tiny cases its
+"""The fused actor-critic schedule's search (jrlhf.models.fused_schedule): on tiny cases its
 makespan is the optimum an exhaustive search finds, no schedule it returns holds more than the
 memory limit on any stage, an impossible limit and a broken table fail in one line, and the
 bubbles it reports are those of the tables."""
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jrlhf.runtime import fused_schedule as fs
+from jrlhf.models import fused_schedule as fs
 
 
 def brute_force(stages, micro, costs, memory, limit):

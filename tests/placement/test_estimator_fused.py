@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from benchmarks import fsdp_memory as fm
+from jrlhf.models import fused_schedule as fs
 from jrlhf.placement import estimator as est
 from jrlhf.placement.plan import CallPlacement, ExecutionPlan, strategy
 from jrlhf.placement.profile import DeviceProfile
 from jrlhf.placement.workload import Workload
-from jrlhf.runtime import fused_schedule as fs
 
 H100 = DeviceProfile.load("h100")
 # layer FLOPs only: no launch, dispatch, collective or memory-traffic terms

@@ -15,8 +15,8 @@ from benchmarks.fused_pipeline import P, rl_batch
 from jrlhf.config import RLConfig
 from jrlhf.meshes import make_mesh
 from jrlhf.models import ModelDef, tiny_config
+from jrlhf.models import fused_schedule as fs
 from jrlhf.ppo.losses import actor_loss, critic_loss
-from jrlhf.runtime import fused_schedule as fs
 from jrlhf.runtime.fused_step import make_fused_train_step
 from jrlhf.runtime.steps import TrainState, state_shardings
 
