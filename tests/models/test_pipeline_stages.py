@@ -28,6 +28,7 @@ from jrlhf.placement.workload import Workload
 from jrlhf.ppo.batch import response_logprobs
 from jrlhf.ppo.losses import actor_loss, critic_loss
 from jrlhf.runtime.steps import init_train_state, make_train_step
+from tests.placement.test_estimator_fused import COMPUTE_ONLY
 
 TOL = 1e-5
 REFERENCE_MESH = "fsdp=2,tensor=2"
@@ -164,28 +165,18 @@ def test_the_estimator_prices_the_bubble_the_sends_and_the_memory_of_stages():
         )
 
     h100 = DeviceProfile.load("h100")
-    compute_only = h100.replace(
-        call_overhead_s=0.0,
-        train_step_overhead_s=0.0,
-        train_layer_overhead_s=0.0,
-        train_layer_overhead_once_s=0.0,
-        collective_latency_s=0.0,
-        intra_node_bandwidth=1e30,
-        inter_node_bandwidth=1e30,
-        memory_bandwidth=1e30,
-    )
     flat, staged = CallPlacement("fsdp=8", "fsdp_tp"), CallPlacement("stage=2,fsdp=4", "fsdp_tp")
     plain = workload(fm.model_config(4))
     for micro in (2, 8):
         piped = workload(fm.model_config(4, pipeline_microbatches=micro))
-        ratio = est.train_seconds(piped, "actor", staged, compute_only) / est.train_seconds(
-            plain, "actor", flat, compute_only
+        ratio = est.train_seconds(piped, "actor", staged, COMPUTE_ONLY) / est.train_seconds(
+            plain, "actor", flat, COMPUTE_ONLY
         )
         assert ratio == pytest.approx((micro + 1) / micro)
         # 1F1B: a longer lockstep bubble and a recompute of every stage's forward
         one_f = workload(fm.model_config(4, pipeline_microbatches=micro, pipeline_schedule="1f1b"))
-        t_1f1b = est.train_seconds(one_f, "actor", staged, compute_only)
-        assert t_1f1b > est.train_seconds(piped, "actor", staged, compute_only)
+        t_1f1b = est.train_seconds(one_f, "actor", staged, COMPUTE_ONLY)
+        assert t_1f1b > est.train_seconds(piped, "actor", staged, COMPUTE_ONLY)
         assert est.pipeline_send_seconds(piped.actor, 8, fm.P + fm.R, est._geometry(
             staged, h100), 2, h100) > 0  # fmt: skip
     cpu = DeviceProfile.load("cpu")
