@@ -115,6 +115,10 @@ def run_one(layout: str, c: dict, tmp: Path, timeout: int) -> dict:
     run_dir = tmp / f"run{time.monotonic_ns()}"
     args = ["--run-dir", str(run_dir), "--quiet", *BASE, *placement, *bindings(c)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The jobs of a layout compile mostly the same programs: one XLA cache for the whole probe
+    # (each program is compiled once per layout, then loaded; the runs themselves are unchanged).
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "xla-cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
     if processes == 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         cmd = [sys.executable, "-m", "jrlhf.train", *args]

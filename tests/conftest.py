@@ -2,6 +2,7 @@
 anywhere."""
 
 import fcntl
+import gc
 import os
 import shutil
 import sys
@@ -73,6 +74,13 @@ def _no_bindings_from_another_file():
     pytest-xdist worker would otherwise leave for it, so results would depend on the files'
     order."""
     gin.clear_config()
+    # What the earlier files left alive (compiled programs, JAX's caches, imported modules) mostly
+    # stays alive: out of the collector's full passes, which otherwise rescan it all each time the
+    # heap grows by a quarter. A full run on the 2-core machine: 57 worker-seconds in the
+    # collector without this, 22 with it; 5:41 -> 5:27; peak memory per worker 5.7 -> 6.2 GB
+    # (garbage frozen in cycles waits for the next unfreeze: a training stage's WarmFreeze
+    # release unfreezes everything).
+    gc.freeze()
 
 
 @contextmanager

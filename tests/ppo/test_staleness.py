@@ -234,31 +234,6 @@ def test_async_run_resumes_exactly(async_run, base_run, tmp_path):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-PARTIAL = [
-    "Asynchrony.max_staleness=2",
-    "Asynchrony.partial_rollout_tokens=6",
-    "OffPolicy.correction='tis'",
-]
-
-
-def test_partial_rollouts_resume_exactly(base_run, tmp_path):
-    """Partial rollouts (6 of 12 tokens per pass, 2 versions of staleness): the step-2
-    checkpoint holds the batches in flight, some samples mid-generation with their tokens,
-    behaviour log-probs and versions so far; resumed from it, the run continues them and repeats
-    the uninterrupted run's metrics."""
-
-    def args(run_dir):
-        return ["--run-dir", str(run_dir), "--quiet", *ppo_bindings(base_run, *PARTIAL)]
-
-    assert train.main(args(tmp_path / "full")) == 0
-    resumed = tmp_path / "resumed"
-    pending = _resume_from_step_2(tmp_path / "full", resumed, args)
-    unfinished = [g for g in pending if not all(g["finished"])]
-    assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
-    assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
-    assert_rows_close(metric_rows(resumed), metric_rows(tmp_path / "full"), rtol=1e-5, atol=1e-6)
-
-
 # GRPO with a verifiable reward that gives about half the prompts no signal, so DAPO's dynamic
 # sampling needs more rounds than one.
 DAPO = [
@@ -318,8 +293,10 @@ def test_staleness_with_dynamic_sampling_fusion_and_partial_rollouts_resumes_exa
 ):
     """max_staleness=2 with partial rollouts, fusion and dynamic sampling: a short batch takes
     more rounds of new prompts at later iterations (under newer weights, within the bound); the
-    step-2 checkpoint holds every round in flight with its signal count; resumed from it, the
-    run repeats the uninterrupted run's metrics and ends at the same loader position."""
+    step-2 checkpoint holds every round in flight with its signal count, and samples caught
+    mid-generation with their tokens, behaviour log-probs and versions so far; resumed from it,
+    the run continues them, repeats the uninterrupted run's metrics and ends at the same loader
+    position."""
 
     def args(run_dir):
         return dapo_args(base_run, run_dir, *ASYNC_DAPO)
@@ -337,6 +314,9 @@ def test_staleness_with_dynamic_sampling_fusion_and_partial_rollouts_resumes_exa
     shutil.rmtree(resumed / "checkpoints" / "4")
     pending = checkpoint.read_trainer_meta(resumed / "checkpoints" / "2")["pending"]
     assert all("signal" in g for g in pending if all(g.get("finished", [True])))
+    unfinished = [g for g in pending if not all(g.get("finished", [True]))]
+    assert unfinished, [g["index"] for g in pending]  # samples caught mid-generation
+    assert any(len(c) for g in unfinished for c in g["completions"])  # with tokens so far
     assert train.main([*args(resumed), "--resume"]) == 0
     assert_rows_close(metric_rows(resumed, "grpo"), metric_rows(full, "grpo"), rtol=1e-5, atol=1e-6)
     meta = [checkpoint.read_trainer_meta(d) for d in (resumed, full)]

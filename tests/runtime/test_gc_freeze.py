@@ -10,6 +10,13 @@ from jrlhf.cli import train
 from jrlhf.runtime.gc_freeze import WarmFreeze, warm_freeze
 
 
+@pytest.fixture(autouse=True)
+def _nothing_frozen():
+    """These tests count what a stage freezes: they start from a collector with nothing frozen
+    (tests/conftest.py freezes what earlier files left, at each file's start)."""
+    gc.unfreeze()
+
+
 def test_the_first_step_freezes_and_release_unfreezes():
     assert gc.get_freeze_count() == 0
     freezer = WarmFreeze()
