@@ -7,7 +7,10 @@ sharded array (a cross-process collective), and ``to_host`` of a value each proc
 its own; every process must print the same, then the host cores it may run on. MODE ``exit3``:
 process 1 exits with status 3 once the job is joined, the others wait for the launcher to end them.
 MODE ``survivor``: process 1 is killed (SIGKILL, like kill -9) once the job is joined; process 0
-fails for want of it, as a survivor does, with a long traceback.
+fails for want of it, as a survivor does, with a long traceback. MODE ``relay`` (2 processes x 6
+devices): the resharder moves trees between meshes of the two processes whose device counts do
+not divide one another (6 -> 4 -> 6, 3 -> 2), checks every shard it holds against NumPy and
+prints the paths and bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrlhf.meshes.batch import to_host
 from jrlhf.meshes.processes import fetch, post
+from jrlhf.reshard import Resharder
 from jrlhf.runtime import distributed
 
 
@@ -47,7 +51,7 @@ def _fail(depth: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run MODE; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m tests.launch_helper")
-    p.add_argument("mode", choices=("sum", "exit3", "survivor"))
+    p.add_argument("mode", choices=("sum", "exit3", "survivor", "relay"))
     distributed.add_flag(p)
     args = p.parse_args(argv)
     try:
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         while _alive(peer):  # until the launcher has reaped it: it knows of the death first
             time.sleep(0.02)
         _fail(depth=20)
+    if args.mode == "relay":
+        return _relay()
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
     # Device d holds the value d: the sum needs every process's shards.
@@ -88,6 +94,45 @@ def main(argv: list[str] | None = None) -> int:
         f"processes {sorted(int(i) for i in np.ravel(ids))} own {float(mine)}"
     )
     print(f"process {jax.process_index()} cores {sorted(os.sched_getaffinity(0))}")
+    return distributed.end_process(0)
+
+
+def _relay() -> int:
+    """Weights between the processes' meshes of 6 and 4 devices (and back), and of 3 and 2:
+    counts that do not divide one another, so the resharder's relay path."""
+    devices = jax.devices()
+    six, four = devices[0:6], devices[6:10]
+    three, two = devices[0:3], devices[10:12]
+    rng = np.random.default_rng(0)  # the same values on every process
+    values = {"w": rng.standard_normal((12, 8)).astype(np.float32),
+              "b": rng.standard_normal((5,)).astype(np.float32)}  # fmt: skip
+
+    def shardings(ds, spec_w):
+        mesh = Mesh(np.array(ds), ("x",))
+        return {"w": NamedSharding(mesh, spec_w), "b": NamedSharding(mesh, P())}
+
+    def put(sh):
+        return {k: jax.make_array_from_callback(v.shape, sh[k], lambda i, v=v: v[i], dtype=v.dtype)
+                for k, v in values.items()}  # fmt: skip
+
+    def check(tree, sh):
+        for k, x in tree.items():
+            assert x.sharding == sh[k], (k, x.sharding)
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[k][shard.index])
+
+    resharder = Resharder()
+    a, b = shardings(six, P("x")), shardings(four, P(None, "x"))
+    tree = put(a)
+    for _ in range(2):
+        tree = resharder(tree, b, donate=True)
+        check(tree, b)
+        tree = resharder(tree, a, donate=True)
+        check(tree, a)
+    c, d = shardings(three, P("x")), shardings(two, P("x"))
+    check(resharder(put(c), d), d)
+    report = [(t.path, t.runs, t._legs[1].bytes_moved) for t in resharder.transitions]
+    print(f"process {jax.process_index()} relay ok {report}", flush=True)
     return distributed.end_process(0)
 
 

@@ -1288,7 +1288,9 @@ def reshard_seconds(
     where nothing crosses devices, and the parameters of which a device needs parts held
     elsewhere arrive through collectives. Between disjoint device sets of one size (the
     resharder's ``device_put+jit`` path), a twin copy of the source layout onto the target
-    devices comes first (``_twin_copy_seconds``), then all of this on the target.
+    devices comes first (``_twin_copy_seconds``), then all of this on the target. Between
+    nodes whose device counts do not divide one another, every target device receives the
+    resharder's relay layout: a gcd-th of the weights.
 
     Off a shared host: the bytes each target device receives over the links the move spans,
     the target copy read and written at memory bandwidth, one collective's latency per
@@ -1325,7 +1327,14 @@ def reshard_seconds(
         latency = 0.0
     else:
         per_device = reshard_bytes_per_device(cfg, head, src, dst)
-        moved = max(per_device.values(), default=0) / bw
+        received = max(per_device.values(), default=0)
+        n, m = src.mesh.size, dst.mesh.size
+        if nodes > 1 and src.devices.isdisjoint(dst.devices) and n % m and m % n:
+            # the resharder's relay path (processes, here nodes, whose device counts do not
+            # divide one another): every target device receives 1 / gcd of the weights
+            total = num_params(cfg, head) * itemsize(cfg.param_dtype)
+            received = max(received, total / math.gcd(n, m))
+        moved = received / bw
         copy = 2 * target / profile.memory_bandwidth
         # one collective per parameter that moves, each paying the measured collective latency
         latency = profile.collective_latency_s * reshard_moving_leaves(cfg, head, src, dst)

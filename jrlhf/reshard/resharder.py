@@ -25,9 +25,16 @@ How a transition runs depends on the device sets:
   ``jax.device_put`` between disjoint device sets of different processes is a cross-host transfer
   (each process made the call; jrlhf.runtime.distributed configures its socket), which JAX
   supports exactly for same-shape twin shardings; the jit then runs on the target processes only.
-* ``device_put``: anything else (different device counts, non-named shardings): JAX's own
-  ``jax.device_put`` to the target, which may stage through the host. Between meshes of different
-  processes JAX cannot do this, and the transition is refused in one line.
+* ``stack``, ``stack+device_put``, ``device_put+stack``: onto some of the source's own devices,
+  or between disjoint device sets whose counts divide one another: the larger side lays the
+  layout out several times over its devices (a leading ``copies`` axis), so that every transfer
+  is shard for shard (see ``Transition._build_stacked``).
+* ``relay``: disjoint device sets of different processes whose counts do not divide one another
+  (generation on 3 hosts, training on 2): through a layout on gcd(n, m) of the source devices,
+  the two legs above (``stack`` there, then ``device_put+stack`` to the target).
+* ``device_put``: anything else (non-named shardings; in one process, device counts that do not
+  divide): JAX's own ``jax.device_put`` to the target, which may stage through the host. Between
+  meshes of different processes JAX cannot do this, and the transition is refused in one line.
 
 Before the first run, ``memory_report()`` gives the peak bytes per device (XLA's compiled memory
 analysis where it answers, else the shardings), and a configured budget refuses the transition.
@@ -42,7 +49,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jrlhf.meshes.processes import host_barrier
 from jrlhf.reshard import layout
@@ -106,6 +113,18 @@ def _compile(fn, abstract_args):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         return fn.lower(abstract_args).compile()
+
+
+RELAY_AXIS = "relay"
+
+
+def _relay_spec(shape: tuple[int, ...], g: int) -> PartitionSpec:
+    """The relay layout of a leaf over g devices: its first dimension g divides, split over
+    them (the rest, and a leaf with no such dimension, replicated)."""
+    for i, n in enumerate(shape):
+        if g > 1 and n % g == 0:
+            return PartitionSpec(*([None] * i), RELAY_AXIS)
+    return PartitionSpec()
 
 
 def _describe(s: Sharding) -> str:
@@ -179,13 +198,13 @@ class Transition:
         self._relabel: list[NamedSharding | None] = [None] * len(self.src)
         self._twins: list[NamedSharding] | None = None
         before = backend_compile_count()
-        self.path = self._choose_path()
         self.crosses_processes = self._crosses_processes()
+        self.path = self._choose_path()
         if self.path == "device_put" and self.crosses_processes:
             raise ValueError(
                 f"reshard {self.describe()}: the target's devices belong to other processes, "
                 "and JAX moves arrays between processes only shard for shard (give the two "
-                "meshes the same devices, or disjoint devices whose counts divide one another)"
+                "meshes the same devices, or disjoint ones)"
             )
         if self.path == "jit":
             self._build_jit()
@@ -193,6 +212,8 @@ class Transition:
             self._build_twin()
         elif self.path in ("stack", "stack+device_put", "device_put+stack"):
             self._build_stacked()
+        elif self.path == "relay":
+            self._build_relay()
         self.compiles += backend_compile_count() - before
         self._memory = self._memory_plan()
         if budget_bytes is not None and self._memory["peak_bytes"] > budget_bytes:
@@ -237,6 +258,10 @@ class Transition:
                 return "stack+device_put"
             if len(order) % len(src_set) == 0:
                 return "device_put+stack"
+            if self.crosses_processes:
+                # Counts that do not divide one another, between processes: through a layout
+                # on gcd of them (see _build_relay). In one process device_put moves less.
+                return "relay"
         return "device_put"
 
     def _crosses_processes(self) -> bool:
@@ -334,6 +359,43 @@ class Transition:
             self._in_shardings = self._stacks
             self._compiled = _compile(fn, self._abstract(self._stacks))
 
+    def _build_relay(self) -> None:
+        """Between disjoint device sets of n and m devices where neither count divides the
+        other: JAX copies between processes shard for shard only, so the tree goes through a
+        relay layout on g = gcd(n, m) source devices, taken from the source processes in turn.
+        The first leg lays it out there (the ``stack`` path: nothing crosses devices the
+        source does not own), the second sends it to each of the m / g groups of g target
+        devices and lays the target out from those copies (``device_put+stack``)."""
+        src_order = _order(self.src[0])
+        g = math.gcd(len(src_order), len(_order(self.dst[0])))
+        by_process: dict[int, list[jax.Device]] = {}
+        for d in src_order:
+            by_process.setdefault(d.process_index, []).append(d)
+        rounds = max(len(ds) for ds in by_process.values())
+        spread = [ds[i] for i in range(rounds) for ds in by_process.values() if i < len(ds)]
+        relay = Mesh(np.array(spread[:g], dtype=object), (RELAY_AXIS,))
+        mids = [NamedSharding(relay, _relay_spec(a.shape, g)) for a in self.avals]
+        src, mid = (
+            self.treedef.unflatten(
+                [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(self.avals, ss)]
+            )
+            for ss in (self.src, mids)
+        )
+        self._legs = (
+            Transition(
+                transition_key(src, self.treedef.unflatten(mids), self.donate, alias=False),
+                budget_bytes=self.budget_bytes,
+            ),
+            # the relay layout is this transition's own temporary: always donated
+            Transition(
+                transition_key(mid, self.treedef.unflatten(self.dst), True, alias=False),
+                budget_bytes=self.budget_bytes,
+            ),
+        )
+        paths = tuple(leg.path for leg in self._legs)
+        if paths != ("stack", "device_put+stack"):
+            raise RuntimeError(f"reshard {self.describe()}: relay legs took {paths}")
+
     def _relabelled(self, leaves: list[jax.Array]) -> list[jax.Array]:
         """The leaves under the shardings the compiled jit takes (zero-copy relabelling)."""
         return [
@@ -383,6 +445,15 @@ class Transition:
         return out
 
     def _memory_plan(self) -> dict[str, Any]:
+        if self.path == "relay":  # each leg checked the budget; the relay layout is freed
+            legs = [leg.memory_report() for leg in self._legs]  # into the second leg's jit
+            return {
+                "path": self.path,
+                "donate": self.donate,
+                "method": "legs",
+                "peak_bytes": max(leg["peak_bytes"] for leg in legs),
+                "legs": legs,
+            }
         src_b = layout.bytes_per_device(self.src, self.avals)
         dst_b = layout.bytes_per_device(self.dst, self.avals)
         twin_b = layout.bytes_per_device(self._twins, self.avals) if self._twins else {}
@@ -455,6 +526,8 @@ class Transition:
                 per_device = layout.bytes_per_device(self.src, self.avals)
                 copies = len(self._group_twins)
                 self._bytes_moved = copies * sum(per_device.values())
+            elif self.path == "relay":
+                self._bytes_moved = sum(leg.bytes_moved for leg in self._legs)
             else:
                 self._bytes_moved = layout.bytes_moved(self.src, self.dst, self.avals)
         return self._bytes_moved
@@ -488,6 +561,9 @@ class Transition:
             out = self._compiled(self._relabelled(leaves))
         elif self.path in ("stack", "stack+device_put", "device_put+stack"):
             out = self._run_stacked(leaves)
+        elif self.path == "relay":
+            first, second = self._legs
+            out = jax.tree.leaves(second.run(first.run(self.treedef.unflatten(leaves))))
         elif self.path == "device_put+jit":
             # No donate= here: donating into a cross-device device_put crashes the CPU client
             # (jax 0.10.2, segfault). The source is freed below, once the copy has landed.

@@ -66,9 +66,11 @@ def setup_role(cfg: Config, role: str, plan: ExecutionPlan, source: ModelSource)
         placement = plan.for_role(role, phase)
         with blame_setting(mesh_setting(cfg, role, phase, placement)):
             meshes[phase] = make_mesh(placement.mesh)
-            # A mesh over some processes only (a placement that separates processes) must
-            # admit the copies view its checkpoints go through (jrlhf.reshard.processes).
-            check_separable(meshes[phase])
+            if phase == "train":
+                # A training mesh over some processes only (a placement that separates
+                # processes) must admit the copies view its checkpoints go through
+                # (jrlhf.reshard.processes); the other phases' weights are never saved.
+                check_separable(meshes[phase])
         rules[phase] = get_rules(placement.rules)
     for edge in plan.reshard_edges():
         if edge.role == role:
@@ -97,22 +99,20 @@ def mesh_setting(cfg: Config, role: str, phase: str, placement: CallPlacement) -
 def _check_edge(edge: ReshardEdge, plan: ExecutionPlan) -> None:
     """One-line error for weights that would move between meshes of different processes in a
     way JAX's cross-host transfer cannot: it copies shard for shard only, so the resharder
-    needs the same device count, or disjoint device sets whose counts divide one another (a
-    stacked layout on the larger side, jrlhf.reshard)."""
+    needs the same device count or disjoint device sets (stacked or relay layouts between
+    different counts, jrlhf.reshard)."""
     src, dst = plan[edge.src].mesh, plan[edge.dst].mesh
     devices = jax.devices()
     ids = [set(m.device_ids()) for m in (src, dst)]
     procs = [{devices[i].process_index for i in m} for m in ids]
-    n, m = len(ids[0]), len(ids[1])
-    if procs[0] == procs[1] or n == m:
+    if procs[0] == procs[1] or len(ids[0]) == len(ids[1]) or ids[0].isdisjoint(ids[1]):
         return
-    if ids[0].isdisjoint(ids[1]) and (n % m == 0 or m % n == 0):
-        return
+    if ids[1] < ids[0] and len(ids[0]) % len(ids[1]) == 0:
+        return  # onto some of the source's devices: the stacked layout, no transfer
     raise ValueError(
         f"{edge.dst} mesh {dst} holds devices of process(es) {sorted(procs[1])} and "
         f"{edge.src} mesh {src} of {sorted(procs[0])}: weights move between processes "
-        "shard for shard only, so the meshes need as many devices, or disjoint devices "
-        "whose counts divide one another"
+        "shard for shard only, so the meshes need as many devices, or disjoint ones"
     )
 
 

@@ -302,20 +302,22 @@ def test_separated_processes_equal_one_process(separate_single, tmp_path):
 
 
 def test_a_separating_plan_the_transfer_cannot_run_is_refused_in_one_line(tmp_path):
-    """Generation on 2 devices of process 0 and training on all 8: the actor's weights would
-    cross processes between meshes of different sizes, which JAX's shard-for-shard transfer
-    cannot do: refused before any work, naming the mesh, not a traceback."""
+    """Training the actor on process 0's 4 devices and generating on devices 3 and 4 (one of
+    each process): the weights would cross processes onto a mesh that shares a device with the
+    training mesh without being part of it, which JAX's shard-for-shard transfer cannot do:
+    refused before any work, naming the mesh, not a traceback."""
     bindings = [
         "RunConfig.stages=('ppo',)",
         "RunConfig.placement='flatten'",
-        "actor/RoleConfig.generate_mesh='data=2@0,1'",
+        "actor/RoleConfig.train_mesh='fsdp=4@0:4'",
+        "actor/RoleConfig.generate_mesh='data=2@3,4'",
         *[f"{role}/RoleConfig.init='tiny'" for role in ("actor", "reference", "reward", "critic")],
         *PIPELINE,
     ]
     out = launch(2, 4, "train", "--run-dir", str(tmp_path / "run"), "--quiet", *bindings)
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
-    assert errors and "actor_generate mesh data=2@0,1" in errors[0], out.stderr[-2000:]
+    assert errors and "actor_generate mesh data=2@3,4" in errors[0], out.stderr[-2000:]
     assert "shard for shard" in errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
 

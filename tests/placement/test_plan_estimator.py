@@ -1228,3 +1228,28 @@ def test_group_traffic_by_hand():
     ph = e.phase_seconds
     rest = ph["score"] + ph["train"] + ph["reshard"] + t.data_seconds
     assert e.iteration_seconds == pytest.approx(max(ph["generate"], rest))
+
+
+def test_weights_between_node_counts_that_do_not_divide_are_priced_through_the_relay():
+    """Training on 3 nodes and generating on 5 others (24 and 40 H100s): the resharder's relay
+    layout spans gcd(24, 40) = 8 devices, so every generating device receives an eighth of the
+    weights however finely the target splits them; 2 nodes to 6 (counts that divide) go
+    shard for shard, each device receiving its own 48th."""
+    from jrlhf.models.presets import get_preset
+
+    cfg = get_preset("llama2_7b")
+    w = _workload(cfg)
+    profile = DeviceProfile.load("h100")
+    bw = profile.inter_node_bandwidth * profile.reshard_efficiency
+    total = wl.num_params(cfg, "lm") * wl.itemsize(cfg.param_dtype)
+
+    def price(train: str, generate: str) -> float:
+        calls = {c: ("fsdp=64", "fsdp_tp") for c in CALLS}
+        calls.update(actor_train=(train, "fsdp_tp"), actor_generate=(generate, "fsdp_tp"))
+        plan = ExecutionPlan.of("p", **calls)
+        (edge,) = [e for e in plan.reshard_edges() if e.role == "actor"]
+        return est.reshard_seconds(w, edge, plan, profile)
+
+    relay = price("fsdp=24@0:24", "fsdp=40@24:64")
+    assert relay >= total / 8 / bw
+    assert price("fsdp=16@0:16", "fsdp=48@16:64") < relay / 2

@@ -27,6 +27,7 @@ from jrlhf.reshard import (
     park_to_host,
     restore_from_host,
 )
+from jrlhf.reshard.resharder import Transition
 
 # kv_heads=4 so that every tested tensor size (1, 2, 4) divides every sharded dim.
 MODEL = ModelDef(tiny_config(num_heads=8, num_kv_heads=4))
@@ -246,6 +247,35 @@ def test_disjoint_devices_whose_counts_do_not_divide_take_jax_device_put_in_one_
     x = jax.device_put(np.zeros((6, 6), np.float32), NamedSharding(train, P("fsdp")))
     t = Resharder().plan(x, NamedSharding(gen, P(None, "tensor")))
     assert t.path == "device_put"  # one process: JAX's own device_put does it
+
+
+def test_counts_that_do_not_divide_relay_between_processes(monkeypatch):
+    """Training on 2 devices and generation on 3 others, as if each side were processes of its
+    own (JAX then copies shard for shard only): the tree goes through a relay layout on
+    gcd(2, 3) = 1 device of the source, both ways; values exact, each leg compiled once and
+    never again, the bytes those its two legs move (tests/e2e/test_multiprocess.py runs it
+    between real processes)."""
+    monkeypatch.setattr(Transition, "_crosses_processes", lambda self: True)
+    train, gen = make_mesh(MeshSpec.parse("fsdp=2@0:2")), make_mesh(MeshSpec.parse("data=3@2:5"))
+    train_sh, gen_sh = MODEL.shardings(train, "fsdp_tp"), MODEL.shardings(gen, "dp_tp")
+    params = _params(train, seed=4)
+    reference = jax.device_get(params)
+    resharder = Resharder()
+    for _ in range(2):
+        out = resharder(params, gen_sh, donate=True)
+        assert jax.tree.leaves(out)[0].sharding == jax.tree.leaves(gen_sh)[0]
+        _assert_same(reference, out)
+        params = resharder(out, train_sh, donate=True)
+        _assert_same(reference, params)
+    for t in resharder.transitions:
+        assert t.path == "relay" and t.runs == 2 and t.compiles == 2  # one per leg
+        assert [leg.path for leg in t._legs] == ["stack", "device_put+stack"]
+        assert t.bytes_moved == sum(leg.bytes_moved for leg in t._legs)
+        assert t.memory_report()["peak_bytes"] > 0
+    # the relay device holds the whole tree; the target gets it once per device of its own
+    there, back = resharder.transitions
+    tree = sum(a.size * a.dtype.itemsize for a in there.avals)
+    assert there._legs[1].bytes_moved == 3 * tree and back._legs[1].bytes_moved == 2 * tree
 
 
 def test_bfloat16_parameters_reshard_on_both_paths():

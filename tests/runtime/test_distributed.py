@@ -218,6 +218,30 @@ def test_launcher_runs_one_job_over_every_process():
 
 
 @pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
+def test_weights_cross_between_process_meshes_whose_counts_do_not_divide():
+    """2 processes x 6 devices: trees move 6 -> 4 -> 6 devices (twice) and 3 -> 2 between the
+    processes through the resharder's relay layout (gcd 2, then 1), every shard equal to NumPy
+    on both sides, each transition built once; the bytes are the relay's: the whole tree to
+    each of the target's groups of gcd devices."""
+    p, _ = _launch(
+        "--processes 2 --devices-per-process 6 --timeout 60 -- tests.launch_helper relay"
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    results = re.findall(r"^\[p(\d)\] .*?process (\d) relay ok (.*)$", p.stdout, re.M)
+    assert sorted((a, b) for a, b, _ in results) == [("0", "0"), ("1", "1")], p.stdout
+    # w (12 x 8 float32, 384 bytes) and b (5 float32, 20 bytes): the relay layout (w split
+    # over gcd devices, b on each) goes to every group of gcd target devices: 6 -> 4 to 2
+    # groups of 2 (2 x 424 bytes), 4 -> 6 to 3 groups of 2, 3 -> 2 to 2 groups of 1 (2 x 404).
+    for _, _, report in results:
+        legs = re.findall(r"\('(\w+)', (\d+), (\d+)\)", report)
+        assert [(p_, int(r), int(b)) for p_, r, b in legs] == [
+            ("relay", 2, 848),
+            ("relay", 2, 1272),
+            ("relay", 1, 808),
+        ], report
+
+
+@pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
 def test_launcher_ends_the_others_when_one_fails():
     p, elapsed = _launch(
         "--processes 2 --devices-per-process 1 --timeout 30 --grace 2 -- tests.launch_helper exit3"
