@@ -98,7 +98,9 @@ def bindings(c: dict) -> list[str]:
     return out + MEMORY[c["memory"]]
 
 
-def _error_lines(stderr: str) -> list[str]:
+def _error_lines(stderr: str, raw: bool = False) -> list[str]:
+    """The lines of ``stderr`` that are not logging, without their process prefix (``raw``:
+    with it)."""
     keep = []
     for line in stderr.splitlines():
         text = line.split("] ", 1)[1] if line.startswith(("[p", "[launch]")) else line
@@ -106,7 +108,7 @@ def _error_lines(stderr: str) -> list[str]:
             continue
         if text.startswith(("WARNING", "I0000", "W0000")) or " WARNING " in text:
             continue
-        keep.append(text)
+        keep.append(line if raw else text)
     return keep
 
 
@@ -134,11 +136,18 @@ def run_one(layout: str, c: dict, tmp: Path, timeout: int) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, stderr = None, (e.stderr or b"").decode(errors="replace") if e.stderr else ""
     errors = _error_lines(stderr)
+    # Every process of a job makes the same checks, so a refusal is the same line from each
+    # (the launcher's own line after it says which process ended first).
+    said = {
+        e
+        for e, line in zip(errors, _error_lines(stderr, raw=True))
+        if not line.startswith("[launch]")
+    }
     metrics = run_dir / "logs" / "ppo" / "metrics.jsonl"
     rows = metrics.read_text().splitlines() if metrics.exists() else []
     if rc == 0 and len([r for r in rows if '"reward"' in r]) == 3:
         verdict = "ran"
-    elif rc and not rows and len(errors) == 1 and "Traceback" not in stderr:
+    elif rc and not rows and len(said) == 1 and "Traceback" not in stderr:
         verdict = "refused"
     else:
         verdict = "failed"
@@ -156,12 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probe_compose", description=__doc__)
     p.add_argument("--layout", choices=sorted(LAYOUTS), action="append")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
-    p.add_argument("--only", default="", help="a JSON dict of settings to keep, e.g. '{\"k\": 2}'")
+    p.add_argument(
+        "--only", default="", help="a JSON dict of settings to keep, e.g. '{\"k\": [1, 2]}'"
+    )
     add_out_argument(p)
     args = p.parse_args(argv)
     check_out(p, args.out)
     only = json.loads(args.only) if args.only else {}
-    todo = [c for c in combinations() if all(c[k] == v for k, v in only.items())]
+    todo = [
+        c
+        for c in combinations()
+        if all(c[k] in (v if isinstance(v, list) else [v]) for k, v in only.items())
+    ]
     results = []
     with tempfile.TemporaryDirectory(prefix="jrlhf-probe-compose-") as tmp:
         for layout in args.layout or ["1x8"]:

@@ -1080,8 +1080,8 @@ def rollout_seconds(w: Workload, p: CallPlacement, profile: DeviceProfile) -> fl
 
 # ----------------------------------------------------------------- what crosses between groups
 # The sample channel's layout (jrlhf.ppo.samples.pack_batch): per response token an int32 id,
-# a float32 behaviour log-prob and an int64 policy version, every row padded to the batch's
-# longest response; prompts as int32, padded to the longest prompt.
+# a float32 behaviour log-prob and an int64 policy version, the rows one after the other
+# without padding; prompts as int32, likewise.
 SAMPLE_TOKEN_BYTES = 4 + 4 + 8
 PROMPT_TOKEN_BYTES = 4
 # Per row: its length and its prompt's index (int32 each); with partial rollouts also whether
@@ -1106,15 +1106,14 @@ class GroupTraffic:
 
 def sample_bytes(w: Workload) -> float:
     """Bytes of one iteration's samples as the sample channel packs them, once (per receiving
-    process): every row padded to the batch's longest response, prompts to prompt_len (the
-    task's per-prompt meta, a JSON string, not counted), times the expected dynamic-sampling
+    process): every row's own tokens (no padding), prompts of prompt_len (the task's
+    per-prompt meta, a JSON string, not counted), times the expected dynamic-sampling
     rounds."""
-    longest = max(k for k, _ in w.lengths)
-    per_row = longest * SAMPLE_TOKEN_BYTES + ROW_BYTES
-    if w.partial_rollout_tokens and w.max_staleness >= 1:
-        per_row += PARTIAL_ROW_BYTES
+    tokens = sum(k * n for k, n in w.lengths)
+    per_row = ROW_BYTES + (PARTIAL_ROW_BYTES if w.partial_rollout_tokens and w.max_staleness else 0)
     per_prompt = w.prompt_len * PROMPT_TOKEN_BYTES + PROMPT_BYTES
-    return workload_rounds(w) * (w.rows * per_row + w.prompts * per_prompt)
+    rows = tokens * SAMPLE_TOKEN_BYTES + w.rows * per_row
+    return workload_rounds(w) * (rows + w.prompts * per_prompt)
 
 
 def group_traffic(

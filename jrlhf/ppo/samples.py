@@ -8,11 +8,12 @@ coefficient).
 Two planes, as in the systems this follows:
 
 * data plane: a batch (token ids, behaviour log-probs, per-token policy versions, prompts, meta)
-  is packed into one byte array (:func:`pack_batch`) on a device of the sender and moved to a
-  device of every receiving process with JAX's cross-host transfer (``jax.device_put`` to a
-  one-device twin sharding; the sender and that receiver make the call, the sender first and
-  without waiting). The sender keeps the source buffer until the receivers have certainly
-  read it (:meth:`SampleChannel.release_through`, after the update that trained on it).
+  is packed into one byte array (:func:`pack_batch`: rows one after the other, without padding)
+  on a device of the sender and moved to a device of every receiving process with JAX's
+  cross-host transfer (``jax.device_put`` to a one-device twin sharding; the sender and that
+  receiver make the call, the sender first and without waiting). The sender keeps the source
+  buffer until the receivers have certainly read it (:meth:`SampleChannel.release_through`,
+  after the update that trained on it).
 * control plane: JAX's coordination service carries a small header per batch (its index and
   the byte layout, whatever the batch size) and the per-iteration result. Every key is read once
   by its one reader and deleted then, so the service holds only messages in flight.
@@ -36,16 +37,16 @@ from jrlhf.ppo.staleness import GeneratedBatch
 
 
 def _ragged(rows: Sequence[Sequence[Any]], dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of different lengths as a zero-padded [n, max_len] array and the lengths."""
+    """Rows of different lengths as one flat array (the rows one after the other, no padding:
+    a long-tailed batch's rows would mostly be padding) and the lengths."""
     lengths = np.asarray([len(r) for r in rows], np.int32)
-    out = np.zeros((len(rows), max(int(lengths.max(initial=0)), 1)), dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = np.asarray(r, dtype)
-    return out, lengths
+    if not len(rows):
+        return np.zeros(0, dtype), lengths
+    return np.concatenate([np.asarray(r, dtype).reshape(-1) for r in rows]), lengths
 
 
 def _unragged(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    return [values[i, : int(n)] for i, n in enumerate(lengths)]
+    return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
 def pack_batch(batch: GeneratedBatch) -> tuple[dict[str, Any], np.ndarray]:

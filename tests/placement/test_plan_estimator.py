@@ -1213,9 +1213,10 @@ def test_group_traffic_by_hand():
     w = _reasoning(cfg, max_staleness=2, partial_rollout_tokens=16)
     plan = separate(32, gen_devices=8)  # generation on node 0, the rest on nodes 1-3
     t = est.group_traffic(w, plan, gpu)
-    # per row: 32 (longest) x (int32 + float32 + int64) + length and prompt index (int32),
-    # finished (uint8) and passes (int32); per prompt: 8 x int32 + its length
-    batch = 32 * (32 * 16 + 4 + 4 + 1 + 4) + 8 * (8 * 4 + 4)
+    # per token of the rows' own lengths (no padding: 16 x 4 + 8 x 8 + 5 x 16 + 3 x 32 = 304)
+    # int32 + float32 + int64; per row its length and prompt index (int32), finished (uint8)
+    # and passes (int32); per prompt: 8 x int32 + its length
+    batch = 304 * 16 + 32 * (4 + 4 + 1 + 4) + 8 * (8 * 4 + 4)
     assert t.batch_bytes == batch and t.receivers == 3
     assert t.data_bytes == 3 * batch and t.control_bytes == 3 * 2048
     assert t.data_seconds == pytest.approx(3 * batch / gpu.inter_node_bandwidth)
