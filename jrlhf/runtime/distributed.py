@@ -398,7 +398,7 @@ def is_multiprocess() -> bool:
 
 # How long a refusing process waits for the others to refuse too, and how long process 0 then
 # stays, so that the others have left before its coordination service goes (see end_process).
-REFUSAL_WAIT_S = 10.0
+REFUSAL_WAIT_S = 30.0
 REFUSAL_LINGER_S = 0.5
 
 
