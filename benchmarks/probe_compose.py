@@ -158,6 +158,8 @@ def run_one(layout: str, c: dict, tmp: Path, timeout: int) -> dict:
         "rc": rc,
         "seconds": round(time.monotonic() - start, 1),
         "error": errors[-1] if errors else "",
+        # a failure's lines that are not logging, to see what went wrong without a rerun
+        **({"lines": errors[-40:]} if verdict == "failed" else {}),
     }
 
 
