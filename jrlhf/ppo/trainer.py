@@ -69,6 +69,9 @@ class RLTrainer:
         self.run_dir = Path(run_dir)
         self.P, self.R = cfg.task.max_prompt_len, cfg.task.max_response_len
         self.plan = plan
+        # First, before any program or transfer: the process groups of an asynchronous run, and
+        # their refusals (every process refuses at the same point, none waiting on another).
+        groups = role_groups(self.rl, roles)
         # The trained roles' states and steps, on their training meshes.
         self.update = Update(cfg, algorithm, roles)
         self.trained = self.update.trained
@@ -107,7 +110,7 @@ class RLTrainer:
         self.synchronous = Synchronous(self.rl, self.R, *parts, self.learn)
         self.bounded = BoundedStaleness(
             self.rl, self.R, cfg.run.seed, *parts, self.update, self.learn,
-            groups=role_groups(self.rl, roles),
+            groups=groups,
         )  # fmt: skip
         self.ckpt = checkpoint.trainer_checkpoint_manager(
             self.run_dir,
