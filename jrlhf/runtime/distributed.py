@@ -54,7 +54,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -396,10 +395,8 @@ def is_multiprocess() -> bool:
     return jax.distributed.is_initialized() and _jax_distributed.global_state.num_processes > 1
 
 
-# How long a refusing process waits for the others to refuse too, and how long process 0 then
-# stays, so that the others have left before its coordination service goes (see end_process).
+# How long a refusing process waits for the others to refuse too (see end_process).
 REFUSAL_WAIT_S = 30.0
-REFUSAL_LINGER_S = 0.5
 
 
 def end_process(code: int) -> int:
@@ -412,19 +409,22 @@ def end_process(code: int) -> int:
 
     A refusal (``code`` 2: a one-line error) is normally every process's, as they all run the
     same checks: the process first waits, at most ``REFUSAL_WAIT_S``, for the others to refuse
-    too, so that none of them is ended mid-start by the loss of process 0's coordination
-    service (many lines of gRPC errors after the one that matters); process 0, which serves
-    it, then leaves last.
+    too, and then all leave the job together through JAX's own shutdown, so that none of them
+    is ended by the loss of process 0's coordination service (a page of gRPC errors after the
+    line that matters). A peer that does not refuse in time: the process leaves at once.
     """
     if code != 0 and is_multiprocess():
         sys.stdout.flush()
         sys.stderr.flush()
         if code == 2:
-            with contextlib.suppress(Exception):  # a peer that never refuses: leave anyway
+            try:
                 client = _jax_distributed.global_state.client
                 client.wait_at_barrier("jrlhf:refused", int(REFUSAL_WAIT_S * 1000))
-                if jax.process_index() == 0:
-                    time.sleep(REFUSAL_LINGER_S)
+            except Exception:  # a peer that never refuses: leave at once
+                pass
+            else:
+                with contextlib.suppress(Exception):
+                    jax.distributed.shutdown()
         os._exit(code)
     return code
 
