@@ -54,6 +54,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -395,8 +396,10 @@ def is_multiprocess() -> bool:
     return jax.distributed.is_initialized() and _jax_distributed.global_state.num_processes > 1
 
 
-# How long a refusing process waits for the others to refuse too (see end_process).
+# How long a refusing process waits for the others to refuse too, and how long process 0 then
+# stays for them to leave (see end_process).
 REFUSAL_WAIT_S = 30.0
+REFUSAL_LINGER_S = 5.0
 
 
 def end_process(code: int) -> int:
@@ -409,9 +412,12 @@ def end_process(code: int) -> int:
 
     A refusal (``code`` 2: a one-line error) is normally every process's, as they all run the
     same checks: the process first waits, at most ``REFUSAL_WAIT_S``, for the others to refuse
-    too, and then all leave the job together through JAX's own shutdown, so that none of them
-    is ended by the loss of process 0's coordination service (a page of gRPC errors after the
-    line that matters). A peer that does not refuse in time: the process leaves at once.
+    too; then every process disconnects from the coordination service (its client's
+    shutdown, together), and process 0, which serves it, leaves last (up to
+    ``REFUSAL_LINGER_S`` later; a launcher ends it as soon as another has left). A process
+    that left without disconnecting, or the service going first, would make the service end
+    the others with a page of gRPC errors after the line that matters. A peer that does not
+    refuse in time: the process leaves at once.
     """
     if code != 0 and is_multiprocess():
         sys.stdout.flush()
@@ -420,11 +426,12 @@ def end_process(code: int) -> int:
             try:
                 client = _jax_distributed.global_state.client
                 client.wait_at_barrier("jrlhf:refused", int(REFUSAL_WAIT_S * 1000))
+                client.shutdown()
             except Exception:  # a peer that never refuses: leave at once
                 pass
             else:
-                with contextlib.suppress(Exception):
-                    jax.distributed.shutdown()
+                if jax.process_index() == 0:
+                    time.sleep(REFUSAL_LINGER_S)
         os._exit(code)
     return code
 
