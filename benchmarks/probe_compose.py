@@ -98,17 +98,19 @@ def bindings(c: dict) -> list[str]:
     return out + MEMORY[c["memory"]]
 
 
-def _error_lines(stderr: str, raw: bool = False) -> list[str]:
-    """The lines of ``stderr`` that are not logging, without their process prefix (``raw``:
-    with it)."""
+def _error_lines(stderr: str, launcher: bool = True) -> list[str]:
+    """The lines of ``stderr`` that are not logging, without their process prefix (without
+    the launcher's own lines unless ``launcher``)."""
     keep = []
     for line in stderr.splitlines():
+        if not launcher and line.startswith("[launch]"):
+            continue
         text = line.split("] ", 1)[1] if line.startswith(("[p", "[launch]")) else line
         if not text.strip() or " INFO " in text or "Gloo" in text or "peer ranks" in text:
             continue
         if text.startswith(("WARNING", "I0000", "W0000")) or " WARNING " in text:
             continue
-        keep.append(line if raw else text)
+        keep.append(text)
     return keep
 
 
@@ -138,11 +140,7 @@ def run_one(layout: str, c: dict, tmp: Path, timeout: int) -> dict:
     errors = _error_lines(stderr)
     # Every process of a job makes the same checks, so a refusal is the same line from each
     # (the launcher's own line after it says which process ended first).
-    said = {
-        e
-        for e, line in zip(errors, _error_lines(stderr, raw=True))
-        if not line.startswith("[launch]")
-    }
+    said = set(_error_lines(stderr, launcher=False))
     metrics = run_dir / "logs" / "ppo" / "metrics.jsonl"
     rows = metrics.read_text().splitlines() if metrics.exists() else []
     if rc == 0 and len([r for r in rows if '"reward"' in r]) == 3:
