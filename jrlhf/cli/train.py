@@ -163,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             return distributed.end_process(check(cfg, run_dir, resume))
         run_dir = run_dir or Path("runs") / f"run-{_run_stamp()}"
-        barrier("run_dir")  # every process has checked the directory before any creates it
+        # Every process looks before any creates it: a process that looked after a peer's
+        # mkdir would take a failed start for a resumed one and skip the peers' discard
+        # barriers (they then wait out the refusal's wait for it).
         created = not run_dir.exists()
+        barrier("run_dir")
         run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, for the whole run; a second start or resume of it is
         # refused here, before it writes anything (and without removing what it did not make).

@@ -392,3 +392,28 @@ def test_a_start_is_not_refused_for_the_instant_a_check_looks_at_its_lock(tmp_pa
     with lock_run_dir(tmp_path):
         assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
     assert waits  # it met the check's lock
+
+
+def test_a_peer_creating_the_run_directory_first_does_not_keep_a_failed_start(
+    tmp_path, capsys, monkeypatch
+):
+    # In a job of several processes each looks whether the run directory is new, and one may
+    # create it while another is still at the barrier. Each must have looked before: a process
+    # that looked after would take the failed start for a resumed run, skip the discard that
+    # its peers wait for (a collective), and leave the directory behind.
+    run_dir = tmp_path / "run"
+
+    def peer_creates_it(name):
+        if name == "run_dir":
+            run_dir.mkdir()
+
+    monkeypatch.setattr(train, "barrier", peer_creates_it)
+    data, files = _data(tmp_path)
+    args = [
+        "--run-dir", str(run_dir), "RunConfig.stages=('sft',)", "SFTConfig.steps=2",
+        "TaskConfig.name='files'", f"TaskConfig.tokenizer='{data}'",
+        f"TaskConfig.sft_data='{files['sft']}'", f"TaskConfig.prompts='{data / 'nope.jsonl'}'",
+    ]  # fmt: skip
+    assert train.main(args) == 2
+    assert "nope.jsonl" in _one_line(capsys)
+    assert not run_dir.exists()
