@@ -97,6 +97,7 @@ from jrlhf.placement.workload import (
     num_params,
 )
 from jrlhf.reshard.layout import moved_elements
+from jrlhf.reshard.resharder import path_between
 
 replace = dataclasses.replace
 
@@ -1307,8 +1308,13 @@ def reshard_seconds(
     src, dst = plan[edge.src], plan[edge.dst]
     if same_layout(cfg, head, src, dst):  # the resharder aliases the training copy
         return 0.0
+    # processes are nodes here: the resharder's own choice of path between the device sets
+    crosses = {d // profile.devices_per_node for d in src.devices} != {
+        d // profile.devices_per_node for d in dst.devices
+    }
+    path = path_between(frozenset(src.devices), frozenset(dst.devices), crosses)
     twin_s = 0.0
-    if src.devices != dst.devices and src.mesh.size == dst.mesh.size:
+    if path == "device_put+jit":
         # the resharder's device_put+jit path: the source layout copied shard for shard onto
         # the target devices (its "twin"), then the same-devices reshard there
         twin_s = _twin_copy_seconds(cfg, head, src, dst, profile)
@@ -1327,12 +1333,9 @@ def reshard_seconds(
     else:
         per_device = reshard_bytes_per_device(cfg, head, src, dst)
         received = max(per_device.values(), default=0)
-        n, m = src.mesh.size, dst.mesh.size
-        if nodes > 1 and src.devices.isdisjoint(dst.devices) and n % m and m % n:
-            # the resharder's relay path (processes, here nodes, whose device counts do not
-            # divide one another): every target device receives 1 / gcd of the weights
+        if path == "relay":  # every target device receives 1 / gcd of the weights
             total = num_params(cfg, head) * itemsize(cfg.param_dtype)
-            received = max(received, total / math.gcd(n, m))
+            received = max(received, total / math.gcd(src.mesh.size, dst.mesh.size))
         moved = received / bw
         copy = 2 * target / profile.memory_bandwidth
         # one collective per parameter that moves, each paying the measured collective latency

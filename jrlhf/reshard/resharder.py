@@ -153,6 +153,34 @@ class TransitionKey:
     alias: bool = True  # whether an equivalent layout may share the source's buffers
 
 
+def path_between(src: frozenset, dst: tuple | frozenset, crosses_processes: bool) -> str:
+    """The path a tree laid out over the whole device set ``src`` takes onto the devices
+    ``dst`` (named shardings on both sides; see the module's docstring). ``device_put`` when
+    ``crosses_processes`` means the move is impossible: JAX moves arrays between processes
+    shard for shard only."""
+    dst = frozenset(dst)
+    if src == dst:
+        return "jit"
+    if len(src) == len(dst):
+        return "device_put+jit"
+    if dst < src and len(src) % len(dst) == 0:
+        # Onto some of the source's own devices (a migration's tail mesh): through the
+        # stacked layout, its first copy on the target's devices (see _build_stacked).
+        return "stack"
+    if src.isdisjoint(dst):
+        # Disjoint device sets of different sizes: through a stacked layout on whichever
+        # side is larger (see _build_stacked), when one size divides the other.
+        if len(src) % len(dst) == 0:
+            return "stack+device_put"
+        if len(dst) % len(src) == 0:
+            return "device_put+stack"
+        if crosses_processes:
+            # Counts that do not divide one another, between processes: through a layout
+            # on gcd of them (see _build_relay). In one process device_put moves less.
+            return "relay"
+    return "device_put"
+
+
 def same_layout(src: Sharding, dst: Sharding, ndim: int) -> bool:
     """Whether ``dst`` holds the same slice of an ``ndim``-dimensional array on the same device
     (and memory kind) as ``src``: moving between them needs no copy."""
@@ -238,31 +266,7 @@ class Transition:
         if len(src_sets) != 1 or len(dst_orders) != 1:
             return "device_put"
         (src_set,), (order,) = src_sets, dst_orders
-        if src_set == frozenset(order):
-            return "jit"
-        if len(src_set) == len(order) and all(
-            math.prod(s.mesh.devices.shape) == len(order) for s in self.src
-        ):
-            return "device_put+jit"
-        whole = all(math.prod(s.mesh.devices.shape) == len(src_set) for s in self.src)
-        if frozenset(order) < src_set and whole and len(src_set) % len(order) == 0:
-            # Onto some of the source's own devices (a migration's tail mesh): through the
-            # stacked layout, its first copy on the target's devices (see _build_stacked).
-            return "stack"
-        if src_set.isdisjoint(order) and all(
-            math.prod(s.mesh.devices.shape) == len(src_set) for s in self.src
-        ):
-            # Disjoint device sets of different sizes: through a stacked layout on whichever
-            # side is larger (see _build_stacked), when one size divides the other.
-            if len(src_set) % len(order) == 0:
-                return "stack+device_put"
-            if len(order) % len(src_set) == 0:
-                return "device_put+stack"
-            if self.crosses_processes:
-                # Counts that do not divide one another, between processes: through a layout
-                # on gcd of them (see _build_relay). In one process device_put moves less.
-                return "relay"
-        return "device_put"
+        return path_between(src_set, order, self.crosses_processes)
 
     def _crosses_processes(self) -> bool:
         src = {d.process_index for s in self.src for d in s.device_set}

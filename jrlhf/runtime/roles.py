@@ -21,6 +21,7 @@ from jrlhf.meshes.rules import Rules, axis_size, get_rules
 from jrlhf.models.model_def import ModelDef, Params
 from jrlhf.placement.plan import CALLS, CallPlacement, ExecutionPlan, ReshardEdge
 from jrlhf.reshard.processes import check_separable
+from jrlhf.reshard.resharder import path_between
 from jrlhf.runtime.model_source import ModelSource, load_weights
 from jrlhf.shared_programs import shared_program
 
@@ -99,16 +100,15 @@ def mesh_setting(cfg: Config, role: str, phase: str, placement: CallPlacement) -
 def _check_edge(edge: ReshardEdge, plan: ExecutionPlan) -> None:
     """One-line error for weights that would move between meshes of different processes in a
     way JAX's cross-host transfer cannot: it copies shard for shard only, so the resharder
-    needs the same device count or disjoint device sets (stacked or relay layouts between
-    different counts, jrlhf.reshard)."""
+    (whose path this asks) needs the same device count, disjoint device sets (stacked or relay
+    layouts between different counts) or a part of the source whose count divides it."""
     src, dst = plan[edge.src].mesh, plan[edge.dst].mesh
     devices = jax.devices()
-    ids = [set(m.device_ids()) for m in (src, dst)]
-    procs = [{devices[i].process_index for i in m} for m in ids]
-    if procs[0] == procs[1] or len(ids[0]) == len(ids[1]) or ids[0].isdisjoint(ids[1]):
+    ids = [frozenset(devices[i] for i in m.device_ids()) for m in (src, dst)]
+    procs = [{d.process_index for d in m} for m in ids]
+    crosses = procs[0] != procs[1]
+    if not crosses or path_between(ids[0], ids[1], crosses) != "device_put":
         return
-    if ids[1] < ids[0] and len(ids[0]) % len(ids[1]) == 0:
-        return  # onto some of the source's devices: the stacked layout, no transfer
     raise ValueError(
         f"{edge.dst} mesh {dst} holds devices of process(es) {sorted(procs[1])} and "
         f"{edge.src} mesh {src} of {sorted(procs[0])}: weights move between processes "

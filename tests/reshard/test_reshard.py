@@ -27,7 +27,7 @@ from jrlhf.reshard import (
     park_to_host,
     restore_from_host,
 )
-from jrlhf.reshard.resharder import Transition
+from jrlhf.reshard.resharder import Transition, path_between
 
 # kv_heads=4 so that every tested tensor size (1, 2, 4) divides every sharded dim.
 MODEL = ModelDef(tiny_config(num_heads=8, num_kv_heads=4))
@@ -427,3 +427,24 @@ def test_benchmark_prints_json():
         result["host_parking"]["live_device_bytes_parked"]
         < result["host_parking"]["live_device_bytes_before"]
     )
+
+
+@pytest.mark.parametrize(
+    "src,dst,crosses,path",
+    [
+        (range(8), range(8), False, "jit"),
+        (range(4), range(4, 8), True, "device_put+jit"),
+        (range(8), range(4), True, "stack"),  # a part of the source whose count divides it
+        (range(8), range(3), True, "device_put"),  # a part whose count does not: refused
+        (range(8), range(4, 10), True, "device_put"),  # sharing some devices: refused
+        (range(4), range(4, 6), True, "stack+device_put"),
+        (range(2), range(2, 6), True, "device_put+stack"),
+        (range(3), range(3, 5), True, "relay"),
+        (range(3), range(3, 5), False, "device_put"),  # in one process device_put moves less
+    ],
+)
+def test_the_path_between_device_sets_is_chosen_by_their_overlap_and_counts(
+    src, dst, crosses, path
+):
+    # The one rule both the resharder and the plan's start-up check (roles._check_edge) ask.
+    assert path_between(frozenset(src), frozenset(dst), crosses) == path
