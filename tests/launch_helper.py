@@ -10,7 +10,8 @@ MODE ``survivor``: process 1 is killed (SIGKILL, like kill -9) once the job is j
 fails for want of it, as a survivor does, with a long traceback. MODE ``relay`` (2 processes x 6
 devices): the resharder moves trees between meshes of the two processes whose device counts do
 not divide one another (6 -> 4 -> 6, 3 -> 2), checks every shard it holds against NumPy and
-prints the paths and bytes.
+prints the paths and bytes. MODE ``refuse``: every process refuses in one line, process 1 a
+second after process 0, as a start-up check does.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _fail(depth: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run MODE; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m tests.launch_helper")
-    p.add_argument("mode", choices=("sum", "exit3", "survivor", "relay"))
+    p.add_argument("mode", choices=("sum", "exit3", "survivor", "relay", "refuse"))
     distributed.add_flag(p)
     args = p.parse_args(argv)
     try:
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         _fail(depth=20)
     if args.mode == "relay":
         return _relay()
+    if args.mode == "refuse":
+        time.sleep(jax.process_index())
+        print("error: Nothing.setting=1 is refused", file=sys.stderr, flush=True)
+        return distributed.end_process(2)
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
     # Device d holds the value d: the sum needs every process's shards.

@@ -9,7 +9,9 @@ plan.calibrate) or any module path that accepts ``--distributed`` (e.g. a test h
 Every output line is prefixed ``[p<i>] `` (stdout to stdout, stderr to stderr). When a process
 exits with a non-zero status or is killed, the launcher ends the others (SIGTERM, then SIGKILL
 after ``--grace`` seconds), prints one line naming the process and its status, and exits with
-that status (128 + signal number for a signal); 0 when every process exits 0. What the other
+that status (128 + signal number for a signal); 0 when every process exits 0. A refusal (status
+2, a one-line error every process makes) is awaited first: each process leaves by itself, process 0
+last, and only one still running after ``REFUSAL_GRACE_S`` is ended. What the other
 processes write to stderr once one has failed (their tracebacks from a collective with a dead
 peer, their notice of the SIGTERM) is not shown but counted in that line.
 """
@@ -31,12 +33,16 @@ from dataclasses import dataclass
 
 from jrlhf.devices import MAX_HOST_DEVICES, with_host_device_count
 from jrlhf.runtime import job_env
-from jrlhf.runtime.distributed import free_port
+from jrlhf.runtime.distributed import REFUSAL_LINGER_S, free_port
 
 # The entry points that take --distributed, by the name used after ``python -m jrlhf.``.
 ENTRY_POINTS = ("train", "evaluate", "generate", "convert", "bench", "plan.calibrate")
-EXIT_USAGE = 2
 _POLL_S = 0.2
+# A refusal (exit status 2) is every process's, as they run the same checks, and each leaves by
+# itself (jrlhf.runtime.distributed.end_process: process 0 up to REFUSAL_LINGER_S after the
+# others); ending one on its way out would only add JAX's notice of the signal.
+REFUSED = 2
+REFUSAL_GRACE_S = REFUSAL_LINGER_S + 5.0
 _PREFIX = "[launch] "
 
 
@@ -340,6 +346,16 @@ def end_children(children: Sequence[_Child], grace: float) -> int:
     return len(running)
 
 
+def _await_exits(children: Sequence[_Child], timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds in all, for every child to exit by itself."""
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
 def _join_readers(children: Sequence[_Child], timeout: float = 5.0) -> None:
     # A grandchild that inherited a pipe could keep it open: wait for the output a bounded time.
     deadline = time.monotonic() + timeout
@@ -377,6 +393,8 @@ def supervise(
         running.discard(index)
         if code != 0:
             fold.fail(index)
+            if code == REFUSED:
+                _await_exits(children, REFUSAL_GRACE_S)
             ended = end_children(children, grace)
             _join_readers(children)
             tail = f"; ended {ended} other process{'es' if ended != 1 else ''}" if ended else ""

@@ -319,7 +319,10 @@ def test_a_separating_plan_the_transfer_cannot_run_is_refused_in_one_line(tmp_pa
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert errors and "actor_generate mesh data=2@3,4" in errors[0], out.stderr[-2000:]
     assert "shard for shard" in errors[0]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    # every process refused and left by itself (none ended by the launcher), and the new run's
+    # directory went with them
+    assert "; ended" not in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_directory_in_use_is_refused_by_every_process(tmp_path):
@@ -339,7 +342,8 @@ def test_a_run_directory_in_use_is_refused_by_every_process(tmp_path):
     # what the others write after it into its count (so one or two such lines, by timing).
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert errors and all(f"(pid {holder.pid} on host" in e for e in errors), errors
-    assert "exited with 2" in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "exited with 2" in last and "; ended" not in last, out.stderr[-2000:]
     assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE]
 
 

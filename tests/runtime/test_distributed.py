@@ -263,6 +263,22 @@ def test_launcher_ends_the_others_when_one_fails():
 
 
 @pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
+def test_a_refusal_ends_every_process_by_itself():
+    """Every process refuses in one line (process 1 a second later): they wait for one another,
+    leave the coordination service together and exit 2 by themselves, process 0 last; the
+    launcher ends none of them and shows no page of errors from a peer cut off."""
+    p, _ = _launch(
+        "--processes 2 --devices-per-process 1 --timeout 60 -- tests.launch_helper refuse"
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    said = [line for line in lines if "error:" in line]
+    assert said == [f"[p{i}] error: Nothing.setting=1 is refused" for i in (0, 1)], p.stderr
+    assert lines[-1] == "[launch] process 1 exited with 2", p.stderr
+    assert launch.REFUSAL_GRACE_S > distributed.REFUSAL_LINGER_S
+
+
+@pytest.mark.multiprocess  # real JAX processes through jrlhf.launch: the CI step of their own
 def test_launcher_folds_what_a_survivor_writes_after_its_peer_died():
     """Process 1 is killed; process 0 then fails with a traceback, as a survivor of a killed
     peer does: the launcher shows none of it, and counts it in its one line."""
