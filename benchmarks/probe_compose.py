@@ -155,7 +155,8 @@ def run_one(layout: str, c: dict, tmp: Path, timeout: int) -> dict:
         "verdict": verdict,
         "rc": rc,
         "seconds": round(time.monotonic() - start, 1),
-        "error": errors[-1] if errors else "",
+        # a refusal's own line (every process's), not the launcher's line after it
+        "error": next(iter(said)) if verdict == "refused" else (errors[-1] if errors else ""),
         # a failure's lines that are not logging, to see what went wrong without a rerun
         **({"lines": errors[-40:]} if verdict == "failed" else {}),
     }
