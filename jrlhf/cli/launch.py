@@ -33,15 +33,14 @@ from dataclasses import dataclass
 
 from jrlhf.devices import MAX_HOST_DEVICES, with_host_device_count
 from jrlhf.runtime import job_env
-from jrlhf.runtime.distributed import REFUSAL_LINGER_S, free_port
+from jrlhf.runtime.distributed import REFUSAL_LINGER_S, REFUSED, free_port
 
 # The entry points that take --distributed, by the name used after ``python -m jrlhf.``.
 ENTRY_POINTS = ("train", "evaluate", "generate", "convert", "bench", "plan.calibrate")
 _POLL_S = 0.2
-# A refusal (exit status 2) is every process's, as they run the same checks, and each leaves by
-# itself (jrlhf.runtime.distributed.end_process: process 0 up to REFUSAL_LINGER_S after the
-# others); ending one on its way out would only add JAX's notice of the signal.
-REFUSED = 2
+# A refusal (exit status REFUSED) is every process's, as they run the same checks, and each
+# leaves by itself (jrlhf.runtime.distributed.end_process: process 0 up to REFUSAL_LINGER_S
+# after the others); ending one on its way out would only add JAX's notice of the signal.
 REFUSAL_GRACE_S = REFUSAL_LINGER_S + 5.0
 _PREFIX = "[launch] "
 

@@ -396,8 +396,10 @@ def is_multiprocess() -> bool:
     return jax.distributed.is_initialized() and _jax_distributed.global_state.num_processes > 1
 
 
-# How long a refusing process waits for the others to refuse too, and how long process 0 then
-# stays for them to leave (see end_process).
+# The exit status of a refusal (a one-line error, as argparse's), how long a refusing process
+# waits for the others to refuse too, and how long process 0 then stays for them to leave (see
+# end_process; jrlhf.launch awaits them).
+REFUSED = 2
 REFUSAL_WAIT_S = 30.0
 REFUSAL_LINGER_S = 5.0
 
@@ -410,19 +412,18 @@ def end_process(code: int) -> int:
     timeout ends it with SIGABRT, losing ``code``); the others notice through their next
     collective or the heartbeat. Otherwise ``code`` is returned unchanged.
 
-    A refusal (``code`` 2: a one-line error) is normally every process's, as they all run the
-    same checks: the process first waits, at most ``REFUSAL_WAIT_S``, for the others to refuse
-    too; then every process disconnects from the coordination service (its client's
-    shutdown, together), and process 0, which serves it, leaves last (up to
-    ``REFUSAL_LINGER_S`` later; a launcher ends it as soon as another has left). A process
-    that left without disconnecting, or the service going first, would make the service end
-    the others with a page of gRPC errors after the line that matters. A peer that does not
-    refuse in time: the process leaves at once.
+    A refusal (``code == REFUSED``, 2: a one-line error) is normally every process's, as they
+    all run the same checks: the process first waits, at most ``REFUSAL_WAIT_S``, for the others
+    to refuse too; then every process disconnects from the coordination service (its client's
+    shutdown, together), and process 0, which serves it, leaves last (up to ``REFUSAL_LINGER_S``
+    later; jrlhf.launch waits for that). A process that left without disconnecting, or the
+    service going first, would make the service end the others with a page of gRPC errors after
+    the line that matters. A peer that does not refuse in time: the process leaves at once.
     """
     if code != 0 and is_multiprocess():
         sys.stdout.flush()
         sys.stderr.flush()
-        if code == 2:
+        if code == REFUSED:
             try:
                 client = _jax_distributed.global_state.client
                 client.wait_at_barrier("jrlhf:refused", int(REFUSAL_WAIT_S * 1000))

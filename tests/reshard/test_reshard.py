@@ -446,5 +446,6 @@ def test_benchmark_prints_json():
 def test_the_path_between_device_sets_is_chosen_by_their_overlap_and_counts(
     src, dst, crosses, path
 ):
-    # The one rule both the resharder and the plan's start-up check (roles._check_edge) ask.
+    # The one rule the resharder, the plan's start-up check (roles._check_edge) and the
+    # estimator's reshard prices ask.
     assert path_between(frozenset(src), frozenset(dst), crosses) == path
